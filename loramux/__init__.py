@@ -1,0 +1,3 @@
+"""loramux: multi-LoRA LLM serving."""
+
+__version__ = "0.1.0"
