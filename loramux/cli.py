@@ -1,0 +1,130 @@
+"""The `loramux` command line. Settings come from flags or LORAMUX_* variables, read here once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+
+import grpc
+
+from loramux import commands
+from registry.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_REGISTRY_PORT
+from registry.errors import RegistryError
+
+DEFAULT_DATA_DIR = "~/.loramux"
+
+
+class _EnvDefaults:
+    """Flag defaults overridable by LORAMUX_<FLAG> variables (e.g. --data-dir <- LORAMUX_DATA_DIR)."""
+
+    def __init__(self, env: Mapping[str, str]):
+        self.env = env
+
+    def __call__(self, flag: str, default):
+        return self.env.get("LORAMUX_" + flag.lstrip("-").upper().replace("-", "_"), default)
+
+
+def _registry_server_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
+    p.add_argument("--data-dir", default=env("--data-dir", DEFAULT_DATA_DIR))
+    p.add_argument("--database-url", default=env("--database-url", ""), help="default: SQLite in --data-dir")
+    p.add_argument("--object-store", default=env("--object-store", ""), help="a dir, file:///dir or s3://bucket?endpoint_url=...")
+
+
+def _registry_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
+    p.add_argument("--registry", default=env("--registry", f"127.0.0.1:{DEFAULT_REGISTRY_PORT}"), help="HOST:PORT")
+
+
+def _add_registry_commands(sub, env: _EnvDefaults) -> None:
+    registry = sub.add_parser("registry", help="the adapter registry service").add_subparsers(dest="action", required=True)
+    serve = registry.add_parser("serve", help="run the registry service")
+    _registry_server_flags(serve, env)
+    serve.add_argument("--host", default=env("--host", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=int(env("--port", DEFAULT_REGISTRY_PORT)))
+    serve.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
+    serve.add_argument("--max-upload-bytes", type=int, default=int(env("--max-upload-bytes", DEFAULT_MAX_UPLOAD_BYTES)))
+    serve.add_argument("--import-allow-dir", action="append", default=[], help="local dir source_uri may read (repeatable)")
+    serve.add_argument("--import-s3-endpoint-url", default=env("--import-s3-endpoint-url", ""))
+    serve.set_defaults(func=commands.registry_serve)
+    gc = registry.add_parser("gc", help="remove blobs that no adapter refers to")
+    _registry_server_flags(gc, env)
+    gc.add_argument("--grace-s", type=float, default=3600.0, help="keep orphans younger than this (uploads in flight)")
+    gc.add_argument("--dry-run", action="store_true")
+    gc.set_defaults(func=commands.registry_gc)
+
+
+def _add_base_model_commands(sub, env: _EnvDefaults) -> None:
+    base = sub.add_parser("base-models", help="base models known to the registry").add_subparsers(dest="action", required=True)
+    register = base.add_parser("register", help="register a model directory's config.json")
+    register.add_argument("dir")
+    register.add_argument("--name", default="", help="default: the directory's name")
+    _registry_flags(register, env)
+    register.set_defaults(func=commands.base_models_register)
+    listing = base.add_parser("list")
+    _registry_flags(listing, env)
+    listing.set_defaults(func=commands.base_models_list)
+
+
+def _add_adapter_commands(sub, env: _EnvDefaults) -> None:
+    adapters = sub.add_parser("adapters", help="manage LoRA adapters").add_subparsers(dest="action", required=True)
+    register = adapters.add_parser("register", help="upload a PEFT adapter dir, or import s3://bucket/prefix")
+    register.add_argument("dir")
+    register.add_argument("--name", required=True)
+    register.add_argument("--base-model", default="")
+    register.add_argument("--pinned", action="store_true")
+    register.add_argument("--description", default="")
+    register.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    register.add_argument("--json", action="store_true")
+    register.set_defaults(func=commands.adapters_register)
+    listing = adapters.add_parser("list")
+    listing.add_argument("--base-model", default="")
+    listing.add_argument("--prefix", default="")
+    listing.add_argument("--all-versions", action="store_true")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=commands.adapters_list)
+    for action, func in (("show", commands.adapters_show), ("delete", commands.adapters_delete)):
+        p = adapters.add_parser(action)
+        p.add_argument("adapter", metavar="NAME[@N]")
+        p.set_defaults(func=func)
+    for action, pinned in (("pin", True), ("unpin", False)):
+        p = adapters.add_parser(action)
+        p.add_argument("adapter", metavar="NAME[@N]")
+        p.set_defaults(func=commands.adapters_pin, pinned=pinned)
+    for p in (register, listing, *(adapters.choices[a] for a in ("show", "delete", "pin", "unpin"))):
+        _registry_flags(p, env)
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    env = _EnvDefaults(environ)
+    parser = argparse.ArgumentParser(prog="loramux", description="Multi-LoRA LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run loramux on this machine with no outside services")
+    up.add_argument("--model", default=env("--model", ""), help="a Hugging Face model dir (default: the demo model)")
+    up.add_argument("--data-dir", default=env("--data-dir", DEFAULT_DATA_DIR))
+    up.add_argument("--registry-port", type=int, default=int(env("--registry-port", DEFAULT_REGISTRY_PORT)))
+    up.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
+    up.set_defaults(func=commands.up)
+    _add_registry_commands(sub, env)
+    _add_base_model_commands(sub, env)
+    _add_adapter_commands(sub, env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser(dict(os.environ)).parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except RegistryError as exc:
+        print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""What both services share around grpc.aio: health, reflection, the ready line, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Chunks are <= 1 MiB of payload; leave room for framing and the first message's metadata.
+MAX_MESSAGE_BYTES = 8 << 20
+SHUTDOWN_GRACE_S = 5.0
+
+
+class ServiceHost:
+    """A grpc.aio server with health and reflection for the given fully qualified service names."""
+
+    def __init__(self, service_names: Sequence[str]):
+        self.service_names = tuple(service_names)
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        self.port = 0
+
+    def bind(self, host: str, port: int) -> int:
+        """Bind host:port (0 = pick a free port); returns the bound port."""
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        return self.port
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+def announce(service: str, host: str, port: int) -> None:
+    """The one line external tools wait for: `<service> listening on HOST:PORT`."""
+    print(f"{service} listening on {host}:{port}", flush=True)
+
+
+def stop_event_on_signals(signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> asyncio.Event:
+    """An event set by SIGINT/SIGTERM in the running loop (Ctrl-C starts a graceful stop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in signals:
+        if sys.platform != "win32":
+            loop.add_signal_handler(sig, stop.set)
+    return stop

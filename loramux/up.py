@@ -1,0 +1,50 @@
+"""`loramux up`: the services on one machine with no outside services.
+
+SQLite and a local object directory under --data-dir, and the built-in demo model (random weights,
+a real tokenizer) when no --model is given. The engine joins in a later release; for now `up` runs
+the registry with the model registered as its base model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from loramux.grpc_server import announce, stop_event_on_signals
+from registry.config import RegistryConfig
+from registry.server import RegistryServer
+
+log = logging.getLogger(__name__)
+DEMO_MODEL_NAME = "loramux-demo"
+
+
+def ensure_demo_model(data_dir: Path) -> Path:
+    """Write the demo checkpoint once under data_dir/models and return its directory."""
+    from loramux.demo_model import write_llama_checkpoint
+
+    model_dir = data_dir / "models" / DEMO_MODEL_NAME
+    if not (model_dir / "config.json").is_file():
+        write_llama_checkpoint(model_dir)
+    return model_dir
+
+
+async def run_up(args) -> None:
+    data_dir = Path(args.data_dir).expanduser()
+    model_dir = Path(args.model) if args.model else await asyncio.to_thread(ensure_demo_model, data_dir)
+    base_name = model_dir.resolve().name
+    config = RegistryConfig(data_dir=data_dir, port=args.registry_port, max_lora_rank=args.max_lora_rank)
+    stop = stop_event_on_signals()
+    registry = await asyncio.to_thread(RegistryServer, config)
+    config_json = (model_dir / "config.json").read_text()
+    await asyncio.to_thread(registry.service.register_base_model, base_name, config_json)
+    await registry.start()
+    announce("registry", config.host, registry.port)
+    print(f"base model {base_name} from {model_dir}", flush=True)
+    print(
+        f"next: loramux adapters register ADAPTER_DIR --name my-adapter --registry {registry.address}",
+        flush=True,
+    )
+    await stop.wait()
+    log.info("shutting down")
+    await registry.stop()

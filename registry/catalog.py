@@ -1,0 +1,311 @@
+"""The registry's SQL owner: base models, adapter versions and the event log.
+
+Every method is one transaction. Registering a version locks the name's `adapter_names` row
+(SELECT ... FOR UPDATE on PostgreSQL, BEGIN IMMEDIATE on SQLite), so concurrent registrations of
+one name get consecutive versions and an identical re-registration returns the existing version.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from sqlalchemy import Select, exists, func, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session, aliased
+
+from registry.db import AdapterEventRow, AdapterNameRow, AdapterRow, BaseModelRow
+from registry.errors import AlreadyExists, Code, InvalidArgument, NotFound, RegistryError
+from registry.types import AdapterEventInfo, AdapterInfo, BaseModelInfo
+
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 100
+_RETRIES = 8
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class NewVersion:
+    """What a compiled adapter contributes to its row."""
+
+    digest: str
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: tuple[str, ...]
+    size_bytes: int
+    pinned: bool
+    description: str
+    labels: dict[str, str]
+
+
+class Catalog:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    # ---- base models -------------------------------------------------------------------------
+
+    def register_base_model(self, name: str, config_json: str) -> BaseModelInfo:
+        """Insert a base model; idempotent for an identical config (compared as parsed JSON)."""
+        parsed = json.loads(config_json)
+
+        def txn(s: Session) -> BaseModelInfo:
+            row = s.scalar(select(BaseModelRow).where(BaseModelRow.name == name))
+            if row is None:
+                s.add(BaseModelRow(name=name, config_json=config_json, created_at=time.time()))
+                return BaseModelInfo(name, config_json)
+            if json.loads(row.config_json) != parsed:
+                raise AlreadyExists(f"base model {name!r} is already registered with a different config")
+            return BaseModelInfo(row.name, row.config_json)
+
+        return self._run(txn)
+
+    def list_base_models(self) -> list[BaseModelInfo]:
+        with Session(self.engine) as s:
+            rows = s.scalars(select(BaseModelRow).order_by(BaseModelRow.name))
+            return [BaseModelInfo(r.name, r.config_json) for r in rows]
+
+    def resolve_base_model(self, name: str) -> BaseModelInfo:
+        """'' means the only base model (INVALID_ARGUMENT when there are none or several)."""
+        with Session(self.engine) as s:
+            if name:
+                row = s.scalar(select(BaseModelRow).where(BaseModelRow.name == name))
+                if row is None:
+                    raise NotFound(f"base_model {name!r} is not registered")
+                return BaseModelInfo(row.name, row.config_json)
+            rows = s.scalars(select(BaseModelRow).limit(2)).all()
+        if len(rows) != 1:
+            found = "no base model is" if not rows else "several base models are"
+            raise InvalidArgument(f"base_model is empty and {found} registered: name one")
+        return BaseModelInfo(rows[0].name, rows[0].config_json)
+
+    # ---- adapters ----------------------------------------------------------------------------
+
+    def add_version(self, name: str, base_model: str, new: NewVersion) -> AdapterInfo:
+        """Commit a new version of `name`, or return the latest when its digest equals new.digest."""
+
+        def txn(s: Session) -> AdapterInfo:
+            base = s.scalar(select(BaseModelRow).where(BaseModelRow.name == base_model))
+            if base is None:
+                raise NotFound(f"base_model {base_model!r} is not registered")
+            name_row = s.get(AdapterNameRow, name, with_for_update=True)
+            if name_row is None:
+                name_row = AdapterNameRow(name=name, base_model_id=base.id, last_version=0)
+                s.add(name_row)
+                s.flush()  # a concurrent first registration fails here and is retried
+            latest = s.scalar(_live(name).order_by(AdapterRow.version.desc()).limit(1))
+            if name_row.base_model_id != base.id:
+                if latest is not None:
+                    raise AlreadyExists(f"adapter {name!r} already exists for another base model")
+                name_row.base_model_id = base.id
+            if latest is not None and latest.digest == new.digest:
+                return _info(latest, base.name)
+            name_row.last_version += 1
+            row = _new_row(name, name_row.last_version, base.id, new)
+            s.add(row)
+            s.flush()
+            info = _info(row, base.name)
+            _log_event(s, "REGISTERED", info)
+            return info
+
+        return self._run(txn)
+
+    def get(self, name: str, version: int = 0) -> AdapterInfo:
+        with Session(self.engine) as s:
+            return _info(*self._get_row(s, name, version))
+
+    def referenced_digests(self) -> set[str]:
+        with Session(self.engine) as s:
+            return set(s.scalars(select(AdapterRow.digest).distinct()))
+
+    def list(
+        self,
+        base_model: str = "",
+        name_prefix: str = "",
+        page_size: int = 0,
+        page_token: str = "",
+        latest_only: bool = False,
+    ) -> tuple[list[AdapterInfo], str]:
+        """A page of adapters ordered by (name, version) and the token of the next page ('' at the end)."""
+        size = page_size or DEFAULT_PAGE_SIZE
+        if size > MAX_PAGE_SIZE:
+            raise InvalidArgument(f"page_size {page_size} is over the maximum of {MAX_PAGE_SIZE}")
+        query = _with_base(select(AdapterRow, BaseModelRow.name))
+        if base_model:
+            query = query.where(BaseModelRow.name == base_model)
+        if name_prefix:
+            query = query.where(AdapterRow.name.startswith(name_prefix, autoescape=True))
+        if latest_only:
+            newer = aliased(AdapterRow)
+            query = query.where(
+                ~exists().where(newer.name == AdapterRow.name, newer.version > AdapterRow.version)
+            )
+        if page_token:
+            after_name, after_version = _decode_token(page_token)
+            query = query.where(
+                (AdapterRow.name > after_name)
+                | ((AdapterRow.name == after_name) & (AdapterRow.version > after_version))
+            )
+        query = query.order_by(AdapterRow.name, AdapterRow.version).limit(size + 1)
+        with Session(self.engine) as s:
+            rows = s.execute(query).all()
+        infos = [_info(row, base) for row, base in rows[:size]]
+        next_token = _encode_token(infos[-1]) if len(rows) > size else ""
+        return infos, next_token
+
+    def delete(self, name: str, version: int = 0) -> list[AdapterInfo]:
+        """Delete one version, or every version when version is 0; logs a DELETED event each."""
+
+        def txn(s: Session) -> list[AdapterInfo]:
+            query = _with_base(select(AdapterRow, BaseModelRow.name)).where(AdapterRow.name == name)
+            if version:
+                query = query.where(AdapterRow.version == version)
+            rows = s.execute(query.order_by(AdapterRow.version).with_for_update()).all()
+            if not rows:
+                raise NotFound(f"adapter {_ref(name, version)!r} is not registered")
+            infos = [_info(row, base) for row, base in rows]
+            for (row, _), info in zip(rows, infos, strict=True):
+                s.delete(row)
+                _log_event(s, "DELETED", info)
+            return infos
+
+        return self._run(txn)
+
+    def set_pinned(self, name: str, version: int, pinned: bool) -> AdapterInfo:
+        def txn(s: Session) -> AdapterInfo:
+            row, base = self._get_row(s, name, version, for_update=True)
+            if row.pinned == pinned:
+                return _info(row, base)
+            row.pinned = pinned
+            info = _info(row, base)
+            _log_event(s, "PINNED" if pinned else "UNPINNED", info)
+            return info
+
+        return self._run(txn)
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def events_after(self, event_id: int, base_model: str = "", limit: int = 500) -> list[AdapterEventInfo]:
+        query = select(AdapterEventRow).where(AdapterEventRow.id > event_id)
+        if base_model:
+            query = query.where(AdapterEventRow.base_model == base_model)
+        with Session(self.engine) as s:
+            rows = s.scalars(query.order_by(AdapterEventRow.id).limit(limit)).all()
+            return [AdapterEventInfo(r.id, r.kind, _info_from_json(r.adapter_json)) for r in rows]
+
+    def last_event_id(self) -> int:
+        with Session(self.engine) as s:
+            return s.scalar(select(func.max(AdapterEventRow.id))) or 0
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _get_row(self, s: Session, name: str, version: int, for_update: bool = False):
+        query = _with_base(select(AdapterRow, BaseModelRow.name)).where(AdapterRow.name == name)
+        if version:
+            query = query.where(AdapterRow.version == version)
+        query = query.order_by(AdapterRow.version.desc()).limit(1)
+        if for_update:
+            query = query.with_for_update()
+        found = s.execute(query).first()
+        if found is None:
+            raise NotFound(f"adapter {_ref(name, version)!r} is not registered")
+        return found
+
+    def _run(self, txn: Callable[[Session], T]) -> T:
+        """Run txn in its own transaction, retrying races on unique keys and SQLite's busy lock."""
+        for attempt in range(_RETRIES):
+            try:
+                with Session(self.engine, expire_on_commit=False) as s, s.begin():
+                    return txn(s)
+            except (IntegrityError, OperationalError) as exc:
+                if attempt == _RETRIES - 1 or not _is_retryable(exc):
+                    raise RegistryError(f"database conflict, try again: {exc.orig}", Code.UNAVAILABLE) from exc
+                time.sleep(0.01 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+
+def _is_retryable(exc: Exception) -> bool:
+    if isinstance(exc, IntegrityError):
+        return True
+    text = str(exc).lower()
+    return "locked" in text or "deadlock" in text or "could not serialize" in text
+
+
+def _live(name: str) -> Select:
+    return select(AdapterRow).where(AdapterRow.name == name)
+
+
+def _with_base(query: Select) -> Select:
+    return query.join(BaseModelRow, AdapterRow.base_model_id == BaseModelRow.id)
+
+
+def _ref(name: str, version: int) -> str:
+    return f"{name}@{version}" if version else name
+
+
+def _new_row(name: str, version: int, base_model_id: int, new: NewVersion) -> AdapterRow:
+    return AdapterRow(
+        name=name,
+        version=version,
+        digest=new.digest,
+        base_model_id=base_model_id,
+        rank=new.rank,
+        alpha=new.alpha,
+        scaling=new.scaling,
+        target_modules=",".join(new.target_modules),
+        pinned=new.pinned,
+        size_bytes=new.size_bytes,
+        created_at=time.time(),
+        description=new.description,
+        labels_json=json.dumps(new.labels, sort_keys=True),
+    )
+
+
+def _info(row: AdapterRow, base_model: str) -> AdapterInfo:
+    return AdapterInfo(
+        name=row.name,
+        version=row.version,
+        digest=row.digest,
+        base_model=base_model,
+        rank=row.rank,
+        alpha=row.alpha,
+        scaling=row.scaling,
+        target_modules=tuple(m for m in row.target_modules.split(",") if m),
+        pinned=row.pinned,
+        size_bytes=row.size_bytes,
+        created_at=row.created_at,
+        description=row.description,
+        labels=json.loads(row.labels_json),
+    )
+
+
+def _info_from_json(text: str) -> AdapterInfo:
+    data = json.loads(text)
+    data["target_modules"] = tuple(data["target_modules"])
+    return AdapterInfo(**data)
+
+
+def _log_event(s: Session, kind: str, info: AdapterInfo) -> None:
+    snapshot = json.dumps(dataclasses.asdict(info), sort_keys=True)
+    s.add(AdapterEventRow(kind=kind, base_model=info.base_model, adapter_json=snapshot, created_at=time.time()))
+
+
+def _encode_token(last: AdapterInfo) -> str:
+    raw = json.dumps([last.name, last.version]).encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def _decode_token(token: str) -> tuple[str, int]:
+    try:
+        name, version = json.loads(base64.urlsafe_b64decode(token.encode()))
+        if isinstance(name, str) and isinstance(version, int):
+            return name, version
+    except (binascii.Error, ValueError, TypeError):
+        pass
+    raise InvalidArgument(f"page_token {token[:64]!r} is not a token this registry issued")

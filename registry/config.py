@@ -1,0 +1,36 @@
+"""The registry's settings, read once at the entry point (flags or LORAMUX_* variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_REGISTRY_PORT = 50051
+DEFAULT_MAX_LORA_RANK = 64
+DEFAULT_MAX_UPLOAD_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_REGISTRY_PORT
+    database_url: str = ""  # "" = SQLite at <data_dir>/registry.db
+    object_store: str = ""  # "" = a local directory at <data_dir>/objects
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    import_allow_dirs: tuple[Path, ...] = ()
+    import_s3_endpoint_url: str = ""  # "" = the object store's endpoint when it is S3
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'registry.db'}"
+
+    @property
+    def resolved_object_store(self) -> str:
+        return self.object_store or str(self.data_dir / "objects")
+
+    @property
+    def spool_dir(self) -> Path:
+        """Where uploads and compiled artifacts wait before they reach the object store."""
+        return self.data_dir / "spool"

@@ -1,0 +1,507 @@
+"""Validate a PEFT LoRA adapter against a base model and compile it into the canonical artifact.
+
+Input: `adapter_config.json` + `adapter_model.safetensors` as PEFT saves them. Output: one safetensors
+file (DESIGN section 5) that an engine places without knowing PEFT:
+
+    layers.{i}.{module}.lora_A   [R, in_dim]    R = the adapter's max rank over its modules
+    layers.{i}.{module}.lora_B   [out_dim, R]
+    delta_W(i, module) = scaling * lora_B @ lora_A   (== PEFT's s_m * B_m @ A_m, exactly up to rounding)
+
+with one `scaling` per adapter. Only the (layer, module) pairs the PEFT weights hold have tensors; every
+other pair contributes zero. Pure code: no databases, object stores or gRPC; the engine imports it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from registry.errors import FailedPrecondition, InvalidArgument
+from registry.model_shapes import MODULE_GROUPS, SUPPORTED_MODULES, ModelShape, module_path
+from registry.safetensors_io import (
+    DTYPE_CODES,
+    DTYPES,
+    SafetensorsFile,
+    SafetensorsLimits,
+    TensorSpec,
+    write_safetensors_lazy,
+)
+
+FORMAT = "loramux.lora"
+FORMAT_VERSION = "1"
+DEFAULT_LIMITS = SafetensorsLimits()
+_ALL_LINEAR = "all-linear"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+# ---- adapter_config.json ----
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The parts of a PEFT LoraConfig that decide the served weights.
+
+    Patterns keep PEFT's semantics and their file order (the first matching key wins)."""
+
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...] | str  # a list as written, or a regex / "all-linear"
+    exclude_modules: tuple[str, ...] | str | None
+    layers_to_transform: tuple[int, ...] | None
+    layers_pattern: tuple[str, ...] | None
+    rank_pattern: tuple[tuple[str, int], ...]
+    alpha_pattern: tuple[tuple[str, float], ...]
+    use_rslora: bool
+
+    @property
+    def scaling(self) -> float:
+        """The adapter's one scaling: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
+        return _scale(self.lora_alpha, self.r, self.use_rslora)
+
+    def rank_of(self, path: str) -> int:
+        return _pattern_value(self.rank_pattern, path, self.r)
+
+    def alpha_of(self, path: str) -> float:
+        return _pattern_value(self.alpha_pattern, path, self.lora_alpha)
+
+    def scale_of(self, path: str) -> float:
+        """PEFT's own scaling of one module, e.g. path `model.layers.3.self_attn.q_proj`."""
+        return _scale(self.alpha_of(path), self.rank_of(path), self.use_rslora)
+
+
+def _scale(alpha: float, rank: int, use_rslora: bool) -> float:
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def _pattern_value(patterns: tuple[tuple[str, Any], ...], path: str, default: Any) -> Any:
+    # peft.utils.other.get_pattern_key: the first key that matches a dotted suffix of the path.
+    for key, value in patterns:
+        if re.match(rf"(.*\.)?({key})$", path):
+            return value
+    return default
+
+
+def parse_peft_config(raw: bytes) -> LoraSpec:
+    """Parses adapter_config.json, refusing every PEFT feature the engine cannot serve exactly."""
+    cfg = _load_json_object(raw)
+    _check_peft_type(cfg)
+    _reject_unsupported(cfg)
+    return LoraSpec(
+        r=_positive_int(cfg.get("r", 8), "r"),
+        lora_alpha=_lora_alpha(cfg),
+        target_modules=_target_modules(cfg.get("target_modules")),
+        exclude_modules=_names_or_regex(cfg.get("exclude_modules"), "exclude_modules"),
+        layers_to_transform=_layers_to_transform(cfg.get("layers_to_transform")),
+        layers_pattern=_layers_pattern(cfg.get("layers_pattern")),
+        rank_pattern=_patterns(cfg, "rank_pattern", _positive_int),
+        alpha_pattern=_patterns(cfg, "alpha_pattern", _finite_number),
+        use_rslora=_flag(cfg, "use_rslora"),
+    )
+
+
+def _load_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        cfg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InvalidArgument(f"adapter_config.json: not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise InvalidArgument("adapter_config.json: not a JSON object")
+    return cfg
+
+
+def _check_peft_type(cfg: dict[str, Any]) -> None:
+    peft_type = cfg.get("peft_type")
+    if not isinstance(peft_type, str):
+        raise InvalidArgument(f"adapter_config.json field 'peft_type': missing or not a string ({peft_type!r})")
+    if peft_type.upper() != "LORA":
+        raise FailedPrecondition(f"adapter_config.json field 'peft_type': {peft_type!r} is not LORA")
+
+
+def _flag(cfg: dict[str, Any], field: str) -> bool:
+    value = cfg.get(field)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"adapter_config.json field {field!r}: expected true or false, got {value!r}")
+    return value
+
+
+def _positive_int(value: Any, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidArgument(f"adapter_config.json field {field!r}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _finite_number(value: Any, field: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise InvalidArgument(f"adapter_config.json field {field!r}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _lora_alpha(cfg: dict[str, Any]) -> float:
+    alpha = _finite_number(cfg.get("lora_alpha", 8), "lora_alpha")
+    if alpha == 0:
+        # The adapter's one scaling would be 0, and alpha_pattern could not be folded into B.
+        raise InvalidArgument("adapter_config.json field 'lora_alpha': must be non-zero")
+    return alpha
+
+
+# Switches that make PEFT's forward something other than W x + s * B A x.
+_UNSUPPORTED_FLAGS = {
+    "use_dora": "DoRA rescales each merged weight by a learned magnitude",
+    "fan_in_fan_out": "weights stored transposed (Conv1D models) are not Llama-family projections",
+    "lora_bias": "a bias on lora_B is not applied",
+    "use_qalora": "QALoRA pools the input before lora_A",
+}
+# Settings that are unsupported whenever they hold anything but null, false, {}, [] or "".
+_UNSUPPORTED_SETTINGS = {
+    "modules_to_save": "fully trained copies of base modules are not served",
+    "layer_replication": "the base model's layers are not replicated",
+    "loftq_config": "LoftQ replaces the base weights",
+    "target_parameters": "LoRA on raw parameters (MoE experts) is not supported",
+    "trainable_token_indices": "trained embedding rows are not served",
+    "alora_invocation_tokens": "activated LoRA applies only after its invocation tokens",
+    "megatron_config": "Megatron parallel layers are not supported",
+    "use_bdlora": "block-diagonal LoRA is not supported",
+    "arrow_config": "Arrow routing is not supported",
+    "kasa_config": "KaSA truncates the base weights",
+    "monteclora_config": "Monte Carlo LoRA is not supported",
+    "velora_config": "VeLoRA is not supported",
+}
+_OFF_VALUES = (None, False, {}, [], "")
+# String inits that leave the base weights untouched; true/false are PEFT's default and random inits.
+# PiSSA, OLoRA, LoftQ, CorDA and LoRA-GA subtract their init from the base weights instead.
+_SAFE_INITS = ("gaussian", "eva", "orthogonal", "mica")
+
+
+def _reject_unsupported(cfg: dict[str, Any]) -> None:
+    for field, why in _UNSUPPORTED_FLAGS.items():
+        if _flag(cfg, field):
+            raise FailedPrecondition(f"adapter_config.json field {field!r}: not supported ({why})")
+    for field, why in _UNSUPPORTED_SETTINGS.items():
+        if cfg.get(field) not in _OFF_VALUES:
+            raise FailedPrecondition(f"adapter_config.json field {field!r}: not supported ({why})")
+    _check_bias(cfg.get("bias"))
+    _check_init(cfg.get("init_lora_weights", True))
+
+
+def _check_bias(bias: Any) -> None:
+    if bias is None or bias == "none":
+        return
+    if not isinstance(bias, str):
+        raise InvalidArgument(f"adapter_config.json field 'bias': expected a string, got {bias!r}")
+    raise FailedPrecondition(f"adapter_config.json field 'bias': {bias!r} is not supported (only 'none')")
+
+
+def _check_init(init: Any) -> None:
+    if isinstance(init, bool) or (isinstance(init, str) and init.lower() in _SAFE_INITS):
+        return
+    if not isinstance(init, str):
+        raise InvalidArgument(f"adapter_config.json field 'init_lora_weights': unexpected value {init!r}")
+    raise FailedPrecondition(
+        f"adapter_config.json field 'init_lora_weights': {init!r} is not supported, since it changes the "
+        "base weights; convert the adapter to plain LoRA (PEFT: save_pretrained(..., "
+        "path_initial_model_for_weight_conversion=...))"
+    )
+
+
+def _target_modules(value: Any) -> tuple[str, ...] | str:
+    field = "target_modules"
+    if value is None:
+        raise InvalidArgument(f"adapter_config.json field {field!r}: missing")
+    if isinstance(value, str):
+        return _ALL_LINEAR if value.lower() == _ALL_LINEAR else _target_regex(value)
+    names = _name_list(value, field)
+    if not names:
+        raise InvalidArgument(f"adapter_config.json field {field!r}: empty")
+    for name in names:
+        # PEFT matches a list entry as a dotted suffix, so its last component is the module it adapts.
+        if name.rsplit(".", 1)[-1] not in SUPPORTED_MODULES:
+            raise FailedPrecondition(_unsupported_target(name))
+    return names
+
+
+def _target_regex(pattern: str) -> str:
+    _checked_regex(pattern, "target_modules")
+    for path in ("lm_head", "model.embed_tokens"):
+        if re.fullmatch(pattern, path):
+            raise FailedPrecondition(_unsupported_target(path))
+    return pattern
+
+
+def _unsupported_target(name: str) -> str:
+    return (
+        f"adapter_config.json field 'target_modules': {name!r} is not a supported module "
+        f"(supported: {', '.join(SUPPORTED_MODULES)})"
+    )
+
+
+def _name_list(value: Any, field: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidArgument(f"adapter_config.json field {field!r}: expected a string or a list of strings")
+    return tuple(value)
+
+
+def _checked_regex(pattern: str, field: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise InvalidArgument(f"adapter_config.json field {field!r}: bad regex {pattern!r} ({err})") from None
+    return pattern
+
+
+def _names_or_regex(value: Any, field: str) -> tuple[str, ...] | str | None:
+    if value in _OFF_VALUES:
+        return None
+    if isinstance(value, str):
+        return _checked_regex(value, field)
+    return _name_list(value, field)
+
+
+def _layers_to_transform(value: Any) -> tuple[int, ...] | None:
+    if value is None or value == []:
+        return None
+    values = value if isinstance(value, list) else [value]
+    return tuple(_index(v) for v in values)
+
+
+def _index(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"adapter_config.json field 'layers_to_transform': bad layer index {value!r}")
+    return value
+
+
+def _layers_pattern(value: Any) -> tuple[str, ...] | None:
+    if value in _OFF_VALUES:
+        return None
+    names = (value,) if isinstance(value, str) else _name_list(value, "layers_pattern")
+    return tuple(_checked_regex(name, "layers_pattern") for name in names)
+
+
+def _patterns(cfg: dict[str, Any], field: str, convert: Any) -> tuple[tuple[str, Any], ...]:
+    value = cfg.get(field)
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"adapter_config.json field {field!r}: expected an object")
+    return tuple(
+        (_checked_regex(key, f"{field}[{key!r}]"), convert(v, f"{field}[{key!r}]")) for key, v in value.items()
+    )
+
+
+# ---- target resolution: PEFT's rules (peft.tuners.tuners_utils.check_target_module_exists) ----
+
+
+def resolve_targets(spec: LoraSpec, shape: ModelShape) -> frozenset[str]:
+    """The module paths (`model.layers.3.self_attn.q_proj`) the config adapts in this base model."""
+    supported = set(shape.lora_module_paths())
+    # PEFT's "all-linear" is every Linear except the output head: exactly the supported projections.
+    candidates = supported if spec.target_modules == _ALL_LINEAR else shape.all_module_paths()
+    matched = {p for p in candidates if _is_targeted(spec, p) and not _is_excluded(spec, p)}
+    unsupported = sorted(matched - supported)
+    if unsupported:
+        raise FailedPrecondition(_unsupported_target(unsupported[0]))
+    if not matched:
+        raise FailedPrecondition("adapter_config.json field 'target_modules': matches no module of the base model")
+    return frozenset(matched)
+
+
+def _is_targeted(spec: LoraSpec, path: str) -> bool:
+    targets = spec.target_modules
+    if targets == _ALL_LINEAR:
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, path) is not None
+    if path in targets:
+        return True  # a full name skips the layer filter, as in PEFT
+    if not any(path.endswith(f".{t}") for t in targets):
+        return False
+    return spec.layers_to_transform is None or _layer_index(spec, path) in spec.layers_to_transform
+
+
+def _layer_index(spec: LoraSpec, path: str) -> int | None:
+    # The first numbered segment after the layers module, e.g. 3 in model.layers.3.mlp.up_proj.
+    patterns = [rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\." for p in spec.layers_pattern or ()]
+    for pattern in patterns or [r".*?\.[^.]*\.(?P<idx>\d+)\."]:
+        match = re.match(pattern, path)
+        if match:
+            return int(match["idx"])
+    return None
+
+
+def _is_excluded(spec: LoraSpec, path: str) -> bool:
+    excluded = spec.exclude_modules
+    if excluded is None:
+        return False
+    if isinstance(excluded, str):
+        return re.fullmatch(excluded, path) is not None
+    return path in excluded or any(path.endswith(f".{e}") for e in excluded)
+
+
+# ---- adapter_model.safetensors: names, pairs and shapes ----
+
+# PEFT's saved names, e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A[.<adapter>].weight
+_LORA_NAME = re.compile(r"base_model\.model\.(?P<path>.+)\.lora_(?P<part>[AB])(?:\.(?P<adapter>[^.]+))?\.weight")
+_LAYER_PATH = re.compile(r"model\.layers\.(?P<layer>0|[1-9][0-9]*)\.(?P<group>self_attn|mlp)\.(?P<module>\w+)")
+# Tensors PEFT saves for features the engine cannot serve.
+_UNSERVABLE_TENSORS = {
+    "lora_embedding_A": "embedding LoRA",
+    "lora_embedding_B": "embedding LoRA",
+    "lora_magnitude_vector": "the DoRA magnitude vector",
+}
+
+
+@dataclass(frozen=True)
+class _ModulePlan:
+    """One adapted projection: where its source tensors are and how they become canonical."""
+
+    layer: int
+    module: str
+    a_name: str  # A: [rank, in_dim]
+    b_name: str  # B: [out_dim, rank]
+    rank: int  # r_m, from rank_pattern or r
+    fold: float  # s_m / scaling: folded into B so one scaling serves every module
+
+
+def _locate(name: str, shape: ModelShape) -> tuple[int, str, str]:
+    """(layer, module, "A" | "B") of a PEFT tensor name."""
+    for marker, what in _UNSERVABLE_TENSORS.items():
+        if f".{marker}" in name:
+            raise FailedPrecondition(f"tensor {name!r}: {what} is not supported")
+    if name.endswith(".bias"):
+        raise FailedPrecondition(f"tensor {name!r}: biases are not supported")
+    lora = _LORA_NAME.fullmatch(name)
+    if lora is None:
+        raise InvalidArgument(f"tensor {name!r}: not a LoRA weight (expected e.g. {_example_name()!r})")
+    layer_path = _LAYER_PATH.fullmatch(lora["path"])
+    if layer_path is None or MODULE_GROUPS.get(layer_path["module"]) != layer_path["group"]:
+        raise _unknown_module(name, lora["path"], shape)
+    layer = int(layer_path["layer"])
+    if layer >= shape.num_layers:
+        raise FailedPrecondition(f"tensor {name!r}: layer {layer} is out of range (the base model has {shape.num_layers})")
+    return layer, layer_path["module"], lora["part"]
+
+
+def _example_name() -> str:
+    return "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+def _unknown_module(name: str, path: str, shape: ModelShape) -> Exception:
+    # A real module of the base model that LoRA cannot adapt here (lm_head, embed_tokens, ...) can't be
+    # served; a path the model does not have at all is a malformed name.
+    if path in shape.all_module_paths():
+        return FailedPrecondition(
+            f"tensor {name!r}: LoRA on {path!r} is not supported (supported: {', '.join(SUPPORTED_MODULES)})"
+        )
+    return InvalidArgument(f"tensor {name!r}: {path!r} is not a module of the base model")
+
+
+def _pair_tensors(names: list[str], shape: ModelShape, targets: frozenset[str]) -> dict[tuple[int, str], dict[str, str]]:
+    """(layer, module) -> {"A": name, "B": name}, every name checked against the model and the config."""
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for name in names:
+        layer, module, part = _locate(name, shape)
+        path = module_path(layer, module)
+        if path not in targets:
+            raise InvalidArgument(f"tensor {name!r}: {path} is not in the config's target_modules")
+        pair = pairs.setdefault((layer, module), {})
+        if part in pair:
+            raise InvalidArgument(f"tensors {pair[part]!r} and {name!r} are both lora_{part} of {path}")
+        pair[part] = name
+    return pairs
+
+
+def _plan(sf: SafetensorsFile, spec: LoraSpec, shape: ModelShape, targets: frozenset[str]) -> list[_ModulePlan]:
+    if not sf.infos:
+        raise InvalidArgument(f"{sf.label}: holds no tensors")
+    pairs = _pair_tensors(sf.names, shape, targets)
+    order = sorted(pairs, key=lambda key: (key[0], SUPPORTED_MODULES.index(key[1])))
+    return [_plan_module(sf, spec, shape, layer, module, pairs[layer, module]) for layer, module in order]
+
+
+def _plan_module(
+    sf: SafetensorsFile, spec: LoraSpec, shape: ModelShape, layer: int, module: str, pair: dict[str, str]
+) -> _ModulePlan:
+    path = module_path(layer, module)
+    for part, other in (("A", "B"), ("B", "A")):
+        if part not in pair:
+            raise InvalidArgument(f"tensor {pair[other]!r}: lora_{other} of {path} has no lora_{part}")
+    rank = spec.rank_of(path)
+    in_dim, out_dim = shape.module_dims(module)
+    _check_shape(sf, pair["A"], (rank, in_dim))
+    _check_shape(sf, pair["B"], (out_dim, rank))
+    return _ModulePlan(layer, module, pair["A"], pair["B"], rank, spec.scale_of(path) / spec.scaling)
+
+
+def _check_shape(sf: SafetensorsFile, name: str, expected: tuple[int, int]) -> None:
+    actual = sf.infos[name].shape
+    if actual != expected:
+        raise FailedPrecondition(
+            f"tensor {name!r}: shape {list(actual)} does not match the expected {list(expected)} "
+            "(lora_A: [rank, in_dim], lora_B: [out_dim, rank], from the base model and the config's rank)"
+        )
+
+
+def _check_rank(plans: list[_ModulePlan], max_rank: int) -> int:
+    top = max(plans, key=lambda p: p.rank)
+    if top.rank > max_rank:
+        raise FailedPrecondition(
+            f"rank: {top.rank} (of {module_path(top.layer, top.module)}) exceeds the max LoRA rank {max_rank}"
+        )
+    return top.rank
+
+
+def _common_dtype(sf: SafetensorsFile) -> torch.dtype:
+    dtypes = {info.torch_dtype for info in sf.infos.values()}
+    # Mixed sources are upcast: fp32 holds every fp16 and bf16 value exactly.
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+# ---- canonical tensors ----
+
+
+def _canonical_a(a: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    # A: [r_m, in_dim] -> [R, in_dim], rows r_m.. zero so they add nothing to B @ A.
+    if a.shape[0] == rank and a.dtype == dtype:
+        return a
+    out = torch.zeros((rank, a.shape[1]), dtype=dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+def _canonical_b(b: torch.Tensor, fold: float, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    # B: [out_dim, r_m] -> [out_dim, R], columns r_m.. zero, scaled by s_m / scaling.
+    folded = _fold(b, fold, dtype)
+    if b.shape[1] == rank:
+        return folded
+    out = torch.zeros((b.shape[0], rank), dtype=dtype)
+    out[:, : b.shape[1]] = folded
+    return out
+
+
+def _fold(b: torch.Tensor, fold: float, dtype: torch.dtype) -> torch.Tensor:
+    if fold == 1.0:
+        return b.to(dtype)
+    # float64 so the only rounding is the final cast back to the artifact's dtype.
+    return (b.to(torch.float64) * fold).to(dtype)
+
+
+def _check_finite(sf: SafetensorsFile, plans: list[_ModulePlan], dtype: torch.dtype) -> None:
+    """Reads every tensor once, one at a time, before anything is written."""
+    for plan in plans:
+        for name in (plan.a_name, plan.b_name):
+            if not bool(torch.isfinite(sf.tensor(name)).all()):
+                raise InvalidArgument(f"tensor {name!r}: holds NaN or Inf values")
+        if plan.fold != 1.0 and not bool(torch.isfinite(_fold(sf.tensor(plan.b_name), plan.fold, dtype)).all()):
+            raise FailedPrecondition(
+                f"tensor {plan.b_name!r}: its alpha_pattern scale overflows {dtype} once folded into lora_B"
+            )

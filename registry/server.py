@@ -1,0 +1,60 @@
+"""Assembles and runs the registry service: SQL + migrations, object store, servicer, gRPC host."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from loramux.grpc_server import ServiceHost, announce
+from loramux.v1 import registry_pb2, registry_pb2_grpc
+from registry.catalog import Catalog
+from registry.config import RegistryConfig
+from registry.db import make_engine, migrate
+from registry.service import RegistryService
+from registry.servicer import RegistryServicer
+from registry.store import open_store
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+
+
+def build_service(config: RegistryConfig) -> RegistryService:
+    """Open the database (migrated to head) and the object store."""
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(config.resolved_database_url)
+    migrate(engine)
+    return RegistryService(Catalog(engine), open_store(config.resolved_object_store), config)
+
+
+class RegistryServer:
+    """A started registry; `port` is the bound port (useful when config.port is 0)."""
+
+    def __init__(self, config: RegistryConfig):
+        self.config = config
+        self.service = build_service(config)
+        self.servicer = RegistryServicer(self.service)
+        self.host = ServiceHost([SERVICE_NAME])
+        registry_pb2_grpc.add_RegistryServicer_to_server(self.servicer, self.host.server)
+        self.port = self.host.bind(config.host, config.port)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.host.start()
+        await self.host.set_serving(True)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await (self.host.stop() if grace is None else self.host.stop(grace))
+        await asyncio.to_thread(self.service.catalog.engine.dispose)
+
+
+async def serve(config: RegistryConfig, stop: asyncio.Event) -> None:
+    """Run until `stop` is set, then stop gracefully."""
+    server = await asyncio.to_thread(RegistryServer, config)
+    await server.start()
+    announce("registry", config.host, server.port)
+    await stop.wait()
+    log.info("registry shutting down")
+    await server.stop()

@@ -1,0 +1,119 @@
+"""The registry's use cases, composed of the catalog (SQL), the object store and the compiler.
+
+Registration order is the durability argument: validate and compile everything into a spool file,
+write the blob (content-addressed, write-once), and commit the SQL row last. A failure at any step
+leaves no row; a blob left without a row is removed by `collect_garbage`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry.catalog import Catalog, NewVersion
+from registry.config import RegistryConfig
+from registry.errors import InvalidArgument
+from registry.model_shapes import ModelShape
+from registry.peft_compile import compile_adapter
+from registry.store import BlobInfo, ObjectStore, S3Store, fetch_source, make_s3_client
+from registry.types import AdapterFiles, AdapterInfo, AdapterSpecIn, BaseModelInfo, check_name
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+ARTIFACT_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class GcResult:
+    removed: tuple[BlobInfo, ...]
+    kept_young: int  # unreferenced but inside the grace period (maybe a registration in flight)
+
+
+class RegistryService:
+    def __init__(self, catalog: Catalog, store: ObjectStore, config: RegistryConfig):
+        self.catalog = catalog
+        self.store = store
+        self.config = config
+        config.spool_dir.mkdir(parents=True, exist_ok=True)
+
+    def register_base_model(self, name: str, config_json: str) -> BaseModelInfo:
+        check_name(name, "name")
+        try:
+            parsed = json.loads(config_json)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"config_json is not JSON: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise InvalidArgument("config_json must be a JSON object")
+        ModelShape.from_config(parsed)  # refuses models the engine cannot serve
+        return self.catalog.register_base_model(name, config_json)
+
+    def register_adapter(self, spec: AdapterSpecIn, files: AdapterFiles) -> AdapterInfo:
+        """Validate, compile, store the blob, then commit the row; returns the (new or equal) version."""
+        base = self.catalog.resolve_base_model(spec.base_model)
+        shape = ModelShape.from_config(json.loads(base.config_json))
+        with tempfile.TemporaryDirectory(dir=self.config.spool_dir) as tmp:
+            artifact = Path(tmp) / "artifact.safetensors"
+            compiled = compile_adapter(
+                files.config_path.read_bytes(),
+                files.weights_path,
+                shape,
+                base_model=base.name,
+                max_rank=self.config.max_lora_rank,
+                out_path=artifact,
+            )
+            started = time.monotonic()
+            self.store.put_file(compiled.digest, artifact)
+            log.info("stored %s (%d bytes) in %.3fs", compiled.digest, compiled.size_bytes, time.monotonic() - started)
+        new = NewVersion(
+            digest=compiled.digest,
+            rank=compiled.rank,
+            alpha=compiled.alpha,
+            scaling=compiled.scaling,
+            target_modules=tuple(compiled.target_modules),
+            size_bytes=compiled.size_bytes,
+            pinned=spec.pinned,
+            description=spec.description,
+            labels=spec.labels,
+        )
+        return self.catalog.add_version(spec.name, base.name, new)
+
+    def import_adapter(self, spec: AdapterSpecIn) -> AdapterInfo:
+        """Register from spec.source_uri (s3://bucket/prefix or an allow-listed local directory)."""
+        with tempfile.TemporaryDirectory(dir=self.config.spool_dir) as tmp:
+            paths = fetch_source(
+                spec.source_uri,
+                Path(tmp),
+                allowed_dirs=self.config.import_allow_dirs,
+                max_bytes=self.config.max_upload_bytes,
+                s3_client_factory=self._import_s3_client,
+            )
+            return self.register_adapter(spec, AdapterFiles(paths[CONFIG_FILE], paths[WEIGHTS_FILE]))
+
+    def iter_artifact(self, digest: str, offset: int = 0) -> Iterator[bytes]:
+        return self.store.iter_chunks(digest, ARTIFACT_CHUNK_BYTES, offset)
+
+    def collect_garbage(self, grace_s: float, dry_run: bool = False) -> GcResult:
+        """Remove blobs that no adapter row refers to and that are older than grace_s."""
+        referenced = self.catalog.referenced_digests()
+        cutoff = time.time() - grace_s
+        orphans = [b for b in self.store.list_blobs() if b.digest not in referenced]
+        old = tuple(b for b in orphans if b.modified_at < cutoff)
+        if not dry_run:
+            for blob in old:
+                self.store.delete(blob.digest)
+        return GcResult(removed=old, kept_young=len(orphans) - len(old))
+
+    def _import_s3_client(self):
+        """S3 sources are read from --import-s3-endpoint-url, else the object store's own endpoint."""
+        if self.config.import_s3_endpoint_url:
+            return make_s3_client(self.config.import_s3_endpoint_url)
+        if isinstance(self.store, S3Store):
+            return make_s3_client(self.store.endpoint_url, self.store.region)
+        return make_s3_client()

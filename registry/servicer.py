@@ -1,0 +1,167 @@
+"""gRPC servicer of loramux.v1.Registry: one method per RPC, protobuf stops here.
+
+Blocking work (SQL, object store, compiling) runs in worker threads; handlers only translate
+messages and map `RegistryError` codes to gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+
+from loramux.v1 import registry_pb2 as pb
+from loramux.v1 import registry_pb2_grpc as pb_grpc
+from registry.errors import RegistryError
+from registry.service import RegistryService
+from registry.types import AdapterEventInfo, AdapterInfo, check_name, make_spec
+from registry.upload import receive_upload
+
+log = logging.getLogger(__name__)
+
+WATCH_POLL_S = 1.0  # other registry processes' events are seen within this delay
+
+
+class EventHub:
+    """Wakes watchers in this process as soon as a change commits."""
+
+    def __init__(self) -> None:
+        self.current = asyncio.Event()
+
+    def notify(self) -> None:
+        self.current.set()
+        self.current = asyncio.Event()
+
+
+def _statuses(method: Callable) -> Callable:
+    """Abort with the RegistryError's code; anything else is INTERNAL and logged."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except RegistryError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: internal error (see the registry log)")
+
+    return wrapper
+
+
+class RegistryServicer(pb_grpc.RegistryServicer):
+    def __init__(self, service: RegistryService):
+        self.service = service
+        self.catalog = service.catalog
+        self.hub = EventHub()
+
+    @_statuses
+    async def RegisterBaseModel(self, request: pb.BaseModel, context) -> pb.BaseModel:
+        info = await asyncio.to_thread(self.service.register_base_model, request.name, request.config_json)
+        return pb.BaseModel(name=info.name, config_json=info.config_json)
+
+    @_statuses
+    async def ListBaseModels(self, request, context) -> pb.ListBaseModelsResponse:
+        infos = await asyncio.to_thread(self.catalog.list_base_models)
+        return pb.ListBaseModelsResponse(base_models=[pb.BaseModel(name=i.name, config_json=i.config_json) for i in infos])
+
+    @_statuses
+    async def RegisterAdapter(self, request_iterator: AsyncIterator[pb.RegisterAdapterRequest], context) -> pb.Adapter:
+        config = self.service.config
+        with tempfile.TemporaryDirectory(dir=config.spool_dir) as tmp:
+            upload = await receive_upload(request_iterator, Path(tmp), config.max_upload_bytes)
+            s = upload.spec
+            spec = make_spec(s.name, s.base_model, s.pinned, s.description, dict(s.labels), s.source_uri)
+            if upload.files is None:
+                info = await asyncio.to_thread(self.service.import_adapter, spec)
+            else:
+                info = await asyncio.to_thread(self.service.register_adapter, spec, upload.files)
+        self.hub.notify()
+        return adapter_to_pb(info)
+
+    @_statuses
+    async def GetAdapter(self, request: pb.GetAdapterRequest, context) -> pb.Adapter:
+        check_name(request.name)
+        return adapter_to_pb(await asyncio.to_thread(self.catalog.get, request.name, request.version))
+
+    @_statuses
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
+        infos, token = await asyncio.to_thread(
+            self.catalog.list,
+            request.base_model,
+            request.name_prefix,
+            request.page_size,
+            request.page_token,
+            request.latest_only,
+        )
+        return pb.ListAdaptersResponse(adapters=[adapter_to_pb(i) for i in infos], next_page_token=token)
+
+    @_statuses
+    async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, context) -> pb.DeleteAdapterResponse:
+        check_name(request.name)
+        deleted = await asyncio.to_thread(self.catalog.delete, request.name, request.version)
+        self.hub.notify()
+        return pb.DeleteAdapterResponse(deleted=[adapter_to_pb(i) for i in deleted])
+
+    @_statuses
+    async def SetPinned(self, request: pb.SetPinnedRequest, context) -> pb.Adapter:
+        check_name(request.name)
+        info = await asyncio.to_thread(self.catalog.set_pinned, request.name, request.version, request.pinned)
+        self.hub.notify()
+        return adapter_to_pb(info)
+
+    async def FetchAdapter(self, request: pb.FetchAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
+        try:
+            check_name(request.name)
+            info = await asyncio.to_thread(self.catalog.get, request.name, request.version)
+            yield pb.AdapterChunk(adapter=adapter_to_pb(info))
+            chunks = self.service.iter_artifact(info.digest)
+            offset = 0
+            while (data := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield pb.AdapterChunk(data=pb.DataChunk(offset=offset, data=data))
+                offset += len(data)
+        except RegistryError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
+
+    async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context) -> AsyncIterator[pb.AdapterEvent]:
+        after = request.after_event_id or await asyncio.to_thread(self.catalog.last_event_id)
+        while True:
+            woken = self.hub.current
+            events = await asyncio.to_thread(self.catalog.events_after, after, request.base_model)
+            for event in events:
+                yield event_to_pb(event)
+                after = event.event_id
+            if not events:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), WATCH_POLL_S)
+
+
+def adapter_to_pb(info: AdapterInfo) -> pb.Adapter:
+    return pb.Adapter(
+        name=info.name,
+        version=info.version,
+        digest=info.digest,
+        base_model=info.base_model,
+        rank=info.rank,
+        alpha=info.alpha,
+        scaling=info.scaling,
+        target_modules=list(info.target_modules),
+        pinned=info.pinned,
+        size_bytes=info.size_bytes,
+        created_at=info.created_at,
+        description=info.description,
+        labels=info.labels,
+    )
+
+
+def event_to_pb(event: AdapterEventInfo) -> pb.AdapterEvent:
+    kind = pb.AdapterEvent.Kind.Value(event.kind)
+    return pb.AdapterEvent(kind=kind, adapter=adapter_to_pb(event.adapter), event_id=event.event_id)

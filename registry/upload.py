@@ -1,0 +1,85 @@
+"""Receiving a RegisterAdapter upload stream into spool files, under the size limit.
+
+The stream is: one `spec`, then `chunk`s of adapter_config.json and adapter_model.safetensors, each
+file's chunks in offset order. Reading stops at the first chunk that would pass the size limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from loramux.v1 import registry_pb2 as pb
+from registry.errors import InvalidArgument, ResourceExhausted
+from registry.service import CONFIG_FILE, WEIGHTS_FILE
+from registry.types import AdapterFiles
+
+MAX_CHUNK_BYTES = 1 << 20
+MAX_CONFIG_BYTES = 1 << 20
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+@dataclass
+class Upload:
+    spec: pb.AdapterSpec
+    files: AdapterFiles | None  # None when spec.source_uri names a server-side source
+
+
+async def receive_upload(requests: AsyncIterator[pb.RegisterAdapterRequest], spool: Path, max_bytes: int) -> Upload:
+    """Read the whole stream into files under spool; raises before reading past max_bytes."""
+    first = await anext(aiter(requests), None)
+    if first is None or first.WhichOneof("item") != "spec":
+        raise InvalidArgument("the first RegisterAdapter message must be a spec")
+    spec = first.spec
+    paths = {CONFIG_FILE: spool / CONFIG_FILE, WEIGHTS_FILE: spool / WEIGHTS_FILE}
+    sizes: dict[str, int] = {}
+    total = 0
+    handles = {}
+    try:
+        async for request in requests:
+            chunk = _check_chunk(request, spec, sizes)
+            total += len(chunk.data)
+            if total > max_bytes:
+                raise ResourceExhausted(f"upload is over the size limit of {max_bytes} bytes; stopped reading")
+            if chunk.filename not in handles:
+                handles[chunk.filename] = open(paths[chunk.filename], "wb")  # noqa: SIM115
+            handles[chunk.filename].write(chunk.data)
+            sizes[chunk.filename] = sizes.get(chunk.filename, 0) + len(chunk.data)
+    finally:
+        for handle in handles.values():
+            handle.close()
+    if spec.source_uri:
+        return Upload(spec, None)
+    missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if name not in sizes]
+    if missing:
+        raise InvalidArgument(f"upload is missing {', '.join(missing)}")
+    return Upload(spec, AdapterFiles(paths[CONFIG_FILE], paths[WEIGHTS_FILE]))
+
+
+def _check_chunk(request: pb.RegisterAdapterRequest, spec: pb.AdapterSpec, sizes: dict[str, int]) -> pb.FileChunk:
+    if request.WhichOneof("item") != "chunk":
+        raise InvalidArgument("only the first RegisterAdapter message may be a spec")
+    if spec.source_uri:
+        raise InvalidArgument("spec.source_uri is set: the upload must not also send file chunks")
+    chunk = request.chunk
+    _check_filename(chunk.filename)
+    if len(chunk.data) > MAX_CHUNK_BYTES:
+        raise InvalidArgument(f"chunk of {chunk.filename} holds {len(chunk.data)} bytes; at most {MAX_CHUNK_BYTES}")
+    expected = sizes.get(chunk.filename, 0)
+    if chunk.offset != expected:
+        raise InvalidArgument(f"chunk of {chunk.filename} at offset {chunk.offset}; expected offset {expected}")
+    if chunk.filename == CONFIG_FILE and expected + len(chunk.data) > MAX_CONFIG_BYTES:
+        raise InvalidArgument(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    return chunk
+
+
+def _check_filename(filename: str) -> None:
+    if filename in (CONFIG_FILE, WEIGHTS_FILE):
+        return
+    if filename.endswith(PICKLE_SUFFIXES):
+        raise InvalidArgument(
+            f"{filename}: pickle weights are refused (they can run code when loaded); convert them to "
+            f"{WEIGHTS_FILE}, e.g. save_pretrained(dir, safe_serialization=True)"
+        )
+    raise InvalidArgument(f"filename {filename[:200]!r} is not one of {CONFIG_FILE}, {WEIGHTS_FILE}")

@@ -1,0 +1,109 @@
+"""`loramux registry serve` and `loramux up` as real processes, driven by the CLI, gRPC and grpcurl."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loramux.registry_client import RegistryClient
+from loramux.testing.procs import Service, run_cli
+from tests.registry.backends import fresh_postgres_database
+
+pytestmark = pytest.mark.slow
+
+
+def grpcurl(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+    return subprocess.run([exe, "-plaintext", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_registry_process_with_cli_grpc_and_grpcurl(tmp_path, tiny_llama_dir, make_adapter):
+    adapter_dir = make_adapter("cli-qv", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    other_dir = make_adapter("cli-mlp", r=4, lora_alpha=4, target_modules=["down_proj"], seed=3)
+    data = tmp_path / "data"
+    server = Service(["registry", "serve", "--port", "0", "--data-dir", str(data)], "registry")
+    try:
+        reg = ("--registry", server.address)
+        run_cli("base-models", "register", str(tiny_llama_dir), "--name", "tiny", *reg)
+        out = run_cli("adapters", "register", str(adapter_dir), "--name", "bot", "--label", "team=x", "--json", *reg).stdout
+        registered = json.loads(out)
+        assert registered["version"] == 1 and registered["rank"] == 8 and registered["labels"] == {"team": "x"}
+        run_cli("adapters", "register", str(other_dir), "--name", "bot", *reg)
+        listing = run_cli("adapters", "list", "--all-versions", *reg).stdout
+        assert "bot@1" in listing and "bot@2" in listing
+        shown = json.loads(run_cli("adapters", "show", "bot@1", *reg).stdout)
+        assert shown["digest"] == registered["digest"]
+        assert "pinned=true" in run_cli("adapters", "pin", "bot", *reg).stdout
+        assert "pinned=false" in run_cli("adapters", "unpin", "bot", *reg).stdout
+
+        with RegistryClient(server.address) as client:
+            adapter, artifact = client.fetch("bot", 1)
+        assert hashlib.sha256(artifact).hexdigest() == adapter.digest == registered["digest"]
+
+        services = grpcurl(server.address, "list").stdout.split()
+        assert {"loramux.v1.Registry", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(services)
+        health = grpcurl("-d", '{"service": "loramux.v1.Registry"}', server.address, "grpc.health.v1.Health/Check")
+        assert json.loads(health.stdout)["status"] == "SERVING"
+        listed = grpcurl("-d", '{"name_prefix": "bo", "latest_only": true}', server.address, "loramux.v1.Registry/ListAdapters")
+        assert [a["version"] for a in json.loads(listed.stdout)["adapters"]] == [2]
+        missing = grpcurl("-d", '{"name": "nope"}', server.address, "loramux.v1.Registry/GetAdapter")
+        assert missing.returncode != 0 and "NotFound" in missing.stderr
+
+        failed = run_cli("adapters", "show", "nope@3", *reg, check=False)
+        assert failed.returncode == 1
+        assert failed.stderr.strip() == "error: NOT_FOUND: adapter 'nope@3' is not registered"
+        assert "Traceback" not in failed.stderr
+        bad_name = run_cli("adapters", "show", "Bad Name", *reg, check=False)
+        assert bad_name.returncode == 1 and bad_name.stderr.startswith("error: INVALID_ARGUMENT")
+
+        assert "deleted bot@2" in run_cli("adapters", "delete", "bot@2", *reg).stdout
+    finally:
+        code = server.interrupt()
+    assert code == 0, "".join(server.stderr)[-2000:]
+
+    gc = run_cli("registry", "gc", "--data-dir", str(data), "--grace-s", "0").stdout
+    assert "removed 1 blobs" in gc
+
+    again = Service(["registry", "serve", "--port", "0", "--data-dir", str(data)], "registry")
+    try:
+        with RegistryClient(again.address) as client:
+            assert [(a.name, a.version) for a in client.list()] == [("bot", 1)]
+            adapter, artifact = client.fetch("bot")
+            assert hashlib.sha256(artifact).hexdigest() == adapter.digest
+    finally:
+        assert again.interrupt() == 0
+
+
+def test_registry_process_on_postgres_and_s3(tmp_path, tiny_llama_dir, make_adapter, s3_endpoint, s3_bucket):
+    adapter_dir = make_adapter("pg-s3", r=4, lora_alpha=8)
+    with fresh_postgres_database() as db_url:
+        args = ["registry", "serve", "--port", "0", "--data-dir", str(tmp_path), "--database-url", db_url]
+        args += ["--object-store", f"s3://{s3_bucket}/loramux?endpoint_url={s3_endpoint}"]
+        server = Service(args, "registry")
+        try:
+            reg = ("--registry", server.address)
+            run_cli("base-models", "register", str(tiny_llama_dir), "--name", "tiny", *reg)
+            registered = json.loads(run_cli("adapters", "register", str(adapter_dir), "--name", "pg", "--json", *reg).stdout)
+            with RegistryClient(server.address) as client:
+                adapter, artifact = client.fetch("pg")
+            assert hashlib.sha256(artifact).hexdigest() == registered["digest"]
+        finally:
+            assert server.interrupt() == 0
+
+
+def test_loramux_up_serves_the_demo_model(tmp_path, make_adapter):
+    up = Service(["up", "--data-dir", str(tmp_path), "--registry-port", "0"], "registry")
+    try:
+        reg = ("--registry", up.address)
+        assert run_cli("base-models", "list", *reg).stdout.split() == ["loramux-demo"]
+        adapter_dir = make_adapter("up-qv", r=8, lora_alpha=16)
+        out = run_cli("adapters", "register", str(adapter_dir), "--name", "demo-adapter", *reg).stdout
+        assert out.startswith("registered demo-adapter@1")
+    finally:
+        assert up.interrupt() == 0

@@ -1,0 +1,96 @@
+"""An in-process registry on a loopback port, with an async client stub."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+
+from loramux.registry_client import adapter_files, upload_requests
+from loramux.v1 import registry_pb2 as pb
+from loramux.v1 import registry_pb2_grpc as pb_grpc
+from registry.config import RegistryConfig
+from registry.server import RegistryServer
+
+
+@dataclasses.dataclass
+class Harness:
+    server: RegistryServer
+    stub: pb_grpc.RegistryStub
+    channel: grpc.aio.Channel
+
+    @property
+    def service(self):
+        return self.server.service
+
+    @property
+    def store(self):
+        return self.server.service.store
+
+    async def register_base(self, name: str, model_dir: Path) -> pb.BaseModel:
+        config_json = (model_dir / "config.json").read_text()
+        return await self.stub.RegisterBaseModel(pb.BaseModel(name=name, config_json=config_json))
+
+    async def register(self, name: str, adapter_dir: Path | None = None, **spec_fields) -> pb.Adapter:
+        spec = pb.AdapterSpec(name=name, **spec_fields)
+        files = adapter_files(adapter_dir) if adapter_dir is not None else []
+        return await self.stub.RegisterAdapter(_aiter(upload_requests(spec, files)))
+
+    async def register_files(self, name: str, files: dict[str, bytes], **spec_fields) -> pb.Adapter:
+        """Upload raw file contents (for malformed inputs)."""
+        requests = [pb.RegisterAdapterRequest(spec=pb.AdapterSpec(name=name, **spec_fields))]
+        for filename, data in files.items():
+            for offset in range(0, max(len(data), 1), 1 << 20):
+                chunk = pb.FileChunk(filename=filename, offset=offset, data=data[offset : offset + (1 << 20)])
+                requests.append(pb.RegisterAdapterRequest(chunk=chunk))
+        return await self.stub.RegisterAdapter(_aiter(iter(requests)))
+
+    async def fetch(self, name: str, version: int = 0) -> tuple[pb.Adapter, bytes, list[int]]:
+        """(adapter, artifact bytes, chunk sizes)."""
+        adapter, parts = None, []
+        async for chunk in self.stub.FetchAdapter(pb.FetchAdapterRequest(name=name, version=version)):
+            if chunk.WhichOneof("item") == "adapter":
+                adapter = chunk.adapter
+            else:
+                assert chunk.data.offset == sum(len(p) for p in parts)
+                parts.append(chunk.data.data)
+        return adapter, b"".join(parts), [len(p) for p in parts]
+
+    async def list_all(self, **request_fields) -> list[pb.Adapter]:
+        response = await self.stub.ListAdapters(pb.ListAdaptersRequest(page_size=1000, **request_fields))
+        return list(response.adapters)
+
+    def stored_blobs(self) -> list[str]:
+        return sorted(blob.digest for blob in self.store.list_blobs())
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
+
+
+@asynccontextmanager
+async def running_registry(
+    data_dir: Path, database_url: str = "", object_store: str = "", **config
+) -> AsyncIterator[Harness]:
+    cfg = RegistryConfig(
+        data_dir=data_dir, port=0, database_url=database_url, object_store=object_store, **config
+    )
+    server = RegistryServer(cfg)
+    await server.start()
+    channel = grpc.aio.insecure_channel(server.address)
+    try:
+        yield Harness(server, pb_grpc.RegistryStub(channel), channel)
+    finally:
+        await channel.close()
+        await server.stop(grace=0.5)
+
+
+def config_json(model_dir: Path, **overrides) -> str:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(overrides)
+    return json.dumps(cfg)

@@ -1,0 +1,499 @@
+"""Object store contract (local dir and S3 on loopback), store URLs, and server-side import sources."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from registry.errors import InvalidArgument, NotFound, ResourceExhausted
+from registry.store import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    LocalDirStore,
+    MiB,
+    ObjectStore,
+    S3Store,
+    fetch_source,
+    make_s3_client,
+    open_store,
+)
+
+PART_SIZE = 5 * MiB  # the smallest S3 allows, so the multipart path runs on small blobs
+
+
+def write_blob(directory: Path, data: bytes) -> tuple[str, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(data).hexdigest()
+    path = directory / f"src-{digest[:12]}"
+    path.write_bytes(data)
+    return digest, path
+
+
+def read_blob(store: ObjectStore, digest: str, **kwargs) -> bytes:
+    return b"".join(store.iter_chunks(digest, **kwargs))
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "local":
+        return LocalDirStore(tmp_path / "store")
+    return S3Store(
+        request.getfixturevalue("s3_bucket"),
+        prefix="pre/fix",
+        endpoint_url=request.getfixturevalue("s3_endpoint"),
+        multipart_threshold=PART_SIZE,
+        part_size=PART_SIZE,
+    )
+
+
+# -- store contract ----------------------------------------------------------------------------------
+
+
+def test_put_then_read_back_exact_bytes(store: ObjectStore, tmp_path: Path):
+    data = os.urandom(300_000)
+    digest, path = write_blob(tmp_path / "src", data)
+    assert not store.exists(digest)
+
+    assert store.put_file(digest, path) is True
+
+    assert store.exists(digest)
+    assert store.size(digest) == len(data)
+    assert read_blob(store, digest) == data
+
+
+def test_put_is_write_once(store: ObjectStore, tmp_path: Path):
+    data = b"first"
+    digest, path = write_blob(tmp_path / "src", data)
+    other = tmp_path / "other"
+    other.write_bytes(b"different bytes under the same digest")
+    store.put_file(digest, path)
+
+    assert store.put_file(digest, other) is False
+
+    assert read_blob(store, digest) == data
+
+
+def test_multipart_upload_round_trip(store: ObjectStore, tmp_path: Path):
+    data = os.urandom(11 * MiB)  # parts of 5 + 5 + 1 MiB
+    digest, path = write_blob(tmp_path / "src", data)
+
+    assert store.put_file(digest, path) is True
+
+    assert store.size(digest) == len(data)
+    assert hashlib.sha256(read_blob(store, digest)).hexdigest() == digest
+    if isinstance(store, S3Store):
+        head = make_s3_client(store.endpoint_url).head_object(Bucket=store.bucket, Key=store.key(digest))
+        assert head["ETag"].strip('"').endswith("-3")  # S3 marks multipart objects with the part count
+
+
+@pytest.mark.parametrize("chunk_size", [4096, 256 * 1024, MiB])
+@pytest.mark.parametrize("offset", [0, 1, MiB + 3])
+def test_iter_chunks_offset_and_chunk_size(store: ObjectStore, tmp_path: Path, offset: int, chunk_size: int):
+    data = os.urandom(2 * MiB + 17)
+    digest, path = write_blob(tmp_path / "src", data)
+    store.put_file(digest, path)
+
+    chunks = list(store.iter_chunks(digest, chunk_size=chunk_size, offset=offset))
+
+    assert b"".join(chunks) == data[offset:]
+    assert all(0 < len(chunk) <= chunk_size for chunk in chunks)
+
+
+def test_iter_chunks_offset_at_and_past_end(store: ObjectStore, tmp_path: Path):
+    digest, path = write_blob(tmp_path / "src", b"0123456789")
+    store.put_file(digest, path)
+
+    assert list(store.iter_chunks(digest, offset=10)) == []
+    with pytest.raises(InvalidArgument, match="offset 11"):
+        store.iter_chunks(digest, offset=11)
+    with pytest.raises(InvalidArgument, match="offset -1"):
+        store.iter_chunks(digest, offset=-1)
+
+
+def test_missing_blob(store: ObjectStore):
+    digest = hashlib.sha256(b"never stored").hexdigest()
+
+    assert not store.exists(digest)
+    with pytest.raises(NotFound, match=digest):
+        store.size(digest)
+    with pytest.raises(NotFound, match=digest):
+        store.iter_chunks(digest)  # raised before the first chunk is asked for
+    store.delete(digest)  # deleting what is absent is not an error
+
+
+def test_list_blobs_and_delete(store: ObjectStore, tmp_path: Path):
+    blobs = {}
+    for i in range(3):
+        digest, path = write_blob(tmp_path / "src", os.urandom(1000 + i))
+        store.put_file(digest, path)
+        blobs[digest] = 1000 + i
+    gone = next(iter(blobs))
+
+    listed = {info.digest: info for info in store.list_blobs()}
+    store.delete(gone)
+
+    assert {d: info.size for d, info in listed.items()} == blobs
+    assert all(abs(info.modified_at - time.time()) < 300 for info in listed.values())
+    assert not store.exists(gone)
+    assert {info.digest for info in store.list_blobs()} == set(blobs) - {gone}
+
+
+@pytest.mark.parametrize(
+    "digest",
+    ["../x", "A" * 64, "a" * 63, "a" * 65, "a" * 64 + "\n", "../" + "a" * 61, "g" * 64, ""],
+)
+def test_invalid_digests_are_refused(store: ObjectStore, tmp_path: Path, digest: str):
+    _, path = write_blob(tmp_path / "src", b"x")
+
+    for call in (
+        lambda: store.put_file(digest, path),
+        lambda: store.exists(digest),
+        lambda: store.size(digest),
+        lambda: store.iter_chunks(digest),
+        lambda: store.delete(digest),
+    ):
+        with pytest.raises(InvalidArgument, match="sha256"):
+            call()
+    assert list(store.list_blobs()) == []
+
+
+@pytest.mark.parametrize("num_bytes", [4096, 6 * MiB])
+def test_concurrent_puts_of_one_digest_leave_one_correct_blob(
+    store: ObjectStore, tmp_path: Path, num_bytes: int
+):
+    data = os.urandom(num_bytes)
+    digest, path = write_blob(tmp_path / "src", data)
+    barrier = threading.Barrier(4)
+
+    def put() -> bool:
+        barrier.wait()
+        return store.put_file(digest, path)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: put(), range(4)))
+
+    # The local store's link is atomic, so exactly one put wins; S3's conditional write is checked by
+    # the server, and a store that ignores it rewrites identical bytes, so at least one wins there.
+    assert sum(results) == 1 if isinstance(store, LocalDirStore) else sum(results) >= 1
+    assert [info.digest for info in store.list_blobs()] == [digest]
+    assert read_blob(store, digest) == data
+    if isinstance(store, S3Store):
+        uploads = make_s3_client(store.endpoint_url).list_multipart_uploads(Bucket=store.bucket)
+        assert uploads.get("Uploads", []) == []  # losers aborted theirs
+
+
+def test_local_put_writes_read_only_blob_and_hides_temp_files(tmp_path: Path):
+    store = LocalDirStore(tmp_path / "store")
+    digest, path = write_blob(tmp_path / "src", b"payload")
+    store.put_file(digest, path)
+    (store.path(digest).parent / ".tmp-crashed").write_bytes(b"partial")
+
+    assert store.path(digest).stat().st_mode & 0o777 == 0o444
+    assert [info.digest for info in store.list_blobs()] == [digest]
+
+
+def test_local_failed_put_leaves_nothing(tmp_path: Path):
+    store = LocalDirStore(tmp_path / "store")
+    digest = hashlib.sha256(b"missing").hexdigest()
+
+    with pytest.raises(FileNotFoundError):
+        store.put_file(digest, tmp_path / "does-not-exist")
+
+    assert not store.exists(digest)
+    assert list(store.path(digest).parent.iterdir()) == []
+
+
+def test_s3_failed_multipart_upload_is_aborted(
+    s3_endpoint: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint, multipart_threshold=PART_SIZE, part_size=PART_SIZE)
+    digest, path = write_blob(tmp_path / "src", os.urandom(11 * MiB))
+    real_upload_part = store._client.upload_part
+
+    def fail_second_part(**kwargs):
+        if kwargs["PartNumber"] == 2:
+            raise ConnectionError("link dropped")
+        return real_upload_part(**kwargs)
+
+    monkeypatch.setattr(store._client, "upload_part", fail_second_part)
+
+    with pytest.raises(ConnectionError):
+        store.put_file(digest, path)
+
+    assert not store.exists(digest)
+    uploads = make_s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket)
+    assert uploads.get("Uploads", []) == []
+
+
+# -- store URLs --------------------------------------------------------------------------------------
+
+
+def test_open_store_local_forms_create_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    for url, root in [
+        (f"file://{tmp_path}/a%20b", tmp_path / "a b"),
+        (str(tmp_path / "plain"), tmp_path / "plain"),
+        ("relative/dir", tmp_path / "relative/dir"),
+    ]:
+        store = open_store(url)
+        assert isinstance(store, LocalDirStore)
+        assert store.root == root.resolve()
+        assert root.is_dir()
+
+
+def test_open_store_s3(s3_endpoint: str, s3_bucket: str, tmp_path: Path):
+    store = open_store(f"s3://{s3_bucket}/team/a/?endpoint_url={s3_endpoint}&region=eu-west-1")
+    digest, path = write_blob(tmp_path / "src", b"hello")
+
+    assert isinstance(store, S3Store)
+    assert (store.bucket, store.prefix, store.endpoint_url, store.region) == (
+        s3_bucket,
+        "team/a",
+        s3_endpoint,
+        "eu-west-1",
+    )
+    assert store.put_file(digest, path)
+    assert store.key(digest) == f"team/a/blobs/sha256/{digest[:2]}/{digest}"
+    assert read_blob(store, digest) == b"hello"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        "http://example.com/x",
+        "s3://",
+        "s3://ab",
+        "s3://Bucket",
+        "s3://bucket?foo=1",
+        "s3://bucket?endpoint_url",
+        "file://otherhost/x",
+        "file:relative",
+    ],
+)
+def test_open_store_refuses_bad_urls(url: str):
+    with pytest.raises(InvalidArgument) as err:
+        open_store(url)
+    assert repr(url) in str(err.value)
+
+
+# -- server-side import sources ----------------------------------------------------------------------
+
+CONFIG_BYTES = b'{"r": 8, "lora_alpha": 16, "peft_type": "LORA"}'
+
+
+def make_adapter_dir(directory: Path, weights: bytes = b"W" * 5000, weights_name: str = WEIGHTS_FILE) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).write_bytes(CONFIG_BYTES)
+    (directory / weights_name).write_bytes(weights)
+    return directory
+
+
+def put_s3_adapter(endpoint: str, bucket: str, prefix: str, weights: bytes, weights_name: str = WEIGHTS_FILE):
+    client = make_s3_client(endpoint)
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{CONFIG_FILE}", Body=CONFIG_BYTES)
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{weights_name}", Body=weights)
+
+
+def assert_nothing_copied(dest: Path) -> None:
+    assert not dest.exists() or list(dest.iterdir()) == []
+
+
+@pytest.fixture
+def allowed(tmp_path: Path) -> Path:
+    return (tmp_path / "allowed").resolve()
+
+
+def test_fetch_from_allow_listed_dir(allowed: Path, tmp_path: Path):
+    source = make_adapter_dir(allowed / "team" / "a1")
+
+    for uri in (str(source), f"file://{source}"):
+        dest = tmp_path / "dest" / uri[:4]
+        files = fetch_source(uri, dest, allowed_dirs=[allowed], max_bytes=MiB)
+
+        assert files == {CONFIG_FILE: dest / CONFIG_FILE, WEIGHTS_FILE: dest / WEIGHTS_FILE}
+        assert files[CONFIG_FILE].read_bytes() == CONFIG_BYTES
+        assert files[WEIGHTS_FILE].read_bytes() == b"W" * 5000
+
+
+def test_fetch_from_s3(s3_endpoint: str, s3_bucket: str, tmp_path: Path):
+    weights = os.urandom(3 * MiB)
+    put_s3_adapter(s3_endpoint, s3_bucket, "adapters/a1", weights)
+    put_s3_adapter(s3_endpoint, s3_bucket, "adapters/a1-other", b"not these")
+
+    files = fetch_source(
+        f"s3://{s3_bucket}/adapters/a1/",
+        tmp_path / "dest",
+        allowed_dirs=[],
+        max_bytes=4 * MiB,
+        s3_client_factory=lambda: make_s3_client(s3_endpoint),
+    )
+
+    assert files[CONFIG_FILE].read_bytes() == CONFIG_BYTES
+    assert files[WEIGHTS_FILE].read_bytes() == weights
+
+
+def escape_routes(allowed: Path, outside: Path) -> list[str]:
+    """Spellings of a directory outside `allowed` that start inside it or look like it."""
+    (allowed / "link").symlink_to(outside, target_is_directory=True)
+    sneaky = make_adapter_dir(allowed / "sneaky")
+    (sneaky / WEIGHTS_FILE).unlink()
+    (sneaky / WEIGHTS_FILE).symlink_to(outside / WEIGHTS_FILE)
+    sibling = make_adapter_dir(allowed.parent / (allowed.name + "-evil"))
+    return [
+        str(outside),
+        f"{allowed}/../outside",
+        f"file://{allowed}/../outside",
+        str(allowed / "link"),
+        str(sneaky),
+        str(sibling),
+    ]
+
+
+def test_fetch_refuses_dirs_outside_the_allow_list(allowed: Path, tmp_path: Path):
+    allowed.mkdir()
+    outside = make_adapter_dir(tmp_path / "outside")
+    dest = tmp_path / "dest"
+
+    for uri in escape_routes(allowed, outside):
+        with pytest.raises(InvalidArgument, match="not under an allow-listed") as err:
+            fetch_source(uri, dest, allowed_dirs=[allowed], max_bytes=MiB)
+        assert uri in str(err.value)
+    assert_nothing_copied(dest)
+
+
+@pytest.mark.parametrize("weights_name", ["adapter_model.bin", "adapter_model.pt"])
+def test_fetch_refuses_pickle_weights_with_a_hint(allowed: Path, tmp_path: Path, weights_name: str):
+    source = make_adapter_dir(allowed / "a1", weights_name=weights_name)
+
+    with pytest.raises(InvalidArgument, match=rf"{weights_name}.*convert it to adapter_model\.safetensors"):
+        fetch_source(str(source), tmp_path / "dest", allowed_dirs=[allowed], max_bytes=MiB)
+
+
+def test_fetch_refuses_pickle_weights_from_s3(s3_endpoint: str, s3_bucket: str, tmp_path: Path):
+    put_s3_adapter(s3_endpoint, s3_bucket, "a1", b"pickle", weights_name="adapter_model.bin")
+
+    with pytest.raises(InvalidArgument, match="safetensors"):
+        fetch_source(
+            f"s3://{s3_bucket}/a1",
+            tmp_path / "dest",
+            allowed_dirs=[],
+            max_bytes=MiB,
+            s3_client_factory=lambda: make_s3_client(s3_endpoint),
+        )
+
+
+def test_fetch_missing_files_and_dirs(allowed: Path, tmp_path: Path):
+    source = make_adapter_dir(allowed / "a1")
+    (source / CONFIG_FILE).unlink()
+
+    with pytest.raises(NotFound, match=CONFIG_FILE):
+        fetch_source(str(source), tmp_path / "dest", allowed_dirs=[allowed], max_bytes=MiB)
+    with pytest.raises(NotFound, match="no such directory"):
+        fetch_source(str(allowed / "nope"), tmp_path / "dest", allowed_dirs=[allowed], max_bytes=MiB)
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["http://example.com/a", "relative/dir", "s3://bucket/a?endpoint_url=http://127.0.0.1:1", "s3://x/a"],
+)
+def test_fetch_refuses_bad_uris(uri: str, allowed: Path, tmp_path: Path):
+    with pytest.raises(InvalidArgument) as err:
+        fetch_source(uri, tmp_path / "dest", allowed_dirs=[allowed], max_bytes=MiB)
+    assert repr(uri) in str(err.value)
+
+
+def test_fetch_at_the_limit_passes_and_one_byte_over_fails(allowed: Path, tmp_path: Path):
+    source = make_adapter_dir(allowed / "a1")
+    total = len(CONFIG_BYTES) + 5000
+
+    fetch_source(str(source), tmp_path / "ok", allowed_dirs=[allowed], max_bytes=total)
+    with pytest.raises(ResourceExhausted, match=f"limit of {total - 1} bytes"):
+        fetch_source(str(source), tmp_path / "over", allowed_dirs=[allowed], max_bytes=total - 1)
+    assert_nothing_copied(tmp_path / "over")
+
+
+def test_fetch_refuses_a_huge_file_without_reading_it(allowed: Path, tmp_path: Path):
+    source = make_adapter_dir(allowed / "a1")
+    with (source / WEIGHTS_FILE).open("r+b") as f:
+        f.truncate(1 << 40)  # sparse: a terabyte that takes no disk and would take hours to read
+
+    start = time.monotonic()
+    with pytest.raises(ResourceExhausted, match=f"limit of {MiB} bytes"):
+        fetch_source(str(source), tmp_path / "dest", allowed_dirs=[allowed], max_bytes=MiB)
+    assert time.monotonic() - start < 5
+
+
+class CountingBody:
+    def __init__(self, body, counter: list[int]):
+        self.body = body
+        self.counter = counter
+
+    def read(self, amt: int | None = None) -> bytes:
+        data = self.body.read(amt)
+        self.counter[0] += len(data)
+        return data
+
+    def close(self) -> None:
+        self.body.close()
+
+
+class GrowingSourceClient:
+    """An S3 client whose weights object grows between the listing and the read."""
+
+    def __init__(self, endpoint: str, big: bytes):
+        self.client = make_s3_client(endpoint)
+        self.big = big
+        self.num_read = [0]
+
+    def get_paginator(self, name: str):
+        return self.client.get_paginator(name)
+
+    def get_object(self, **kwargs):
+        if kwargs["Key"].endswith(WEIGHTS_FILE):
+            self.client.put_object(Bucket=kwargs["Bucket"], Key=kwargs["Key"], Body=self.big)
+        return {"Body": CountingBody(self.client.get_object(**kwargs)["Body"], self.num_read)}
+
+
+def test_fetch_stops_reading_at_the_limit_when_the_source_grows(
+    s3_endpoint: str, s3_bucket: str, tmp_path: Path
+):
+    put_s3_adapter(s3_endpoint, s3_bucket, "a1", b"small")
+    client = GrowingSourceClient(s3_endpoint, os.urandom(8 * MiB))
+    max_bytes = 2 * MiB
+
+    with pytest.raises(ResourceExhausted, match=f"limit of {max_bytes} bytes"):
+        fetch_source(
+            f"s3://{s3_bucket}/a1",
+            tmp_path / "dest",
+            allowed_dirs=[],
+            max_bytes=max_bytes,
+            s3_client_factory=lambda: client,
+        )
+
+    assert client.num_read[0] == max_bytes + 1
+    assert_nothing_copied(tmp_path / "dest")
+
+
+def test_s3_put_racing_past_the_existence_check_still_writes_once(
+    s3_endpoint: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint, multipart_threshold=PART_SIZE, part_size=PART_SIZE)
+    small, small_path = write_blob(tmp_path / "src", b"small")
+    large, large_path = write_blob(tmp_path / "src", os.urandom(6 * MiB))
+    store.put_file(small, small_path)
+    store.put_file(large, large_path)
+    monkeypatch.setattr(
+        store, "exists", lambda digest: False
+    )  # as if another put landed just after the check
+
+    assert store.put_file(small, small_path) is False
+    assert store.put_file(large, large_path) is False
+    uploads = make_s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket)
+    assert uploads.get("Uploads", []) == []
