@@ -13,7 +13,7 @@ from pathlib import Path
 
 from loramux.grpc_server import announce, stop_event_on_signals
 from registry.config import RegistryConfig
-from registry.server import RegistryServer
+from registry.server import RegistryServer, build_service
 
 log = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "loramux-demo"
@@ -35,7 +35,7 @@ async def run_up(args) -> None:
     base_name = model_dir.resolve().name
     config = RegistryConfig(data_dir=data_dir, port=args.registry_port, max_lora_rank=args.max_lora_rank)
     stop = stop_event_on_signals()
-    registry = await asyncio.to_thread(RegistryServer, config)
+    registry = RegistryServer(config, await asyncio.to_thread(build_service, config))
     config_json = (model_dir / "config.json").read_text()
     await asyncio.to_thread(registry.service.register_base_model, base_name, config_json)
     await registry.start()

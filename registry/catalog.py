@@ -225,7 +225,9 @@ class Catalog:
                     return txn(s)
             except (IntegrityError, OperationalError) as exc:
                 if attempt == _RETRIES - 1 or not _is_retryable(exc):
-                    raise RegistryError(f"database conflict, try again: {exc.orig}", Code.UNAVAILABLE) from exc
+                    raise RegistryError(
+                        f"database conflict, try again: {exc.orig}", Code.UNAVAILABLE
+                    ) from exc
                 time.sleep(0.01 * (attempt + 1))
         raise AssertionError("unreachable")
 
@@ -293,7 +295,9 @@ def _info_from_json(text: str) -> AdapterInfo:
 
 def _log_event(s: Session, kind: str, info: AdapterInfo) -> None:
     snapshot = json.dumps(dataclasses.asdict(info), sort_keys=True)
-    s.add(AdapterEventRow(kind=kind, base_model=info.base_model, adapter_json=snapshot, created_at=time.time()))
+    s.add(
+        AdapterEventRow(kind=kind, base_model=info.base_model, adapter_json=snapshot, created_at=time.time())
+    )
 
 
 def _encode_token(last: AdapterInfo) -> str:

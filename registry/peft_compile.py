@@ -19,6 +19,7 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,6 @@ import torch
 from registry.errors import FailedPrecondition, InvalidArgument
 from registry.model_shapes import MODULE_GROUPS, SUPPORTED_MODULES, ModelShape, module_path
 from registry.safetensors_io import (
-    DTYPE_CODES,
-    DTYPES,
     SafetensorsFile,
     SafetensorsLimits,
     TensorSpec,
@@ -121,7 +120,9 @@ def _load_json_object(raw: bytes) -> dict[str, Any]:
 def _check_peft_type(cfg: dict[str, Any]) -> None:
     peft_type = cfg.get("peft_type")
     if not isinstance(peft_type, str):
-        raise InvalidArgument(f"adapter_config.json field 'peft_type': missing or not a string ({peft_type!r})")
+        raise InvalidArgument(
+            f"adapter_config.json field 'peft_type': missing or not a string ({peft_type!r})"
+        )
     if peft_type.upper() != "LORA":
         raise FailedPrecondition(f"adapter_config.json field 'peft_type': {peft_type!r} is not LORA")
 
@@ -137,7 +138,9 @@ def _flag(cfg: dict[str, Any], field: str) -> bool:
 
 def _positive_int(value: Any, field: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgument(f"adapter_config.json field {field!r}: expected a positive integer, got {value!r}")
+        raise InvalidArgument(
+            f"adapter_config.json field {field!r}: expected a positive integer, got {value!r}"
+        )
     return value
 
 
@@ -294,7 +297,8 @@ def _patterns(cfg: dict[str, Any], field: str, convert: Any) -> tuple[tuple[str,
     if not isinstance(value, dict):
         raise InvalidArgument(f"adapter_config.json field {field!r}: expected an object")
     return tuple(
-        (_checked_regex(key, f"{field}[{key!r}]"), convert(v, f"{field}[{key!r}]")) for key, v in value.items()
+        (_checked_regex(key, f"{field}[{key!r}]"), convert(v, f"{field}[{key!r}]"))
+        for key, v in value.items()
     )
 
 
@@ -311,7 +315,9 @@ def resolve_targets(spec: LoraSpec, shape: ModelShape) -> frozenset[str]:
     if unsupported:
         raise FailedPrecondition(_unsupported_target(unsupported[0]))
     if not matched:
-        raise FailedPrecondition("adapter_config.json field 'target_modules': matches no module of the base model")
+        raise FailedPrecondition(
+            "adapter_config.json field 'target_modules': matches no module of the base model"
+        )
     return frozenset(matched)
 
 
@@ -350,8 +356,12 @@ def _is_excluded(spec: LoraSpec, path: str) -> bool:
 # ---- adapter_model.safetensors: names, pairs and shapes ----
 
 # PEFT's saved names, e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A[.<adapter>].weight
-_LORA_NAME = re.compile(r"base_model\.model\.(?P<path>.+)\.lora_(?P<part>[AB])(?:\.(?P<adapter>[^.]+))?\.weight")
-_LAYER_PATH = re.compile(r"model\.layers\.(?P<layer>0|[1-9][0-9]*)\.(?P<group>self_attn|mlp)\.(?P<module>\w+)")
+_LORA_NAME = re.compile(
+    r"base_model\.model\.(?P<path>.+)\.lora_(?P<part>[AB])(?:\.(?P<adapter>[^.]+))?\.weight"
+)
+_LAYER_PATH = re.compile(
+    r"model\.layers\.(?P<layer>0|[1-9][0-9]*)\.(?P<group>self_attn|mlp)\.(?P<module>\w+)"
+)
 # Tensors PEFT saves for features the engine cannot serve.
 _UNSERVABLE_TENSORS = {
     "lora_embedding_A": "embedding LoRA",
@@ -387,7 +397,9 @@ def _locate(name: str, shape: ModelShape) -> tuple[int, str, str]:
         raise _unknown_module(name, lora["path"], shape)
     layer = int(layer_path["layer"])
     if layer >= shape.num_layers:
-        raise FailedPrecondition(f"tensor {name!r}: layer {layer} is out of range (the base model has {shape.num_layers})")
+        raise FailedPrecondition(
+            f"tensor {name!r}: layer {layer} is out of range (the base model has {shape.num_layers})"
+        )
     return layer, layer_path["module"], lora["part"]
 
 
@@ -405,7 +417,9 @@ def _unknown_module(name: str, path: str, shape: ModelShape) -> Exception:
     return InvalidArgument(f"tensor {name!r}: {path!r} is not a module of the base model")
 
 
-def _pair_tensors(names: list[str], shape: ModelShape, targets: frozenset[str]) -> dict[tuple[int, str], dict[str, str]]:
+def _pair_tensors(
+    names: list[str], shape: ModelShape, targets: frozenset[str]
+) -> dict[tuple[int, str], dict[str, str]]:
     """(layer, module) -> {"A": name, "B": name}, every name checked against the model and the config."""
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in names:
@@ -420,7 +434,9 @@ def _pair_tensors(names: list[str], shape: ModelShape, targets: frozenset[str]) 
     return pairs
 
 
-def _plan(sf: SafetensorsFile, spec: LoraSpec, shape: ModelShape, targets: frozenset[str]) -> list[_ModulePlan]:
+def _plan(
+    sf: SafetensorsFile, spec: LoraSpec, shape: ModelShape, targets: frozenset[str]
+) -> list[_ModulePlan]:
     if not sf.infos:
         raise InvalidArgument(f"{sf.label}: holds no tensors")
     pairs = _pair_tensors(sf.names, shape, targets)
@@ -501,7 +517,253 @@ def _check_finite(sf: SafetensorsFile, plans: list[_ModulePlan], dtype: torch.dt
         for name in (plan.a_name, plan.b_name):
             if not bool(torch.isfinite(sf.tensor(name)).all()):
                 raise InvalidArgument(f"tensor {name!r}: holds NaN or Inf values")
-        if plan.fold != 1.0 and not bool(torch.isfinite(_fold(sf.tensor(plan.b_name), plan.fold, dtype)).all()):
+        if plan.fold != 1.0 and not bool(
+            torch.isfinite(_fold(sf.tensor(plan.b_name), plan.fold, dtype)).all()
+        ):
             raise FailedPrecondition(
                 f"tensor {plan.b_name!r}: its alpha_pattern scale overflows {dtype} once folded into lora_B"
             )
+
+
+# ---- compile ----
+
+
+@dataclass(frozen=True)
+class CompiledAdapter:
+    digest: str  # sha256 hex of the artifact's bytes
+    size_bytes: int
+    rank: int  # R: the max rank over modules; every tensor is padded to it
+    alpha: float  # the config's top-level lora_alpha
+    scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
+    target_modules: tuple[str, ...]  # in SUPPORTED_MODULES order
+    num_layers: int
+    dtype: str  # "float16" | "bfloat16" | "float32"
+
+
+def compile_adapter(
+    config_raw: bytes,
+    weights_path: Path,
+    shape: ModelShape,
+    *,
+    base_model: str,
+    max_rank: int,
+    out_path: Path,
+    limits: SafetensorsLimits = DEFAULT_LIMITS,
+) -> CompiledAdapter:
+    """Validates the adapter completely, then writes the canonical artifact to `out_path` atomically.
+
+    On any error nothing exists at `out_path`. Tensors are streamed one at a time from a memory map, so
+    a large adapter costs at most one extra copy of its largest tensor."""
+    spec = parse_peft_config(config_raw)
+    targets = resolve_targets(spec, shape)
+    _refuse_pickle(Path(weights_path))
+    with SafetensorsFile.open(weights_path, limits) as sf:
+        plans = _plan(sf, spec, shape, targets)
+        rank = _check_rank(plans, max_rank)
+        dtype = _common_dtype(sf)
+        _check_finite(sf, plans, dtype)
+        modules = _module_kinds(targets)
+        metadata = _artifact_metadata(spec, shape, base_model, rank, modules)
+        specs, produce = _artifact_tensors(sf, plans, shape, rank, dtype)
+        digest, size = _write_atomically(Path(out_path), specs, produce, metadata)
+    return CompiledAdapter(
+        digest=digest,
+        size_bytes=size,
+        rank=rank,
+        alpha=spec.lora_alpha,
+        scaling=spec.scaling,
+        target_modules=modules,
+        num_layers=shape.num_layers,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def _refuse_pickle(path: Path) -> None:
+    if path.suffix.lower() in _PICKLE_SUFFIXES:
+        raise InvalidArgument(
+            f"{path.name}: pickle weights are refused (loading them can run code); convert them to "
+            "adapter_model.safetensors, e.g. PeftModel.from_pretrained(...).save_pretrained(dir, safe_serialization=True)"
+        )
+
+
+def _module_kinds(targets: frozenset[str]) -> tuple[str, ...]:
+    return tuple(m for m in SUPPORTED_MODULES if any(path.endswith(f".{m}") for path in targets))
+
+
+def _artifact_metadata(
+    spec: LoraSpec, shape: ModelShape, base_model: str, rank: int, modules: tuple[str, ...]
+) -> dict[str, str]:
+    # Nothing here may vary between two compiles of the same input (no adapter name, no time).
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "base_model": base_model,
+        "num_layers": str(shape.num_layers),
+        "rank": str(rank),
+        "alpha": repr(spec.lora_alpha),
+        "scaling": repr(spec.scaling),
+        "use_rslora": "true" if spec.use_rslora else "false",
+        "target_modules": ",".join(modules),
+    }
+
+
+def _artifact_tensors(
+    sf: SafetensorsFile, plans: list[_ModulePlan], shape: ModelShape, rank: int, dtype: torch.dtype
+) -> tuple[dict[str, TensorSpec], Callable[[str], torch.Tensor]]:
+    """The artifact's layout, and a function that builds one canonical tensor when the writer asks."""
+    specs: dict[str, TensorSpec] = {}
+    sources: dict[str, tuple[_ModulePlan, str]] = {}
+    for plan in plans:
+        in_dim, out_dim = shape.module_dims(plan.module)
+        prefix = f"layers.{plan.layer}.{plan.module}"
+        specs[f"{prefix}.lora_A"] = TensorSpec(dtype, (rank, in_dim))
+        specs[f"{prefix}.lora_B"] = TensorSpec(dtype, (out_dim, rank))
+        sources[f"{prefix}.lora_A"] = (plan, "A")
+        sources[f"{prefix}.lora_B"] = (plan, "B")
+
+    def produce(name: str) -> torch.Tensor:
+        plan, part = sources[name]
+        if part == "A":
+            return _canonical_a(sf.tensor(plan.a_name), rank, dtype)
+        return _canonical_b(sf.tensor(plan.b_name), plan.fold, rank, dtype)
+
+    return specs, produce
+
+
+def _write_atomically(
+    out_path: Path,
+    specs: dict[str, TensorSpec],
+    produce: Callable[[str], torch.Tensor],
+    metadata: dict[str, str],
+) -> tuple[str, int]:
+    # A temporary file in the same directory, renamed into place only once complete: a failure or a
+    # crash mid-write never leaves a partial artifact at out_path.
+    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            digest, size = write_safetensors_lazy(f, specs, produce, metadata)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return digest, size
+
+
+# ---- reading the artifact (engine, tests) ----
+
+_CANONICAL_NAME = re.compile(r"layers\.(?P<layer>0|[1-9][0-9]*)\.(?P<module>\w+)\.lora_(?P<part>[AB])")
+
+
+@dataclass(frozen=True)
+class CanonicalAdapter:
+    base_model: str
+    num_layers: int
+    rank: int
+    alpha: float
+    scaling: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    metadata: dict[str, str]
+    # layers.{i}.{module}.lora_A: [rank, in_dim]; layers.{i}.{module}.lora_B: [out_dim, rank]
+    tensors: dict[str, torch.Tensor]
+
+    def module_weights(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B) of one projection, or None when the adapter leaves it unchanged."""
+        a = self.tensors.get(f"layers.{layer}.{module}.lora_A")
+        return None if a is None else (a, self.tensors[f"layers.{layer}.{module}.lora_B"])
+
+
+def read_canonical(
+    source: str | os.PathLike[str] | bytes | bytearray,
+    shape: ModelShape | None = None,
+    limits: SafetensorsLimits = DEFAULT_LIMITS,
+) -> CanonicalAdapter:
+    """Reads and checks an artifact; with `shape`, also checks it fits that base model."""
+    if isinstance(source, bytes | bytearray):
+        sf = SafetensorsFile.from_buffer(source, "artifact", limits)
+    else:
+        sf = SafetensorsFile.open(source, limits)
+    fields = _canonical_fields(sf.label, sf.metadata)
+    adapter = CanonicalAdapter(**fields, metadata=dict(sf.metadata), tensors=sf.tensors())
+    _check_canonical_tensors(sf, adapter, shape)
+    return adapter
+
+
+def _canonical_fields(label: str, metadata: dict[str, str]) -> dict[str, Any]:
+    for key, expected in (("format", FORMAT), ("format_version", FORMAT_VERSION)):
+        if metadata.get(key) != expected:
+            raise InvalidArgument(
+                f"{label}: metadata {key!r} is {metadata.get(key)!r}, expected {expected!r}"
+            )
+    return {
+        "base_model": _meta(label, metadata, "base_model", str),
+        "num_layers": _meta(label, metadata, "num_layers", int),
+        "rank": _meta(label, metadata, "rank", int),
+        "alpha": _meta(label, metadata, "alpha", float),
+        "scaling": _meta(label, metadata, "scaling", float),
+        "use_rslora": _meta(label, metadata, "use_rslora", {"true": True, "false": False}.__getitem__),
+        "target_modules": _meta(label, metadata, "target_modules", _module_list),
+    }
+
+
+def _meta(label: str, metadata: dict[str, str], key: str, convert: Callable[[str], Any]) -> Any:
+    if key not in metadata:
+        raise InvalidArgument(f"{label}: metadata {key!r} is missing")
+    try:
+        return convert(metadata[key])
+    except (KeyError, ValueError):
+        raise InvalidArgument(f"{label}: metadata {key!r} has a bad value {metadata[key]!r}") from None
+
+
+def _module_list(value: str) -> tuple[str, ...]:
+    modules = tuple(value.split(","))
+    if not all(m in SUPPORTED_MODULES for m in modules):
+        raise ValueError(value)
+    return modules
+
+
+def _check_canonical_tensors(
+    sf: SafetensorsFile, adapter: CanonicalAdapter, shape: ModelShape | None
+) -> None:
+    if shape is not None and shape.num_layers != adapter.num_layers:
+        raise FailedPrecondition(
+            f"{sf.label}: metadata 'num_layers' is {adapter.num_layers}, the base model has {shape.num_layers}"
+        )
+    for name, info in sf.infos.items():
+        layer, module, part = _canonical_location(sf.label, name, adapter)
+        other = f"layers.{layer}.{module}.lora_{'B' if part == 'A' else 'A'}"
+        if other not in sf.infos:
+            raise InvalidArgument(f"{sf.label}: tensor {name!r} has no {other!r}")
+        rank_dim = 0 if part == "A" else 1  # A: [rank, in_dim], B: [out_dim, rank]
+        if len(info.shape) != 2 or info.shape[rank_dim] != adapter.rank:
+            raise InvalidArgument(
+                f"{sf.label}: tensor {name!r} has shape {list(info.shape)}, not 2-D with rank {adapter.rank}"
+            )
+        if shape is not None:
+            _check_canonical_dims(sf.label, name, info.shape, module, part, shape)
+
+
+def _canonical_location(label: str, name: str, adapter: CanonicalAdapter) -> tuple[int, str, str]:
+    match = _CANONICAL_NAME.fullmatch(name)
+    if match is None or match["module"] not in adapter.target_modules:
+        raise InvalidArgument(f"{label}: tensor {name!r} does not name a target module's lora_A or lora_B")
+    layer = int(match["layer"])
+    if layer >= adapter.num_layers:
+        raise InvalidArgument(
+            f"{label}: tensor {name!r}: layer {layer} is out of range ({adapter.num_layers})"
+        )
+    return layer, match["module"], match["part"]
+
+
+def _check_canonical_dims(
+    label: str, name: str, actual: tuple[int, ...], module: str, part: str, shape: ModelShape
+) -> None:
+    in_dim, out_dim = shape.module_dims(module)
+    expected = (actual[0], in_dim) if part == "A" else (out_dim, actual[1])
+    if actual != expected:
+        raise FailedPrecondition(
+            f"{label}: tensor {name!r} has shape {list(actual)}, the base model needs {list(expected)}"
+        )

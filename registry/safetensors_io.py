@@ -109,6 +109,8 @@ class SafetensorsFile:
         info = self.infos.get(name)
         if info is None:
             raise InvalidArgument(f"{self.label}: no tensor named {name!r}")
+        if self._buffer is None:
+            raise ValueError(f"{self.label}: read after close()")
         if info.numel == 0:
             return torch.empty(info.shape, dtype=info.torch_dtype)
         flat = torch.frombuffer(
@@ -120,11 +122,9 @@ class SafetensorsFile:
         return {name: self.tensor(name) for name in self.names}
 
     def close(self) -> None:
-        # A live view still exports the mmap, and closing it would fail (BufferError); then dropping
-        # our reference is enough: the mapping goes away with the last view.
-        if isinstance(self._buffer, mmap.mmap):
-            with contextlib.suppress(BufferError):
-                self._buffer.close()
+        # Never mmap.close(): torch.frombuffer keeps a reference to the mmap object but no buffer
+        # export, so unmapping under a live view would crash. The views own the mapping; it goes
+        # away with the last of them.
         self._buffer = None
 
     def __enter__(self) -> SafetensorsFile:

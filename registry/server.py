@@ -29,9 +29,11 @@ def build_service(config: RegistryConfig) -> RegistryService:
 class RegistryServer:
     """A started registry; `port` is the bound port (useful when config.port is 0)."""
 
-    def __init__(self, config: RegistryConfig):
+    def __init__(self, config: RegistryConfig, service: RegistryService | None = None):
+        """Create in the event loop's thread (grpc.aio binds to it); pass a service built elsewhere
+        to keep the blocking database set-up out of the loop."""
         self.config = config
-        self.service = build_service(config)
+        self.service = service or build_service(config)
         self.servicer = RegistryServicer(self.service)
         self.host = ServiceHost([SERVICE_NAME])
         registry_pb2_grpc.add_RegistryServicer_to_server(self.servicer, self.host.server)
@@ -52,7 +54,7 @@ class RegistryServer:
 
 async def serve(config: RegistryConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set, then stop gracefully."""
-    server = await asyncio.to_thread(RegistryServer, config)
+    server = RegistryServer(config, await asyncio.to_thread(build_service, config))
     await server.start()
     announce("registry", config.host, server.port)
     await stop.wait()

@@ -70,7 +70,12 @@ class RegistryService:
             )
             started = time.monotonic()
             self.store.put_file(compiled.digest, artifact)
-            log.info("stored %s (%d bytes) in %.3fs", compiled.digest, compiled.size_bytes, time.monotonic() - started)
+            log.info(
+                "stored %s (%d bytes) in %.3fs",
+                compiled.digest,
+                compiled.size_bytes,
+                time.monotonic() - started,
+            )
         new = NewVersion(
             digest=compiled.digest,
             rank=compiled.rank,

@@ -52,7 +52,9 @@ def _statuses(method: Callable) -> Callable:
             raise
         except Exception:
             log.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: internal error (see the registry log)")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"{method.__name__}: internal error (see the registry log)"
+            )
 
     return wrapper
 
@@ -71,10 +73,14 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     @_statuses
     async def ListBaseModels(self, request, context) -> pb.ListBaseModelsResponse:
         infos = await asyncio.to_thread(self.catalog.list_base_models)
-        return pb.ListBaseModelsResponse(base_models=[pb.BaseModel(name=i.name, config_json=i.config_json) for i in infos])
+        return pb.ListBaseModelsResponse(
+            base_models=[pb.BaseModel(name=i.name, config_json=i.config_json) for i in infos]
+        )
 
     @_statuses
-    async def RegisterAdapter(self, request_iterator: AsyncIterator[pb.RegisterAdapterRequest], context) -> pb.Adapter:
+    async def RegisterAdapter(
+        self, request_iterator: AsyncIterator[pb.RegisterAdapterRequest], context
+    ) -> pb.Adapter:
         config = self.service.config
         with tempfile.TemporaryDirectory(dir=config.spool_dir) as tmp:
             upload = await receive_upload(request_iterator, Path(tmp), config.max_upload_bytes)
@@ -131,7 +137,9 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         except RegistryError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
 
-    async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context) -> AsyncIterator[pb.AdapterEvent]:
+    async def WatchAdapters(
+        self, request: pb.WatchAdaptersRequest, context
+    ) -> AsyncIterator[pb.AdapterEvent]:
         after = request.after_event_id or await asyncio.to_thread(self.catalog.last_event_id)
         while True:
             woken = self.hub.current

@@ -96,7 +96,9 @@ def make_spec(
         raise InvalidArgument(f"labels: more than {MAX_LABELS} entries")
     for key, value in labels.items():
         if not key or len(key) > MAX_LABEL_LEN or len(value) > MAX_LABEL_LEN:
-            raise InvalidArgument(f"labels[{key[:64]!r}]: keys must be 1-{MAX_LABEL_LEN} characters, values at most {MAX_LABEL_LEN}")
+            raise InvalidArgument(
+                f"labels[{key[:64]!r}]: keys must be 1-{MAX_LABEL_LEN} characters, values at most {MAX_LABEL_LEN}"
+            )
     return AdapterSpecIn(name, base_model, pinned, description, labels, source_uri)
 
 

@@ -26,7 +26,9 @@ class Upload:
     files: AdapterFiles | None  # None when spec.source_uri names a server-side source
 
 
-async def receive_upload(requests: AsyncIterator[pb.RegisterAdapterRequest], spool: Path, max_bytes: int) -> Upload:
+async def receive_upload(
+    requests: AsyncIterator[pb.RegisterAdapterRequest], spool: Path, max_bytes: int
+) -> Upload:
     """Read the whole stream into files under spool; raises before reading past max_bytes."""
     first = await anext(aiter(requests), None)
     if first is None or first.WhichOneof("item") != "spec":
@@ -41,7 +43,9 @@ async def receive_upload(requests: AsyncIterator[pb.RegisterAdapterRequest], spo
             chunk = _check_chunk(request, spec, sizes)
             total += len(chunk.data)
             if total > max_bytes:
-                raise ResourceExhausted(f"upload is over the size limit of {max_bytes} bytes; stopped reading")
+                raise ResourceExhausted(
+                    f"upload is over the size limit of {max_bytes} bytes; stopped reading"
+                )
             if chunk.filename not in handles:
                 handles[chunk.filename] = open(paths[chunk.filename], "wb")  # noqa: SIM115
             handles[chunk.filename].write(chunk.data)
@@ -57,7 +61,9 @@ async def receive_upload(requests: AsyncIterator[pb.RegisterAdapterRequest], spo
     return Upload(spec, AdapterFiles(paths[CONFIG_FILE], paths[WEIGHTS_FILE]))
 
 
-def _check_chunk(request: pb.RegisterAdapterRequest, spec: pb.AdapterSpec, sizes: dict[str, int]) -> pb.FileChunk:
+def _check_chunk(
+    request: pb.RegisterAdapterRequest, spec: pb.AdapterSpec, sizes: dict[str, int]
+) -> pb.FileChunk:
     if request.WhichOneof("item") != "chunk":
         raise InvalidArgument("only the first RegisterAdapter message may be a spec")
     if spec.source_uri:
@@ -65,10 +71,14 @@ def _check_chunk(request: pb.RegisterAdapterRequest, spec: pb.AdapterSpec, sizes
     chunk = request.chunk
     _check_filename(chunk.filename)
     if len(chunk.data) > MAX_CHUNK_BYTES:
-        raise InvalidArgument(f"chunk of {chunk.filename} holds {len(chunk.data)} bytes; at most {MAX_CHUNK_BYTES}")
+        raise InvalidArgument(
+            f"chunk of {chunk.filename} holds {len(chunk.data)} bytes; at most {MAX_CHUNK_BYTES}"
+        )
     expected = sizes.get(chunk.filename, 0)
     if chunk.offset != expected:
-        raise InvalidArgument(f"chunk of {chunk.filename} at offset {chunk.offset}; expected offset {expected}")
+        raise InvalidArgument(
+            f"chunk of {chunk.filename} at offset {chunk.offset}; expected offset {expected}"
+        )
     if chunk.filename == CONFIG_FILE and expected + len(chunk.data) > MAX_CONFIG_BYTES:
         raise InvalidArgument(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     return chunk

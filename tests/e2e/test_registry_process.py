@@ -92,7 +92,7 @@ def test_registry_process_on_postgres_and_s3(tmp_path, tiny_llama_dir, make_adap
             registered = json.loads(run_cli("adapters", "register", str(adapter_dir), "--name", "pg", "--json", *reg).stdout)
             with RegistryClient(server.address) as client:
                 adapter, artifact = client.fetch("pg")
-            assert hashlib.sha256(artifact).hexdigest() == registered["digest"]
+            assert hashlib.sha256(artifact).hexdigest() == registered["digest"] == adapter.digest
         finally:
             assert server.interrupt() == 0
 
