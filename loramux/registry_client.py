@@ -10,10 +10,9 @@ import grpc
 
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
+from registry.peft_files import ADAPTER_FILES, PICKLE_WEIGHTS_FILES, WEIGHTS_FILE
 
 CHUNK_BYTES = 1 << 20
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -28,8 +27,8 @@ def channel(address: str) -> grpc.Channel:
 def adapter_files(adapter_dir: Path) -> list[Path]:
     """The files of a PEFT adapter directory to upload; pickle weights are sent so the server refuses them."""
     files = [adapter_dir / name for name in ADAPTER_FILES if (adapter_dir / name).is_file()]
-    if not (adapter_dir / ADAPTER_FILES[1]).is_file():
-        files += [adapter_dir / name for name in PICKLE_FILES if (adapter_dir / name).is_file()]
+    if not (adapter_dir / WEIGHTS_FILE).is_file():
+        files += [adapter_dir / name for name in PICKLE_WEIGHTS_FILES if (adapter_dir / name).is_file()]
     return files
 
 

@@ -20,13 +20,13 @@ from registry.config import RegistryConfig
 from registry.errors import InvalidArgument
 from registry.model_shapes import ModelShape
 from registry.peft_compile import compile_adapter
-from registry.store import BlobInfo, ObjectStore, S3Store, fetch_source, make_s3_client
+from registry.peft_files import CONFIG_FILE, WEIGHTS_FILE
+from registry.sources import fetch_source
+from registry.store import BlobInfo, ObjectStore, S3Store, make_s3_client
 from registry.types import AdapterFiles, AdapterInfo, AdapterSpecIn, BaseModelInfo, check_name
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 ARTIFACT_CHUNK_BYTES = 1 << 20
 
 

@@ -1,12 +1,9 @@
-"""Object stores for content-addressed, write-once blobs, and the sources of server-side imports.
+"""Object stores for content-addressed, write-once blobs.
 
 A blob is named by the sha256 hex digest of its bytes and lives at `blobs/sha256/<digest[:2]>/<digest>`
 under a local root or an S3 prefix. Blobs are write-once: a put of a digest that exists changes nothing,
 so readers never see a blob change under them. The stores never hash: the caller names the digest and
 hashes bytes itself (moto and some S3-compatible stores do not verify client checksums).
-
-`fetch_source` copies the two files of a PEFT adapter from `s3://bucket/prefix` or an allow-listed local
-directory into a spool directory, stopping at a byte limit.
 """
 
 from __future__ import annotations
@@ -15,20 +12,18 @@ import contextlib
 import os
 import re
 import shutil
-import stat
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 import boto3
 import botocore.config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from registry.errors import Code, InvalidArgument, NotFound, RegistryError, ResourceExhausted
+from registry.errors import Code, InvalidArgument, NotFound, RegistryError
 
 MiB = 1 << 20
 DEFAULT_CHUNK_SIZE = MiB
@@ -214,13 +209,13 @@ def check_bucket(bucket: str) -> str:
     return bucket
 
 
-def _error_code(err: ClientError) -> str:
+def s3_error_code(err: ClientError) -> str:
     return str(err.response.get("Error", {}).get("Code", ""))
 
 
-def _is_missing(err: ClientError) -> bool:
+def is_s3_missing(err: ClientError) -> bool:
     # head_object has no body, so a missing key shows only as the bare status "404".
-    return _error_code(err) in ("404", "NoSuchKey", "NotFound")
+    return s3_error_code(err) in ("404", "NoSuchKey", "NotFound")
 
 
 class S3Store:
@@ -270,7 +265,7 @@ class S3Store:
                 with path.open("rb") as f:
                     self._client.put_object(Bucket=self.bucket, Key=key, Body=f, IfNoneMatch="*")
         except ClientError as err:
-            if _error_code(err) == "PreconditionFailed":
+            if s3_error_code(err) == "PreconditionFailed":
                 return False
             raise
         self._check_stored_size(key, num_bytes)
@@ -319,7 +314,7 @@ class S3Store:
         try:
             self._client.head_object(Bucket=self.bucket, Key=self.key(digest))
         except ClientError as err:
-            if _is_missing(err):
+            if is_s3_missing(err):
                 return False
             raise
         return True
@@ -328,7 +323,7 @@ class S3Store:
         try:
             return self._client.head_object(Bucket=self.bucket, Key=self.key(digest))["ContentLength"]
         except ClientError as err:
-            if _is_missing(err):
+            if is_s3_missing(err):
                 raise NotFound(f"blob {digest} not found") from None
             raise
 
@@ -349,7 +344,7 @@ class S3Store:
         try:
             body = self._client.get_object(**args)["Body"]
         except ClientError as err:
-            if _is_missing(err):
+            if is_s3_missing(err):
                 raise NotFound(f"blob {digest} not found") from None
             raise
         with contextlib.closing(body):
@@ -379,7 +374,7 @@ def open_store(url: str) -> ObjectStore:
     if parts.scheme == "s3":
         return _open_s3_store(url, parts)
     if parts.scheme == "file":
-        root = _local_path(url, parts)
+        root = file_url_path(url, parts)
     elif url and not parts.scheme:
         root = Path(url).expanduser()
     else:
@@ -391,14 +386,16 @@ def open_store(url: str) -> ObjectStore:
     return LocalDirStore(root)
 
 
-def _bucket_of(url: str, parts: SplitResult) -> str:
+def bucket_of(url: str, parts: SplitResult) -> str:
+    """The bucket of an `s3://bucket/...` URL, checked; errors name the whole URL."""
     try:
         return check_bucket(parts.netloc)
     except InvalidArgument as err:
         raise InvalidArgument(f"{url!r}: {err}") from None
 
 
-def _local_path(url: str, parts: SplitResult) -> Path:
+def file_url_path(url: str, parts: SplitResult) -> Path:
+    """The path of a `file:///absolute/path` URL (or `file://localhost/...`)."""
     if (
         parts.netloc not in ("", "localhost")
         or parts.query
@@ -424,178 +421,8 @@ def _open_s3_store(url: str, parts: SplitResult) -> S3Store:
             f"object store {url!r}: unknown parameter {unknown[0]!r} (known: endpoint_url, region)"
         )
     return S3Store(
-        _bucket_of(url, parts),
+        bucket_of(url, parts),
         prefix=unquote(parts.path),
         endpoint_url=params.get("endpoint_url") or None,
         region=params.get("region") or None,
     )
-
-
-# -- server-side import sources ----------------------------------------------------------------------
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-SOURCE_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-PICKLE_WEIGHTS_FILES = ("adapter_model.bin", "adapter_model.pt")
-_COPY_CHUNK = MiB
-
-
-@dataclass(frozen=True)
-class _SourceFile:
-    size: int  # as listed; the copy enforces the limit on the bytes actually read
-    open: Callable[[], BinaryIO]
-
-
-def fetch_source(
-    uri: str,
-    dest_dir: Path,
-    *,
-    allowed_dirs: Sequence[Path],
-    max_bytes: int,
-    s3_client_factory: Callable[[], S3Client] = make_s3_client,
-) -> dict[str, Path]:
-    """Copy `adapter_config.json` and `adapter_model.safetensors` from `uri` into `dest_dir`.
-
-    `uri` is `s3://bucket[/prefix]` (read with `s3_client_factory()`, whose endpoint and credentials come
-    from the registry's configuration, never from the uri) or a local directory, `file:///dir` or an
-    absolute path, that must resolve inside one of `allowed_dirs`, as must each file (no escape through
-    `..` or symlinks). At most `max_bytes + 1` bytes are read over both files. On failure no file is left
-    in `dest_dir`. Returns filename -> copied path.
-    """
-    files = _list_source(uri, allowed_dirs, s3_client_factory)
-    _check_source_files(uri, files)
-    declared = sum(files[name].size for name in SOURCE_FILES)
-    if declared > max_bytes:
-        raise _over_limit(uri, max_bytes)
-    return _copy_source(uri, files, dest_dir, max_bytes)
-
-
-def _list_source(
-    uri: str, allowed_dirs: Sequence[Path], s3_client_factory: Callable[[], S3Client]
-) -> dict[str, _SourceFile]:
-    parts = urlsplit(uri)
-    if parts.scheme == "s3":
-        return _list_s3_source(uri, parts, s3_client_factory)
-    if parts.scheme == "file":
-        return _list_local_source(uri, _local_path(uri, parts), allowed_dirs)
-    if not parts.scheme and uri.startswith("/"):
-        return _list_local_source(uri, Path(uri), allowed_dirs)
-    raise InvalidArgument(
-        f"source_uri {uri!r} is invalid: use s3://bucket/prefix, file:///abs/dir or an absolute path"
-    )
-
-
-def _list_local_source(uri: str, directory: Path, allowed_dirs: Sequence[Path]) -> dict[str, _SourceFile]:
-    directory = _resolve_allowed(uri, directory, allowed_dirs)
-    if not directory.is_dir():
-        raise NotFound(f"source_uri {uri!r}: no such directory")
-    files = {}
-    for name in (*SOURCE_FILES, *PICKLE_WEIGHTS_FILES):
-        if not (directory / name).exists():
-            continue
-        path = _resolve_allowed(f"{uri}/{name}", directory / name, allowed_dirs)
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block or never end
-            raise InvalidArgument(f"source_uri {uri!r}: {name} is not a regular file")
-        files[name] = _SourceFile(st.st_size, partial(path.open, "rb"))
-    return files
-
-
-def _resolve_allowed(uri: str, path: Path, allowed_dirs: Sequence[Path]) -> Path:
-    """Resolve symlinks and `..` first, then compare, so no spelling of a path can leave the allow list."""
-    resolved = Path(os.path.realpath(path))
-    if not any(resolved.is_relative_to(os.path.realpath(allowed)) for allowed in allowed_dirs):
-        raise InvalidArgument(f"source_uri {uri!r} is not under an allow-listed import directory")
-    return resolved
-
-
-def _list_s3_source(
-    uri: str, parts: SplitResult, s3_client_factory: Callable[[], S3Client]
-) -> dict[str, _SourceFile]:
-    if parts.query or parts.fragment:
-        raise InvalidArgument(
-            f"source_uri {uri!r}: use s3://bucket/prefix without parameters; the endpoint is the registry's setting"
-        )
-    bucket = _bucket_of(uri, parts)
-    prefix = unquote(parts.path).strip("/")
-    key_prefix = f"{prefix}/" if prefix else ""
-    client = s3_client_factory()
-    files = {}
-    try:
-        # Delimiter="/" lists only this level, so a prefix holding many other adapters stays cheap.
-        pages = client.get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=key_prefix, Delimiter="/"
-        )
-        for page in pages:
-            for obj in page.get("Contents", []):
-                name = obj["Key"][len(key_prefix) :]
-                if name in SOURCE_FILES or name in PICKLE_WEIGHTS_FILES:
-                    files[name] = _SourceFile(
-                        obj["Size"], partial(_open_s3_object, client, bucket, obj["Key"])
-                    )
-    except ClientError as err:
-        if _error_code(err) == "NoSuchBucket":
-            raise NotFound(f"source_uri {uri!r}: no such bucket {bucket!r}") from None
-        raise
-    return files
-
-
-def _open_s3_object(client: S3Client, bucket: str, key: str) -> BinaryIO:
-    try:
-        return client.get_object(Bucket=bucket, Key=key)["Body"]
-    except ClientError as err:
-        if _is_missing(err):
-            raise NotFound(f"source file s3://{bucket}/{key} not found") from None
-        raise
-
-
-def _check_source_files(uri: str, files: dict[str, _SourceFile]) -> None:
-    if WEIGHTS_FILE not in files:
-        for name in PICKLE_WEIGHTS_FILES:
-            if name in files:
-                raise InvalidArgument(
-                    f"source_uri {uri!r} holds {name}, pickle weights the registry refuses to load: convert it to "
-                    f"{WEIGHTS_FILE} (e.g. `model.save_pretrained(dir, safe_serialization=True)` in PEFT, or "
-                    "`safetensors.torch.save_file(torch.load(path), 'adapter_model.safetensors')`)"
-                )
-    for name in SOURCE_FILES:
-        if name not in files:
-            raise NotFound(f"source_uri {uri!r}: {name} not found")
-
-
-def _copy_source(uri: str, files: dict[str, _SourceFile], dest_dir: Path, max_bytes: int) -> dict[str, Path]:
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    copied: dict[str, Path] = {}
-    remaining = max_bytes
-    try:
-        for name in SOURCE_FILES:
-            copied[name] = dest_dir / name
-            with contextlib.closing(files[name].open()) as src:
-                num_bytes = _copy_limited(src, copied[name], remaining)
-            if num_bytes > remaining:
-                raise _over_limit(uri, max_bytes)
-            remaining -= num_bytes
-    except BaseException:
-        for path in copied.values():
-            path.unlink(missing_ok=True)
-        raise
-    return copied
-
-
-def _copy_limited(src: BinaryIO, dest: Path, limit: int) -> int:
-    """Copy up to `limit` bytes; reads at most `limit + 1` and returns `limit + 1` if `src` is longer.
-
-    The sizes a listing declares can change before the read, so this, not the listing, is the guard.
-    """
-    num_bytes = 0
-    with dest.open("wb") as dst:
-        while chunk := src.read(min(_COPY_CHUNK, limit + 1 - num_bytes)):
-            num_bytes += len(chunk)
-            if num_bytes > limit:
-                break
-            dst.write(chunk)
-    return num_bytes
-
-
-def _over_limit(uri: str, max_bytes: int) -> ResourceExhausted:
-    return ResourceExhausted(f"source_uri {uri!r} is over the import size limit of {max_bytes} bytes")

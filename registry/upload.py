@@ -12,12 +12,11 @@ from pathlib import Path
 
 from loramux.v1 import registry_pb2 as pb
 from registry.errors import InvalidArgument, ResourceExhausted
-from registry.service import CONFIG_FILE, WEIGHTS_FILE
+from registry.peft_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, is_pickle_weights, pickle_refusal
 from registry.types import AdapterFiles
 
 MAX_CHUNK_BYTES = 1 << 20
 MAX_CONFIG_BYTES = 1 << 20
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
 @dataclass
@@ -34,7 +33,7 @@ async def receive_upload(
     if first is None or first.WhichOneof("item") != "spec":
         raise InvalidArgument("the first RegisterAdapter message must be a spec")
     spec = first.spec
-    paths = {CONFIG_FILE: spool / CONFIG_FILE, WEIGHTS_FILE: spool / WEIGHTS_FILE}
+    paths = {name: spool / name for name in ADAPTER_FILES}
     sizes: dict[str, int] = {}
     total = 0
     handles = {}
@@ -55,7 +54,7 @@ async def receive_upload(
             handle.close()
     if spec.source_uri:
         return Upload(spec, None)
-    missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if name not in sizes]
+    missing = [name for name in ADAPTER_FILES if name not in sizes]
     if missing:
         raise InvalidArgument(f"upload is missing {', '.join(missing)}")
     return Upload(spec, AdapterFiles(paths[CONFIG_FILE], paths[WEIGHTS_FILE]))
@@ -85,11 +84,8 @@ def _check_chunk(
 
 
 def _check_filename(filename: str) -> None:
-    if filename in (CONFIG_FILE, WEIGHTS_FILE):
+    if filename in ADAPTER_FILES:
         return
-    if filename.endswith(PICKLE_SUFFIXES):
-        raise InvalidArgument(
-            f"{filename}: pickle weights are refused (they can run code when loaded); convert them to "
-            f"{WEIGHTS_FILE}, e.g. save_pretrained(dir, safe_serialization=True)"
-        )
-    raise InvalidArgument(f"filename {filename[:200]!r} is not one of {CONFIG_FILE}, {WEIGHTS_FILE}")
+    if is_pickle_weights(filename):
+        raise InvalidArgument(pickle_refusal(filename))
+    raise InvalidArgument(f"filename {filename[:200]!r} is not one of {', '.join(ADAPTER_FILES)}")

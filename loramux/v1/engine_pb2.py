@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17loramux/v1/engine.proto\x12\nloramux.v1\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.loramux.v1.TokenIdsH\x00\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.loramux.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"y\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.loramux.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1c.loramux.v1.GenerateCompleteH\x00\x42\x07\n\x05\x65vent\"0\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x8c\x01\n\x10GenerateComplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.loramux.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.loramux.v1.Usage\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"2\n\x12LoadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"\'\n\x14UnloadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"\x13\n\x11ListLoadedRequest\"\x9a\x01\n\x0c\x41\x64\x61pterState\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0e\n\x06on_gpu\x18\x03 \x01(\x08\x12\x15\n\rin_host_cache\x18\x04 \x01(\x08\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\"@\n\x12ListLoadedResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loramux.v1.AdapterState*\x9c\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xb6\x02\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.loramux.v1.GenerateRequest\x1a\x1c.loramux.v1.GenerateResponse0\x01\x12G\n\x0bLoadAdapter\x12\x1e.loramux.v1.LoadAdapterRequest\x1a\x18.loramux.v1.AdapterState\x12K\n\rUnloadAdapter\x12 .loramux.v1.UnloadAdapterRequest\x1a\x18.loramux.v1.AdapterState\x12M\n\x0cListAdapters\x12\x1d.loramux.v1.ListLoadedRequest\x1a\x1e.loramux.v1.ListLoadedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17loramux/v1/engine.proto\x12\nloramux.v1\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.loramux.v1.TokenIdsH\x00\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.loramux.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc9\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"y\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.loramux.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1c.loramux.v1.GenerateCompleteH\x00\x42\x07\n\x05\x65vent\"0\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x8c\x01\n\x10GenerateComplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.loramux.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.loramux.v1.Usage\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"2\n\x12LoadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"\'\n\x14UnloadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"\x13\n\x11ListLoadedRequest\"\x9a\x01\n\x0c\x41\x64\x61pterState\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0e\n\x06on_gpu\x18\x03 \x01(\x08\x12\x15\n\rin_host_cache\x18\x04 \x01(\x08\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\"@\n\x12ListLoadedResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loramux.v1.AdapterState*\x9c\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xb6\x02\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.loramux.v1.GenerateRequest\x1a\x1c.loramux.v1.GenerateResponse0\x01\x12G\n\x0bLoadAdapter\x12\x1e.loramux.v1.LoadAdapterRequest\x1a\x18.loramux.v1.AdapterState\x12K\n\rUnloadAdapter\x12 .loramux.v1.UnloadAdapterRequest\x1a\x18.loramux.v1.AdapterState\x12M\n\x0cListAdapters\x12\x1d.loramux.v1.ListLoadedRequest\x1a\x1e.loramux.v1.ListLoadedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loramux.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1159
-  _globals['_FINISHREASON']._serialized_end=1315
+  _globals['_FINISHREASON']._serialized_start=1183
+  _globals['_FINISHREASON']._serialized_end=1339
   _globals['_GENERATEREQUEST']._serialized_start=40
   _globals['_GENERATEREQUEST']._serialized_end=209
   _globals['_TOKENIDS']._serialized_start=211
   _globals['_TOKENIDS']._serialized_end=234
   _globals['_SAMPLINGPARAMS']._serialized_start=237
-  _globals['_SAMPLINGPARAMS']._serialized_end=414
-  _globals['_GENERATERESPONSE']._serialized_start=416
-  _globals['_GENERATERESPONSE']._serialized_end=537
-  _globals['_GENERATECHUNK']._serialized_start=539
-  _globals['_GENERATECHUNK']._serialized_end=587
-  _globals['_GENERATECOMPLETE']._serialized_start=590
-  _globals['_GENERATECOMPLETE']._serialized_end=730
-  _globals['_USAGE']._serialized_start=732
-  _globals['_USAGE']._serialized_end=819
-  _globals['_LOADADAPTERREQUEST']._serialized_start=821
-  _globals['_LOADADAPTERREQUEST']._serialized_end=871
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=873
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=912
-  _globals['_LISTLOADEDREQUEST']._serialized_start=914
-  _globals['_LISTLOADEDREQUEST']._serialized_end=933
-  _globals['_ADAPTERSTATE']._serialized_start=936
-  _globals['_ADAPTERSTATE']._serialized_end=1090
-  _globals['_LISTLOADEDRESPONSE']._serialized_start=1092
-  _globals['_LISTLOADEDRESPONSE']._serialized_end=1156
-  _globals['_ENGINE']._serialized_start=1318
-  _globals['_ENGINE']._serialized_end=1628
+  _globals['_SAMPLINGPARAMS']._serialized_end=438
+  _globals['_GENERATERESPONSE']._serialized_start=440
+  _globals['_GENERATERESPONSE']._serialized_end=561
+  _globals['_GENERATECHUNK']._serialized_start=563
+  _globals['_GENERATECHUNK']._serialized_end=611
+  _globals['_GENERATECOMPLETE']._serialized_start=614
+  _globals['_GENERATECOMPLETE']._serialized_end=754
+  _globals['_USAGE']._serialized_start=756
+  _globals['_USAGE']._serialized_end=843
+  _globals['_LOADADAPTERREQUEST']._serialized_start=845
+  _globals['_LOADADAPTERREQUEST']._serialized_end=895
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=897
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=936
+  _globals['_LISTLOADEDREQUEST']._serialized_start=938
+  _globals['_LISTLOADEDREQUEST']._serialized_end=957
+  _globals['_ADAPTERSTATE']._serialized_start=960
+  _globals['_ADAPTERSTATE']._serialized_end=1114
+  _globals['_LISTLOADEDRESPONSE']._serialized_start=1116
+  _globals['_LISTLOADEDRESPONSE']._serialized_end=1180
+  _globals['_ENGINE']._serialized_start=1342
+  _globals['_ENGINE']._serialized_end=1652
 # @@protoc_insertion_point(module_scope)

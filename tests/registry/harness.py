@@ -5,16 +5,20 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 
 import grpc
+import pytest
 
 from loramux.registry_client import adapter_files, upload_requests
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
 from registry.config import RegistryConfig
 from registry.server import RegistryServer
+from tests.registry.backends import fresh_postgres_database
+
+BACKENDS = ["sqlite+local", "postgres+s3"]
 
 
 @dataclasses.dataclass
@@ -88,6 +92,23 @@ async def running_registry(
     finally:
         await channel.close()
         await server.stop(grace=0.5)
+
+
+@asynccontextmanager
+async def registry_on_backend(
+    request: pytest.FixtureRequest, data_dir: Path, base_model_dir: Path, **config
+) -> AsyncIterator[Harness]:
+    """A registry on the backend `request.param` names (one of BACKENDS), with base model "tiny"."""
+    db, store = request.param.split("+")
+    with ExitStack() as stack:
+        db_url = stack.enter_context(fresh_postgres_database()) if db == "postgres" else ""
+        store_url = ""
+        if store == "s3":
+            endpoint = request.getfixturevalue("s3_endpoint")
+            store_url = f"s3://{request.getfixturevalue('s3_bucket')}?endpoint_url={endpoint}"
+        async with running_registry(data_dir, db_url, store_url, **config) as harness:
+            await harness.register_base("tiny", base_model_dir)
+            yield harness
 
 
 def config_json(model_dir: Path, **overrides) -> str:

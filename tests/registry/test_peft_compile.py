@@ -25,12 +25,8 @@ from loramux.demo_model import write_llama_checkpoint
 from loramux.testing.peft_adapters import make_peft_adapter
 from registry.errors import FailedPrecondition, InvalidArgument, RegistryError
 from registry.model_shapes import SUPPORTED_MODULES, ModelShape, module_path
-from registry.peft_compile import (
-    CompiledAdapter,
-    compile_adapter,
-    parse_peft_config,
-    read_canonical,
-)
+from registry.peft_compile import CompiledAdapter, compile_adapter, read_canonical
+from registry.peft_config import parse_peft_config
 from registry.safetensors_io import write_safetensors
 
 ALL = SUPPORTED_MODULES

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
-from contextlib import ExitStack
 
 import grpc
 import pytest
@@ -14,8 +13,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from loramux.v1 import registry_pb2 as pb
-from tests.registry.backends import fresh_postgres_database
-from tests.registry.harness import running_registry
+from tests.registry.harness import BACKENDS, registry_on_backend
 
 CFG = "adapter_config.json"
 WTS = "adapter_model.safetensors"
@@ -24,19 +22,12 @@ PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 PREFIX = "base_model.model.model.layers"
 
 
-@pytest.fixture(params=["sqlite+local", "postgres+s3"])
+@pytest.fixture(params=BACKENDS)
 async def registry(request, tmp_path, tiny_llama_dir):
-    db, store = request.param.split("+")
-    with ExitStack() as stack:
-        db_url = stack.enter_context(fresh_postgres_database()) if db == "postgres" else ""
-        store_url = ""
-        if store == "s3":
-            store_url = f"s3://{request.getfixturevalue('s3_bucket')}?endpoint_url={request.getfixturevalue('s3_endpoint')}"
-        async with running_registry(
-            tmp_path / "data", db_url, store_url, max_lora_rank=16, max_upload_bytes=8 << 20
-        ) as h:
-            await h.register_base("tiny", tiny_llama_dir)
-            yield h
+    async with registry_on_backend(
+        request, tmp_path / "data", tiny_llama_dir, max_lora_rank=16, max_upload_bytes=8 << 20
+    ) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from contextlib import ExitStack
 
 import grpc
 import pytest
@@ -13,24 +12,13 @@ import torch
 from safetensors.torch import load_file
 
 from loramux.v1 import registry_pb2 as pb
-from tests.registry.backends import fresh_postgres_database
-from tests.registry.harness import config_json, running_registry
-
-BACKENDS = ["sqlite+local", "postgres+s3"]
+from tests.registry.harness import BACKENDS, config_json, registry_on_backend, running_registry
 
 
 @pytest.fixture(params=BACKENDS)
 async def registry(request, tmp_path, tiny_llama_dir):
-    db, store = request.param.split("+")
-    with ExitStack() as stack:
-        db_url = stack.enter_context(fresh_postgres_database()) if db == "postgres" else ""
-        store_url = ""
-        if store == "s3":
-            endpoint = request.getfixturevalue("s3_endpoint")
-            store_url = f"s3://{request.getfixturevalue('s3_bucket')}?endpoint_url={endpoint}"
-        async with running_registry(tmp_path / "data", db_url, store_url, max_lora_rank=32) as harness:
-            await harness.register_base("tiny", tiny_llama_dir)
-            yield harness
+    async with registry_on_backend(request, tmp_path / "data", tiny_llama_dir, max_lora_rank=32) as harness:
+        yield harness
 
 
 @pytest.fixture

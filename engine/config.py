@@ -1,0 +1,25 @@
+"""The engine's settings, read once at the entry point (flags or LORAMUX_* variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_ENGINE_PORT = 50052
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    base_model_name: str = ""  # "" = the model directory's name
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_ENGINE_PORT
+    device: str = "cpu"
+    dtype: str = ""  # "" = float32 on CPU, bfloat16 on CUDA
+    page_size: int = 1
+    num_kv_slots: int = 0  # 0 = 16384 on CPU; on CUDA, kv_memory_fraction of free memory
+    kv_memory_fraction: float = 0.85
+    max_context: int = 0  # 0 = the model's max_position_embeddings
+    max_running_requests: int = 64
+    max_batch_tokens: int = 2048
+    max_queued_requests: int = 1024
+    max_prompt_bytes: int = 1 << 20

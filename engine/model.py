@@ -1,0 +1,141 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache; fused q/k/v and gate/up.
+
+Parameter names are Hugging Face's without the leading "model." and with q/k/v fused into
+`self_attn.qkv_proj` (rows: q, then k, then v) and gate/up into `mlp.gate_up_proj` (rows: gate, then up).
+
+LoRA seam: every linear is applied through one `project_*` method of its module (`Attention.project_qkv`,
+`Attention.project_o`, `MLP.project_gate_up`, `MLP.project_down`); the LoRA delta of a fused target is
+added there and nowhere else.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_inputs import AttentionInputs, KVBuffers
+from engine.model_config import ModelConfig
+from engine.rope import apply_rope, cos_sin_cache
+from kernels.attention_ref import extend_attention_ref
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, **factory):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
+        # Normalise in fp32, scale in the model dtype: the order transformers uses, so bf16 rounds alike.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, **factory):
+        super().__init__()
+        self.config, self.layer_id = config, layer_id
+        qkv_size = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias, **factory)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias, **factory)
+        self.scale = config.head_dim**-0.5
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden] -> [T, q_size + 2 * kv_size]
+        return self.qkv_proj(x)
+
+    def project_o(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, q_size] -> [T, hidden]
+        return self.o_proj(x)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,  # [max_positions, head_dim]
+        attn: AttentionInputs,
+        kv: KVBuffers,
+    ) -> torch.Tensor:  # [T, hidden]
+        c = self.config
+        q, k, v = self.project_qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)  # [T, H, D]
+        k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        q, k = apply_rope(q, k, positions, cos_sin)
+        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
+        k_cache[attn.out_cache_loc] = k.to(k_cache.dtype)
+        v_cache[attn.out_cache_loc] = v.to(v_cache.dtype)
+        o = extend_attention_ref(
+            q, k_cache, v_cache, attn.req_to_token, attn.req_pool_indices,
+            attn.prefix_lens, attn.extend_lens, self.scale,
+        )  # fmt: skip
+        return self.project_o(o.reshape(-1, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, **factory):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=config.mlp_bias, **factory)
+        self.down_proj = nn.Linear(inter, hidden, bias=config.mlp_bias, **factory)
+
+    def project_gate_up(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden] -> [T, 2 * inter]
+        return self.gate_up_proj(x)
+
+    def project_down(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, inter] -> [T, hidden]
+        return self.down_proj(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
+        gate, up = self.project_gate_up(x).chunk(2, dim=-1)  # each [T, inter]
+        return self.project_down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, **factory):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.self_attn = Attention(config, layer_id, **factory)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.mlp = MLP(config, **factory)
+
+    def forward(self, x, positions, cos_sin, attn: AttentionInputs, kv: KVBuffers) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos_sin, attn, kv)  # x: [T, hidden]
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Base model. `forward` returns the final-normed hidden states; `compute_logits` projects the rows
+    that need sampling. With tied embeddings there is no `lm_head` and the embedding matrix is used."""
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ):
+        super().__init__()
+        self.config = config
+        factory = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        # A plain attribute, not a buffer, so that `.to(dtype)` never rounds it; `set_rope_device` moves it.
+        self.cos_sin = cos_sin_cache(config, device=device)  # [max_positions, head_dim] fp32
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionInputs,
+        kv: KVBuffers,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, positions, self.cos_sin, attn, kv)
+        return self.norm(x)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_rows, weight).float()
+
+    def set_rope_device(self, device: torch.device | str) -> None:
+        """Rebuild the cos/sin table on `device`: after a model built on "meta" gets real weights there."""
+        self.cos_sin = cos_sin_cache(self.config, device=device)

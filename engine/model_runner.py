@@ -1,0 +1,52 @@
+"""Turns a scheduled step into tensors, runs the model, and samples the next tokens.
+
+Per-step metadata is built on the CPU from Python lists (no device sync) into one AttentionInputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from engine.forward_inputs import AttentionInputs, KVBuffers
+from engine.model import LlamaModel
+from engine.sampling import sample
+from engine.scheduler import BatchEntry
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVBuffers, req_to_token: torch.Tensor, device: torch.device | str):
+        self.model = model
+        self.kv = kv
+        self.req_to_token = req_to_token  # [max_reqs, max_context]: the ReqToTokenPool's table
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def run(self, entries: list[BatchEntry]) -> list[int]:
+        """Forward the step; returns one sampled token per entry whose `samples` is true, in order."""
+        input_ids, positions, out_cache_loc = [], [], []
+        for e in entries:
+            input_ids += e.req.all_ids[e.start : e.start + e.extend_len]
+            positions += range(e.start, e.start + e.extend_len)
+            out_cache_loc += e.req.kv_slots[e.start : e.start + e.extend_len]
+        attn = AttentionInputs(
+            out_cache_loc=self._tensor(out_cache_loc),
+            req_to_token=self.req_to_token,
+            req_pool_indices=self._tensor([e.req.req_row for e in entries]),
+            prefix_lens=self._tensor([e.start for e in entries]),
+            extend_lens=self._tensor([e.extend_len for e in entries]),
+        )
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), attn, self.kv)  # [T, hidden]
+        ends = list(itertools.accumulate(e.extend_len for e in entries))
+        sampling = [(end - 1, e.req) for end, e in zip(ends, entries, strict=True) if e.samples]
+        if not sampling:
+            return []
+        rows = self._tensor([row for row, _ in sampling])
+        logits = self.model.compute_logits(hidden[rows])  # [N, vocab] fp32
+        reqs = [req for _, req in sampling]
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return tokens.tolist()
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)

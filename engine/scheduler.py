@@ -1,0 +1,132 @@
+"""Continuous batching with chunked prefill under a per-step token budget, FCFS admission, and
+retraction of running requests when KV runs out.
+
+A step is a list of `BatchEntry`: running requests first (decodes and unfinished prefill chunks, in
+arrival order), then newly admitted ones while the token budget, the running cap and KV allow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.request import Failed, Finished, FinishReason, Request
+from engine.request_kv import RequestKV
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    max_batch_tokens: int = 2048  # tokens computed per step: decodes + prefill chunks
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < self.max_running_requests:
+            raise ValueError("max_batch_tokens must be >= max_running_requests (each decode needs a token)")
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    req: Request
+    start: int  # kv_len before this step: position of the first computed token
+    extend_len: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the request's last pending token (so it samples the next)."""
+        return self.start + self.extend_len == self.req.seq_len
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: RequestKV, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_retractions = 0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> list[BatchEntry]:
+        self._reap()
+        budget = self.config.max_batch_tokens
+        entries: list[BatchEntry] = []
+        for req in list(self.running):
+            if req not in self.running:  # retracted earlier in this loop
+                continue
+            extend_len = min(req.num_pending, budget)
+            if extend_len and self._grow_or_retract(req, extend_len):
+                entries.append(BatchEntry(req, req.kv_len - extend_len, extend_len))
+                budget -= extend_len
+        while self.waiting and budget > 0 and self._can_admit_more():
+            entry = self._admit(self.waiting[0], budget)
+            if entry is None:
+                break
+            self.waiting.popleft()
+            self.running.append(entry.req)
+            entries.append(entry)
+            budget -= entry.extend_len
+        return entries
+
+    def finish(self, req: Request, event: Finished | Failed) -> None:
+        """End req: cache its KV, free the rest, and send its last event."""
+        req.is_finished = True
+        self.kv.release(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.emit(event)
+
+    def finished_event(self, req: Request, reason: FinishReason, matched_stop: str = "") -> Finished:
+        return Finished(reason, matched_stop, len(req.prompt_ids), len(req.output_ids), max(req.first_cached_len, 0))
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _can_admit_more(self) -> bool:
+        return len(self.running) < self.config.max_running_requests and self.kv.can_admit()
+
+    def _admit(self, req: Request, budget: int) -> BatchEntry | None:
+        self.kv.admit(req)
+        extend_len = min(req.num_pending, budget)
+        if self.kv.grow(req, extend_len):
+            return BatchEntry(req, req.kv_len - extend_len, extend_len)
+        self.kv.release(req)
+        if not self.running:  # nothing will ever free KV for it: the pool is too small
+            self.waiting.popleft()
+            self.finish(req, Failed("RESOURCE_EXHAUSTED", f"request needs more KV than the pool's {self.kv.allocator.num_slots} slots"))
+        return None
+
+    def _grow_or_retract(self, req: Request, extend_len: int) -> bool:
+        """Grow req, retracting the latest-arrived other running requests while KV is short."""
+        while not self.kv.grow(req, extend_len):
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                self.finish(req, Failed("RESOURCE_EXHAUSTED", f"request needs more KV than the pool's {self.kv.allocator.num_slots} slots"))
+                return False
+            self._retract(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _retract(self, req: Request) -> None:
+        """Free req's KV (its computed prefix stays cached) and queue it first to re-run later."""
+        self.kv.release(req)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+
+    def _reap(self) -> None:
+        now = self.clock()
+        for req in [*self.running, *self.waiting]:
+            if req.is_cancelled:
+                self.finish(req, self.finished_event(req, FinishReason.CANCELLED))
+            elif req.deadline is not None and now > req.deadline:
+                self.finish(req, Failed("DEADLINE_EXCEEDED", "the request's deadline passed"))

@@ -1,0 +1,146 @@
+"""Load a Hugging Face Llama-family checkpoint into `LlamaModel`, or make random weights for benchmarks.
+
+HF tensors map to our fused parameters by the table `_PARTS` (q/k/v -> qkv_proj, gate/up -> gate_up_proj,
+concatenated along the output dimension); every other name only loses its leading "model.".
+"""
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model import LlamaModel
+from engine.model_config import NAMED_SHAPES, ModelConfig
+
+# our fused projection -> its HF projections, in row order
+_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_LM_HEAD = "lm_head.weight"
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """fp32 on the CPU, bf16 on accelerators."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def load_model(
+    model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> tuple[LlamaModel, ModelConfig]:
+    """Read config.json and model.safetensors (or the shards of model.safetensors.index.json) of
+    `model_dir` onto `device`. Ties the embeddings when config.json says so or lm_head is absent.
+    Raises ValueError naming every missing, unexpected or misshapen tensor."""
+    model_dir = Path(model_dir)
+    dtype = dtype or default_dtype(device)
+    config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    tensors = read_safetensors(model_dir, device)
+    if _LM_HEAD not in tensors and not config.tie_word_embeddings:
+        config = replace(config, tie_word_embeddings=True)
+    if config.tie_word_embeddings:
+        tensors.pop(_LM_HEAD, None)
+    model = LlamaModel(config, dtype=dtype, device="meta")
+    state = fuse_hf_tensors(tensors, model.state_dict(), config)
+    model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, strict=True, assign=True)
+    model.set_rope_device(device)
+    return model.eval(), config
+
+
+def read_safetensors(model_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by HF name, read straight onto `device`."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    tensors = {}
+    for filename in files:
+        with safe_open(model_dir / filename, framework="pt", device=str(device)) as f:
+            tensors |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+    return tensors
+
+
+def fuse_hf_tensors(
+    tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> our parameter names (`expected`'s keys, whose shapes are checked)."""
+    parts = _expected_hf_shapes(expected, config)  # HF name -> (our name, part index, shape)
+    ignored = {name for name in tensors if name.endswith("rotary_emb.inv_freq")}
+    missing = sorted(set(parts) - set(tensors))
+    unexpected = sorted(set(tensors) - set(parts) - ignored)
+    misshapen = [
+        f"{name} {tuple(tensors[name].shape)} != {parts[name][2]}"
+        for name in sorted(set(parts) & set(tensors))
+        if tuple(tensors[name].shape) != parts[name][2]
+    ]
+    _raise_if_any(missing=missing, unexpected=unexpected, misshapen=misshapen)
+    grouped: dict[str, list] = {name: [None] * _num_parts(name) for name in expected}
+    for hf_name, (name, part, _) in parts.items():
+        grouped[name][part] = tensors[hf_name]
+    return {name: torch.cat(group) if len(group) > 1 else group[0] for name, group in grouped.items()}
+
+
+def _expected_hf_shapes(
+    expected: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    out = {}
+    for name, param in expected.items():
+        for part, (hf_name, shape) in enumerate(_hf_parts(name, tuple(param.shape), config)):
+            out[hf_name] = (name, part, shape)
+    return out
+
+
+def _hf_parts(name: str, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Our parameter -> its HF tensors and their shapes, e.g. layers.0.self_attn.qkv_proj.weight ->
+    model.layers.0.self_attn.{q,k,v}_proj.weight."""
+    hf_name = name if name == _LM_HEAD else f"model.{name}"
+    module, _, kind = hf_name.rpartition(".")
+    prefix, _, proj = module.rpartition(".")
+    if proj not in _PARTS:
+        return [(hf_name, shape)]
+    sizes = {
+        "qkv_proj": (config.q_size, config.kv_size, config.kv_size),
+        "gate_up_proj": (config.intermediate_size, config.intermediate_size),
+    }[proj]
+    return [
+        (f"{prefix}.{hf_proj}.{kind}", (size, *shape[1:]))
+        for hf_proj, size in zip(_PARTS[proj], sizes, strict=True)
+    ]
+
+
+def _num_parts(name: str) -> int:
+    proj = name.rpartition(".")[0].rpartition(".")[2]
+    return len(_PARTS.get(proj, (None,)))
+
+
+def _raise_if_any(**problems: list[str]) -> None:
+    lines = [f"{kind}: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}"
+             for kind, names in problems.items() if names]  # fmt: skip
+    if lines:
+        raise ValueError("checkpoint does not fit the model config; " + "; ".join(lines))
+
+
+def random_model(
+    shape: str | ModelConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> LlamaModel:
+    """A model of a named shape (NAMED_SHAPES) or config with seeded random weights drawn on `device`:
+    linears and embeddings ~ N(0, 1/in_dim), norms 1, biases 0, so activations keep about unit scale."""
+    config = NAMED_SHAPES[shape] if isinstance(shape, str) else shape
+    dtype = dtype or default_dtype(device)
+    model = LlamaModel(config, dtype=dtype, device="meta").to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:  # [out_dim, in_dim] linears and the [vocab, hidden] embedding alike
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=generator)
+    model.set_rope_device(device)
+    return model.eval()

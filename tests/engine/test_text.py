@@ -1,0 +1,235 @@
+"""Tokenizer against transformers, the incremental detokenizer's invariant, and stop-string matching."""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+TEXTS = [
+    "",
+    "Hello, world!",
+    "  leading and trailing spaces  ",
+    "The quick brown fox jumps over the lazy dog.",
+    "café crème brûlée, naïve piña colada, Zoë",
+    "日本語 (にほんご) こんにちは ありがとう",
+    "Привет, мир; Γειά σου κόσμε",
+    "emoji 😀 🎉 🚀 ❤️ 👍🏽 🇯🇵 🤖 and unseen ones 🦀🧬",
+    "def f(x):\n\treturn x * 2\n\n",
+    "special tokens in text: <s> </s> <pad> stay what they are",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_llama_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+# --- Tokenizer ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(tokenizer, hf_tokenizer, text):
+    assert tokenizer.encode(text) == hf_tokenizer.encode(text)
+    assert tokenizer.encode(text, add_special_tokens=False) == hf_tokenizer.encode(
+        text, add_special_tokens=False
+    )
+
+
+def test_encode_prepends_bos_once(tokenizer):
+    ids = tokenizer.encode("hi")
+    assert ids[0] == tokenizer.bos_token_id == 0
+    assert ids[1:] == tokenizer.encode("hi", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_matches_transformers_and_round_trips(tokenizer, hf_tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
+    if "<" not in text:  # text naming special tokens loses them when they are skipped
+        assert tokenizer.decode(ids) == text
+
+
+def test_special_ids_and_vocab_size(tokenizer, hf_tokenizer):
+    assert tokenizer.vocab_size == len(hf_tokenizer) == 512
+    assert tokenizer.bos_token_id == hf_tokenizer.bos_token_id == 0
+    assert tokenizer.eos_token_ids == frozenset({hf_tokenizer.eos_token_id}) == frozenset({1})
+
+
+def _copy_tokenizer_only(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+def test_eos_list_from_generation_config_wins(tiny_llama_dir, tmp_path):
+    model_dir = _copy_tokenizer_only(tiny_llama_dir, tmp_path / "m")
+    (model_dir / "config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": 2}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.eos_token_ids == frozenset({1, 2})
+    assert tokenizer.bos_token_id == 2  # generation_config names no bos: config.json's
+
+
+def test_special_tokens_fall_back_to_tokenizer_config(tiny_llama_dir, tmp_path):
+    model_dir = _copy_tokenizer_only(tiny_llama_dir, tmp_path / "m")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["eos_token"] = {"content": "<pad>", "special": True}  # AddedToken form
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.bos_token_id == 0
+    assert tokenizer.eos_token_ids == frozenset({2})
+
+
+# --- IncrementalDetokenizer -----------------------------------------------------------------------------
+
+
+def _stream(tokenizer: Tokenizer, prompt_ids: list[int], generated: list[int]) -> tuple[list[str], str]:
+    """(delta of each push, final flush)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = [detokenizer.push(token_id) for token_id in generated]
+    return deltas, detokenizer.flush()
+
+
+@pytest.mark.parametrize("text", [t for t in TEXTS if "<" not in t])  # special tokens are skipped
+@pytest.mark.parametrize("prompt", ["", "A prompt: ", "日本語 😀"])
+def test_deltas_of_real_text_are_clean_and_add_up(tokenizer, text, prompt):
+    generated = tokenizer.encode(text, add_special_tokens=False)
+    deltas, tail = _stream(tokenizer, tokenizer.encode(prompt), generated)
+    assert "".join(deltas) == text
+    assert tail == ""
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_partial_characters_are_held_back(tokenizer):
+    # An emoji the corpus never saw is split into byte tokens: nothing comes out until its last byte.
+    generated = tokenizer.encode("🦀", add_special_tokens=False)
+    assert len(generated) >= 2
+    deltas, _ = _stream(tokenizer, tokenizer.encode("x"), generated)
+    assert deltas == [""] * (len(generated) - 1) + ["🦀"]
+
+
+def test_leading_space_after_prompt_is_kept(tokenizer):
+    deltas, _ = _stream(
+        tokenizer, tokenizer.encode("Hello"), tokenizer.encode(" world", add_special_tokens=False)
+    )
+    assert "".join(deltas) == " world"
+
+
+@pytest.mark.parametrize("prompt", ["", "café 日本"])
+def test_random_token_sequences_add_up_to_decode(tokenizer, prompt):
+    rng = random.Random(0)
+    prompt_ids = tokenizer.encode(prompt)
+    for _ in range(300):
+        generated = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 30))]
+        deltas, tail = _stream(tokenizer, prompt_ids, generated)
+        assert "".join(deltas) + tail == tokenizer.decode(generated)
+        # A delta ends on a whole character: U+FFFD only ever stands for bytes that no later token completes.
+        assert not any(delta.endswith("\ufffd") for delta in deltas)
+
+
+# --- StopMatcher ----------------------------------------------------------------------------------------
+
+
+def _run_stops(stops: list[str], deltas: list[str]) -> tuple[list[str], str | None]:
+    """(each safe piece returned, including the flush when nothing matched; the matched stop string)."""
+    matcher = StopMatcher(stops)
+    pieces = []
+    for delta in deltas:
+        safe, matched = matcher.push(delta)
+        pieces.append(safe)
+        if matched is not None:
+            return pieces, matched
+    return [*pieces, matcher.flush()], None
+
+
+def _reference(stops: list[str], text: str) -> tuple[str, str | None]:
+    """Character by character: stop at the first position where some stop string ends (longest wins)."""
+    for end in range(len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            stop = max(ending, key=len)
+            return text[: end - len(stop)], stop
+    return text, None
+
+
+def test_stop_split_across_deltas_is_never_emitted():
+    pieces, matched = _run_stops(["STOP"], ["abc ST", "O", "P and more"])
+    assert pieces == ["abc ", "", ""]
+    assert matched == "STOP"
+
+
+def test_stop_split_across_many_single_character_deltas():
+    pieces, matched = _run_stops(["</answer>"], list("42</answer> junk"))
+    assert "".join(pieces) == "42"
+    assert matched == "</answer>"
+
+
+def test_held_tail_is_released_when_it_stops_matching():
+    matcher = StopMatcher(["STOP"])
+    assert matcher.push("a ST") == ("a ", None)
+    assert matcher.push("AR") == ("STAR", None)
+
+
+def test_overlapping_candidates():
+    # "abc" may start "abcd", then "bce" completes first.
+    assert _run_stops(["abcd", "bce"], ["ab", "c", "e!"]) == (["", "", "a"], "bce")
+    assert _run_stops(["aab"], ["a", "a", "a", "b"]) == (["", "", "a", ""], "aab")
+
+
+@pytest.mark.parametrize("stops", [["ab", "abc"], ["abc", "ab"]])
+def test_stop_that_is_a_prefix_of_another_matches_first(stops):
+    assert _run_stops(stops, ["xa", "bc"]) == (["x", ""], "ab")
+    assert _run_stops(stops, ["xabc"]) == (["x"], "ab")
+
+
+def test_same_end_prefers_the_earlier_start():
+    assert _run_stops(["bc", "abc"], ["xabcy"]) == (["x"], "abc")
+
+
+def test_unicode_stops():
+    assert _run_stops(["日本", "😀!"], ["今日は", "日", "本です"]) == (["今日は", "", ""], "日本")
+    assert _run_stops(["日本", "😀!"], ["hi 😀", "!"]) == (["hi ", ""], "😀!")
+    assert _run_stops(["é"], ["caf", "é"]) == (["caf", ""], "é")
+
+
+def test_no_match_flushes_held_tail():
+    assert _run_stops(["END"], ["hello E", "N"]) == (["hello ", "", "EN"], None)
+    assert _run_stops([], ["a", "b"]) == (["a", "b", ""], None)
+
+
+def test_push_after_match_and_empty_stop_are_errors():
+    matcher = StopMatcher(["x"])
+    assert matcher.push("axb") == ("a", "x")
+    with pytest.raises(RuntimeError):
+        matcher.push("more")
+    with pytest.raises(ValueError, match="empty"):
+        StopMatcher(["ok", ""])
+
+
+def test_result_does_not_depend_on_how_text_is_split():
+    rng = random.Random(1)
+    alphabet = "ab😀é "
+    for _ in range(500):
+        stops = ["".join(rng.choices(alphabet, k=rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choices(alphabet, k=rng.randint(0, 20)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        pieces, matched = _run_stops(stops, deltas)
+        emitted = "".join(pieces)
+        assert (emitted, matched) == _reference(stops, text), (stops, deltas)
+        # Nothing from a stop string leaks out: what was emitted is exactly the text before the match.
+        if matched is not None:
+            assert matched not in emitted
