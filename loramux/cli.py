@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from engine.config import DEFAULT_ENGINE_PORT
 from loramux import commands
 from registry.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_REGISTRY_PORT
 from registry.errors import RegistryError
@@ -95,6 +96,43 @@ def _add_adapter_commands(sub, env: _EnvDefaults) -> None:
         _registry_flags(p, env)
 
 
+def _add_engine_commands(sub, env: _EnvDefaults) -> None:
+    engine = sub.add_parser("engine", help="the GPU engine service").add_subparsers(dest="action", required=True)
+    serve = engine.add_parser("serve", help="run the engine service")
+    serve.add_argument("--model", required=env("--model", "") == "", default=env("--model", ""), help="a Hugging Face model dir")
+    serve.add_argument("--base-model-name", default=env("--base-model-name", ""), help="default: the model dir's name")
+    serve.add_argument("--host", default=env("--host", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=int(env("--port", DEFAULT_ENGINE_PORT)))
+    _engine_tuning_flags(serve, env)
+    serve.set_defaults(func=commands.engine_serve)
+
+
+def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
+    p.add_argument("--device", default=env("--device", "cpu"), help="cpu or cuda")
+    p.add_argument("--dtype", default=env("--dtype", ""), help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--page-size", type=int, default=int(env("--page-size", 1)))
+    p.add_argument("--num-kv-slots", type=int, default=int(env("--num-kv-slots", 0)), help="0 = automatic")
+    p.add_argument("--max-context", type=int, default=int(env("--max-context", 0)), help="0 = the model's")
+    p.add_argument("--max-running-requests", type=int, default=int(env("--max-running-requests", 64)))
+    p.add_argument("--max-batch-tokens", type=int, default=int(env("--max-batch-tokens", 2048)))
+    p.add_argument("--max-queued-requests", type=int, default=int(env("--max-queued-requests", 1024)))
+
+
+def _add_generate_command(sub, env: _EnvDefaults) -> None:
+    gen = sub.add_parser("generate", help="stream a generation to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--engine", default=env("--engine", f"127.0.0.1:{DEFAULT_ENGINE_PORT}"), help="HOST:PORT")
+    gen.add_argument("--adapter", default="", help="NAME or NAME@VERSION; empty = the base model")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for the engine to be ready")
+    gen.set_defaults(func=commands.generate)
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     env = _EnvDefaults(environ)
     parser = argparse.ArgumentParser(prog="loramux", description="Multi-LoRA LLM serving.")
@@ -103,9 +141,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument("--model", default=env("--model", ""), help="a Hugging Face model dir (default: the demo model)")
     up.add_argument("--data-dir", default=env("--data-dir", DEFAULT_DATA_DIR))
     up.add_argument("--registry-port", type=int, default=int(env("--registry-port", DEFAULT_REGISTRY_PORT)))
+    up.add_argument("--engine-port", type=int, default=int(env("--engine-port", DEFAULT_ENGINE_PORT)))
     up.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
+    _engine_tuning_flags(up, env)
     up.set_defaults(func=commands.up)
     _add_registry_commands(sub, env)
+    _add_engine_commands(sub, env)
+    _add_generate_command(sub, env)
     _add_base_model_commands(sub, env)
     _add_adapter_commands(sub, env)
     return parser

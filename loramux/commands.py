@@ -7,8 +7,11 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.config import EngineConfig
+from loramux.engine_client import EngineClient, generate_request
 from loramux.grpc_server import stop_event_on_signals
 from loramux.registry_client import RegistryClient, adapter_json
+from loramux.v1 import engine_pb2
 from loramux.v1 import registry_pb2 as pb
 from registry.config import RegistryConfig
 from registry.types import parse_ref
@@ -58,6 +61,59 @@ def registry_gc(args) -> int:
     for blob in result.removed:
         print(f"{verb} {blob.digest} ({blob.size} bytes)")
     print(f"{verb} {len(result.removed)} blobs; kept {result.kept_young} younger than {args.grace_s:g}s")
+    return 0
+
+
+def engine_config(args, model_dir: str, port: int) -> EngineConfig:
+    return EngineConfig(
+        model_dir=model_dir,
+        base_model_name=getattr(args, "base_model_name", ""),
+        host=getattr(args, "host", "127.0.0.1"),
+        port=port,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        num_kv_slots=args.num_kv_slots,
+        max_context=args.max_context,
+        max_running_requests=args.max_running_requests,
+        max_batch_tokens=args.max_batch_tokens,
+        max_queued_requests=args.max_queued_requests,
+    )
+
+
+def engine_serve(args) -> int:
+    from engine.server import serve
+
+    _setup_logging()
+
+    async def main() -> None:
+        await serve(engine_config(args, args.model, args.port), stop_event_on_signals())
+
+    asyncio.run(main())
+    return 0
+
+
+def generate(args) -> int:
+    request = generate_request(
+        args.prompt,
+        adapter=args.adapter,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        **({"seed": args.seed} if args.seed is not None else {}),
+    )
+    with EngineClient(args.engine) as client:
+        if args.wait:
+            client.wait_ready(args.wait)
+        for response in client.stream(request):
+            if response.WhichOneof("event") == "chunk":
+                print(response.chunk.text, end="", flush=True)
+            else:
+                done = response.complete
+                reason = engine_pb2.FinishReason.Name(done.finish_reason).removeprefix("FINISH_REASON_").lower()
+                print(f"\n[{reason}, {done.usage.completion_tokens} tokens]", file=sys.stderr)
     return 0
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loramux.v1 import engine_pb2 as pb
 from loramux.v1 import engine_pb2_grpc as pb_grpc
@@ -53,6 +55,21 @@ class EngineClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll the engine's health until SERVING; raises TimeoutError after `timeout` seconds."""
+        health = health_pb2_grpc.HealthStub(self._channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                check = health.Check(health_pb2.HealthCheckRequest(service="loramux.v1.Engine"), timeout=5)
+                if check.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine at {self.address} was not ready within {timeout:g}s")
+            time.sleep(0.5)
 
     def stream(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
         return self.stub.Generate(request, timeout=self.timeout)

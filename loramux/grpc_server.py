@@ -19,11 +19,11 @@ SHUTDOWN_GRACE_S = 5.0
 class ServiceHost:
     """A grpc.aio server with health and reflection for the given fully qualified service names."""
 
-    def __init__(self, service_names: Sequence[str]):
+    def __init__(self, service_names: Sequence[str], max_receive_bytes: int = MAX_MESSAGE_BYTES):
         self.service_names = tuple(service_names)
         self.server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", max_receive_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ]
         )

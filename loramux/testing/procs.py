@@ -29,9 +29,12 @@ def run_cli(*args: str, check: bool = True, timeout: float = 120) -> subprocess.
 
 
 class Service:
-    """A server process; `address` comes from its `<name> listening on HOST:PORT` line."""
+    """A server process, ready once it printed `<name> listening on HOST:PORT` for each name.
 
-    def __init__(self, args: list[str], name: str, timeout: float = 120):
+    `addresses[name]` holds each address; `address` the first name's.
+    """
+
+    def __init__(self, args: list[str], name: str, timeout: float = 120, also: tuple[str, ...] = ()):
         self.proc = subprocess.Popen(
             [loramux_exe(), *args],
             stdout=subprocess.PIPE,
@@ -42,8 +45,9 @@ class Service:
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self._ready = threading.Event()
-        self.address = ""
-        self._pattern = re.compile(rf"^{name} listening on (\S+:\d+)$")
+        self.names = (name, *also)
+        self.addresses: dict[str, str] = {}
+        self._pattern = re.compile(r"^(\w+) listening on (\S+:\d+)$")
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._drain, args=(self.proc.stderr, self.stderr), daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -56,9 +60,14 @@ class Service:
         for line in self.proc.stdout:
             self.stdout.append(line)
             match = self._pattern.match(line.strip())
-            if match and not self._ready.is_set():
-                self.address = match.group(1)
-                self._ready.set()
+            if match:
+                self.addresses[match.group(1)] = match.group(2)
+                if all(n in self.addresses for n in self.names):
+                    self._ready.set()
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.names[0]]
 
     @staticmethod
     def _drain(stream, sink: list[str]) -> None:

@@ -98,12 +98,36 @@ def test_registry_process_on_postgres_and_s3(tmp_path, tiny_llama_dir, make_adap
 
 
 def test_loramux_up_serves_the_demo_model(tmp_path, make_adapter):
-    up = Service(["up", "--data-dir", str(tmp_path), "--registry-port", "0"], "registry")
+    args = ["up", "--data-dir", str(tmp_path), "--registry-port", "0", "--engine-port", "0"]
+    up = Service(args, "registry", also=("engine",))
     try:
         reg = ("--registry", up.address)
         assert run_cli("base-models", "list", *reg).stdout.split() == ["loramux-demo"]
         adapter_dir = make_adapter("up-qv", r=8, lora_alpha=16)
         out = run_cli("adapters", "register", str(adapter_dir), "--name", "demo-adapter", *reg).stdout
         assert out.startswith("registered demo-adapter@1")
+        generated = run_cli("generate", "--engine", up.addresses["engine"], "--max-new-tokens", "8", "Once upon a time")
+        assert generated.stdout.strip() and "8 tokens]" in generated.stderr
     finally:
         assert up.interrupt() == 0
+
+
+def test_engine_process_with_cli_and_grpcurl(tiny_llama_dir):
+    engine = Service(["engine", "serve", "--model", str(tiny_llama_dir), "--port", "0"], "engine")
+    try:
+        out = run_cli("generate", "--engine", engine.address, "--max-new-tokens", "5", "Hello")
+        assert out.stdout and "[length, 5 tokens]" in out.stderr
+        services = grpcurl(engine.address, "list").stdout.split()
+        assert {"loramux.v1.Engine", "grpc.health.v1.Health"} <= set(services)
+        health = grpcurl("-d", '{"service": "loramux.v1.Engine"}', engine.address, "grpc.health.v1.Health/Check")
+        assert json.loads(health.stdout)["status"] == "SERVING"
+        body = '{"text": "Hi", "sampling": {"max_new_tokens": 3, "ignore_eos": true}}'
+        streamed = grpcurl("-d", body, engine.address, "loramux.v1.Engine/Generate")
+        messages = [json.loads(m) for m in streamed.stdout.replace("}\n{", "}\x00{").split("\x00") if m.strip()]
+        assert [next(iter(m)) for m in messages] == ["chunk", "chunk", "chunk", "complete"]
+        bad = grpcurl("-d", '{"text": "Hi", "adapter": "nope"}', engine.address, "loramux.v1.Engine/Generate")
+        assert bad.returncode != 0 and "NotFound" in bad.stderr
+        missing = run_cli("generate", "--engine", engine.address, "--adapter", "nope", "Hi", check=False)
+        assert missing.returncode == 1 and missing.stderr.startswith("error: NOT_FOUND")
+    finally:
+        assert engine.interrupt() == 0

@@ -1,0 +1,78 @@
+"""Assembles and runs the engine service: the engine core, its loop thread, and the gRPC host."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import TokenDelta
+from engine.sampling import SamplingParams
+from engine.servicer import EngineServicer
+from loramux.grpc_server import ServiceHost, announce
+from loramux.v1 import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+
+
+def warm_up(core: EngineCore, timeout: float = 600.0) -> None:
+    """Run one short generation through the loop so the first client does not pay for start-up."""
+    done = threading.Event()
+    events = []
+
+    def sink(event) -> None:
+        events.append(event)
+        if not isinstance(event, TokenDelta):
+            done.set()
+
+    prompt = core.tokenizer.encode("warm up")
+    core.loop.submit(core.new_request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True), sink, rid="warm-up"))
+    if not done.wait(timeout):
+        raise RuntimeError("the engine did not finish its warm-up generation")
+    log.info("engine warm: %s", events[-1])
+
+
+class EngineServer:
+    """A started engine; create it in the event loop's thread, with a core built off the loop."""
+
+    def __init__(self, config: EngineConfig, core: EngineCore):
+        self.config = config
+        self.core = core
+        # Prompts over max_prompt_bytes get a clear INVALID_ARGUMENT rather than gRPC's size error.
+        self.host = ServiceHost([SERVICE_NAME], max_receive_bytes=max(16 << 20, 2 * config.max_prompt_bytes))
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core), self.host.server)
+        self.port = self.host.bind(config.host, config.port)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Serve at once (health says NOT_SERVING), then SERVING once the loop has warmed up."""
+        await self.host.start()
+        await self.host.set_serving(False)
+        self.core.loop.start()
+        await asyncio.to_thread(warm_up, self.core)
+        await self.host.set_serving(True)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await (self.host.stop() if grace is None else self.host.stop(grace))
+        await asyncio.to_thread(self.core.loop.stop)
+
+
+async def start_engine(config: EngineConfig) -> EngineServer:
+    core = await asyncio.to_thread(EngineCore.build, config)
+    server = EngineServer(config, core)
+    await server.start()
+    return server
+
+
+async def serve(config: EngineConfig, stop: asyncio.Event) -> None:
+    server = await start_engine(config)
+    announce("engine", config.host, server.port)
+    await stop.wait()
+    log.info("engine shutting down")
+    await server.stop()

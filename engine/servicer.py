@@ -1,0 +1,109 @@
+"""gRPC servicer of loramux.v1.Engine. Handlers validate, enqueue into the engine loop and stream
+its events; they never touch the model or the KV cache. Protobuf stops here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+
+from engine.core import EngineCore, InvalidPrompt
+from engine.request import Event, Finished, Request, TokenDelta
+from engine.sampling import InvalidSampling, SamplingParams
+from loramux.v1 import engine_pb2 as pb
+from loramux.v1 import engine_pb2_grpc as pb_grpc
+from registry.errors import NotFound, RegistryError
+from registry.types import parse_ref
+
+
+def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
+    if s.HasField("max_new_tokens") and s.max_new_tokens <= 0:
+        raise InvalidSampling("max_new_tokens", f"must be > 0, got {s.max_new_tokens}")
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p if s.top_p != 0 else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        max_new_tokens=s.max_new_tokens if s.HasField("max_new_tokens") else 0,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def _complete(event: Finished, adapter: str) -> pb.GenerateResponse:
+    usage = pb.Usage(
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        cached_prompt_tokens=event.cached_prompt_tokens,
+    )
+    reason = pb.FinishReason.Value(f"FINISH_REASON_{event.reason.value}")
+    complete = pb.GenerateComplete(finish_reason=reason, matched_stop=event.matched_stop, usage=usage, adapter=adapter)
+    return pb.GenerateResponse(complete=complete)
+
+
+def _thread_safe_sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
+    """A sink the engine thread calls; events land in the handler's queue on the server's loop."""
+
+    def sink(event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the server's loop has closed: nobody listens any more
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    return sink
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    def __init__(self, core: EngineCore):
+        self.core = core
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        try:
+            adapter = self._resolve_adapter(request.adapter)
+            req = await self._new_request(request, context, events)
+        except (InvalidPrompt, InvalidSampling) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RegistryError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
+        if self.core.loop.num_active >= self.core.config.max_queued_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the engine queue is full ({self.core.config.max_queued_requests} requests)")
+        self.core.loop.submit(req)
+        is_done = False
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, TokenDelta):
+                    yield pb.GenerateResponse(chunk=pb.GenerateChunk(token_ids=event.token_ids, text=event.text))
+                    continue
+                is_done = True
+                if isinstance(event, Finished):
+                    yield _complete(event, adapter)
+                    return
+                await context.abort(getattr(grpc.StatusCode, event.code), event.message)
+        finally:
+            if not is_done:  # the client went away or the deadline passed: free the KV now
+                self.core.loop.cancel(req)
+
+    @staticmethod
+    def _resolve_adapter(ref: str) -> str:
+        """'' is the base model; adapters arrive with the multi-LoRA engine, never a fallback to the base."""
+        if not ref:
+            return ""
+        parse_ref(ref)  # INVALID_ARGUMENT for a malformed reference
+        raise NotFound(f"adapter {ref!r} is not available on this engine")
+
+    async def _new_request(self, request: pb.GenerateRequest, context, events: asyncio.Queue[Event]) -> Request:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidPrompt("prompt: set text or token_ids")
+        text = request.text if kind == "text" else None
+        token_ids = list(request.token_ids.ids) if kind == "token_ids" else None
+        prompt_ids = await asyncio.to_thread(self.core.prompt_ids, text, token_ids)
+        params = sampling_from_pb(request.sampling)
+        loop = asyncio.get_running_loop()
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        sink = _thread_safe_sink(loop, events)
+        return self.core.new_request(prompt_ids, params, sink, rid=request.request_id, deadline=deadline)

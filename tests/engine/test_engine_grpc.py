@@ -1,0 +1,146 @@
+"""Engine.Generate over gRPC in process: streaming, status codes, cancellation, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from engine.server import start_engine
+from loramux.engine_client import generate_request
+from loramux.v1 import engine_pb2 as pb
+from loramux.v1 import engine_pb2_grpc as pb_grpc
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture
+async def engine(tiny_llama_dir):
+    config = EngineConfig(model_dir=str(tiny_llama_dir), port=0, max_running_requests=32, max_batch_tokens=256)
+    server = await start_engine(config)
+    channel = grpc.aio.insecure_channel(server.address)
+    try:
+        yield server, pb_grpc.EngineStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(grace=0.5)
+
+
+async def collect(stub, request, timeout: float = 120) -> tuple[list[int], str, pb.GenerateComplete]:
+    ids, text, completes = [], "", []
+    async for response in stub.Generate(request, timeout=timeout):
+        if response.WhichOneof("event") == "chunk":
+            ids += response.chunk.token_ids
+            text += response.chunk.text
+        else:
+            completes.append(response.complete)
+    assert len(completes) == 1
+    return ids, text, completes[0]
+
+
+async def test_stream_of_deltas_then_one_complete(engine):
+    server, stub = engine
+    chunks = []
+    async for response in stub.Generate(generate_request("Hello there", max_new_tokens=6, ignore_eos=True)):
+        chunks.append(response)
+    assert [c.WhichOneof("event") for c in chunks] == ["chunk"] * 6 + ["complete"]
+    complete = chunks[-1].complete
+    assert complete.finish_reason == pb.FINISH_REASON_LENGTH and complete.adapter == ""
+    prompt_len = len(server.core.tokenizer.encode("Hello there"))
+    assert (complete.usage.prompt_tokens, complete.usage.completion_tokens) == (prompt_len, 6)
+    ids = [t for c in chunks[:-1] for t in c.chunk.token_ids]
+    assert "".join(c.chunk.text for c in chunks[:-1]) == server.core.tokenizer.decode(ids)
+
+
+async def test_repeated_prompt_reports_cached_tokens(engine):
+    _, stub = engine
+    prompt = "The registry compiles every adapter into one canonical artifact"
+    first_ids, _, first = await collect(stub, generate_request(prompt, max_new_tokens=4, ignore_eos=True))
+    again_ids, _, again = await collect(stub, generate_request(prompt, max_new_tokens=4, ignore_eos=True))
+    assert first.usage.cached_prompt_tokens <= 1  # only the BOS, cached by the warm-up
+    assert again.usage.cached_prompt_tokens == again.usage.prompt_tokens - 1
+    assert again_ids == first_ids
+
+
+async def test_hundred_concurrent_streams_all_complete_with_their_tokens(engine):
+    _, stub = engine
+    prompts = [f"request number {i} says" for i in range(10)]
+    alone = [await collect(stub, generate_request(p, max_new_tokens=5, ignore_eos=True)) for p in prompts]
+    requests = [generate_request(prompts[i % 10], max_new_tokens=5, ignore_eos=True) for i in range(100)]
+    results = await asyncio.gather(*(collect(stub, r) for r in requests))
+    for i, (ids, _, complete) in enumerate(results):
+        assert ids == alone[i % 10][0]
+        assert complete.usage.completion_tokens == 5
+
+
+async def test_seeded_sampling_is_reproducible(engine):
+    _, stub = engine
+    request = generate_request("Sampling with a seed", max_new_tokens=8, temperature=1.0, seed=1234, ignore_eos=True)
+    first, _, _ = await collect(stub, request)
+    others = [generate_request(f"noise {i}", max_new_tokens=8, temperature=1.0, ignore_eos=True) for i in range(4)]
+    together = await asyncio.gather(collect(stub, request), *(collect(stub, r) for r in others))
+    assert together[0][0] == first
+
+
+async def test_cancel_mid_stream_frees_the_kv(engine):
+    server, stub = engine
+    allocator = server.core.loop.scheduler.kv.allocator
+    call = stub.Generate(generate_request("cancel me " * 20, max_new_tokens=300, ignore_eos=True))
+    async for _ in call:
+        break
+    held = allocator.num_used_pages
+    assert held > 0
+    call.cancel()
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if not server.core.loop.scheduler.running and server.core.loop.num_active == 0:
+            break
+    assert not server.core.loop.scheduler.running
+    radix = server.core.loop.scheduler.kv.radix
+    assert radix.protected_size() == 0
+    assert allocator.num_used_pages == radix.total_size()  # only unlocked cache entries remain
+
+
+async def test_deadline_exceeded_frees_the_request(engine):
+    server, stub = engine
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, generate_request("slow " * 10, max_new_tokens=450, ignore_eos=True), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(200):
+        if server.core.loop.num_active == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert server.core.loop.num_active == 0 and not server.core.loop.scheduler.running
+
+
+BAD_REQUESTS = {
+    "empty text": (generate_request("", max_new_tokens=4), INVALID, "empty"),
+    "no prompt": (pb.GenerateRequest(sampling=pb.SamplingParams(max_new_tokens=4)), INVALID, "prompt"),
+    "empty token ids": (generate_request([], max_new_tokens=4), INVALID, "prompt"),
+    "too long for the context": (generate_request([5] * 600, max_new_tokens=4), INVALID, "context"),
+    "max_new_tokens 0": (generate_request("hi", max_new_tokens=0), INVALID, "max_new_tokens"),
+    "max_new_tokens negative": (generate_request("hi", max_new_tokens=-3), INVALID, "max_new_tokens"),
+    "temperature negative": (generate_request("hi", max_new_tokens=4, temperature=-0.5), INVALID, "temperature"),
+    "top_p over 1": (generate_request("hi", max_new_tokens=4, top_p=1.5), INVALID, "top_p"),
+    "top_p negative": (generate_request("hi", max_new_tokens=4, top_p=-0.1), INVALID, "top_p"),
+    "top_k negative": (generate_request("hi", max_new_tokens=4, top_k=-1), INVALID, "top_k"),
+    "token outside the vocabulary": (generate_request([1, 2, 99999], max_new_tokens=4), INVALID, "99999"),
+    "unknown adapter": (generate_request("hi", adapter="nope", max_new_tokens=4), grpc.StatusCode.NOT_FOUND, "nope"),
+    "malformed adapter": (generate_request("hi", adapter="Bad Name@x", max_new_tokens=4), INVALID, "adapter"),
+    "10 MB of text": (generate_request("x" * (10 << 20), max_new_tokens=4), INVALID, "bytes"),
+}
+
+
+async def test_bad_requests_fail_without_disturbing_a_running_stream(engine):
+    _, stub = engine
+    expected, _, _ = await collect(stub, generate_request("steady stream", max_new_tokens=30, ignore_eos=True))
+    running = asyncio.create_task(collect(stub, generate_request("steady stream", max_new_tokens=30, ignore_eos=True)))
+    for name, (request, code, needle) in BAD_REQUESTS.items():
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(stub, request)
+        assert info.value.code() == code, (name, info.value.details())
+        assert needle in info.value.details(), (name, info.value.details())
+    ids, _, complete = await running
+    assert ids == expected and complete.finish_reason == pb.FINISH_REASON_LENGTH
