@@ -31,11 +31,13 @@ class BatchEntry:
     req: Request
     start: int  # kv_len before this step: position of the first computed token
     extend_len: int
+    samples: bool  # the step computes the request's last pending token, so it samples the next
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the request's last pending token (so it samples the next)."""
-        return self.start + self.extend_len == self.req.seq_len
+    @classmethod
+    def grown(cls, req: Request, extend_len: int) -> BatchEntry:
+        """The entry of a request whose KV just grew by extend_len slots."""
+        start = req.kv_len - extend_len
+        return cls(req, start, extend_len, start + extend_len == req.seq_len)
 
 
 class Scheduler:
@@ -63,7 +65,7 @@ class Scheduler:
                 continue
             extend_len = min(req.num_pending, budget)
             if extend_len and self._grow_or_retract(req, extend_len):
-                entries.append(BatchEntry(req, req.kv_len - extend_len, extend_len))
+                entries.append(BatchEntry.grown(req, extend_len))
                 budget -= extend_len
         while self.waiting and budget > 0 and self._can_admit_more():
             entry = self._admit(self.waiting[0], budget)
@@ -97,11 +99,11 @@ class Scheduler:
         self.kv.admit(req)
         extend_len = min(req.num_pending, budget)
         if self.kv.grow(req, extend_len):
-            return BatchEntry(req, req.kv_len - extend_len, extend_len)
+            return BatchEntry.grown(req, extend_len)
         self.kv.release(req)
         if not self.running:  # nothing will ever free KV for it: the pool is too small
             self.waiting.popleft()
-            self.finish(req, Failed("RESOURCE_EXHAUSTED", f"request needs more KV than the pool's {self.kv.allocator.num_slots} slots"))
+            self.finish(req, self._too_big())
         return None
 
     def _grow_or_retract(self, req: Request, extend_len: int) -> bool:
@@ -109,12 +111,15 @@ class Scheduler:
         while not self.kv.grow(req, extend_len):
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
-                self.finish(req, Failed("RESOURCE_EXHAUSTED", f"request needs more KV than the pool's {self.kv.allocator.num_slots} slots"))
+                self.finish(req, self._too_big())
                 return False
             self._retract(victim)
             if victim is req:
                 return False
         return True
+
+    def _too_big(self) -> Failed:
+        return Failed("RESOURCE_EXHAUSTED", f"the request needs more KV than the pool's {self.kv.allocator.num_slots} slots")
 
     def _retract(self, req: Request) -> None:
         """Free req's KV (its computed prefix stays cached) and queue it first to re-run later."""

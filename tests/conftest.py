@@ -11,10 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from moto.server import ThreadedMotoServer
 
 from loramux.demo_model import write_llama_checkpoint
-from registry.store import make_s3_client
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +61,8 @@ def s3_endpoint() -> Iterator[str]:
         # A profile or proxy from the developer's shell must not redirect or break loopback requests.
         env.delenv("AWS_PROFILE", raising=False)
         env.setenv("NO_PROXY", "127.0.0.1,localhost")
+        from moto.server import ThreadedMotoServer  # only where S3 is used: the GPU machine lacks moto
+
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()
@@ -75,6 +75,8 @@ def s3_endpoint() -> Iterator[str]:
 @pytest.fixture
 def s3_bucket(s3_endpoint: str) -> str:
     """A new, empty bucket on `s3_endpoint`, unique to the test."""
+    from registry.store import make_s3_client
+
     name = f"test-{uuid.uuid4().hex[:16]}"
     make_s3_client(s3_endpoint).create_bucket(Bucket=name)
     return name

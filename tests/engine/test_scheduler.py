@@ -1,0 +1,336 @@
+"""The scheduler and RequestKV over the real page allocator, request table and radix cache, with no model.
+
+A fake step stands in for the model: every token a step computes writes `(namespace, token ids up to and
+including it)` into a fake KV map at its slot, and every step first checks that the slots a request reads
+(its prefix, cached or computed earlier) hold exactly its own history. The fake sampler's token is a
+function of the whole history, so a lost or duplicated token changes every later one.
+"""
+
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from engine.kv_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool, num_pages_for
+from engine.radix_cache import RadixCache
+from engine.request import Failed, Finished, FinishReason, Request
+from engine.request_kv import RequestKV
+from engine.sampling import SamplingParams
+from engine.scheduler import BatchEntry, Scheduler, SchedulerConfig
+from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+PAGE_SIZES = (1, 4)
+MAX_CONTEXT = 256
+
+
+def fake_token(ids: list[int]) -> int:
+    """The fake model's next token: depends on every id and its position."""
+    return 3 + sum((i + 1) * t for i, t in enumerate(ids)) % 500
+
+
+def expected_output(prompt: list[int], num_tokens: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(num_tokens):
+        out.append(fake_token(prompt + out))
+    return out
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return [3 + (seed * 97 + i * 31) % 500 for i in range(length)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_llama_dir)
+
+
+class Step(NamedTuple):
+    """What the scheduler handed out for one request in one step."""
+
+    req: Request
+    start: int
+    extend_len: int
+    samples: bool
+
+
+class Sim:
+    """A Scheduler over real KV owners, stepped by a fake model that checks KV reads and writes."""
+
+    def __init__(self, tokenizer: Tokenizer, *, page_size: int, num_pages: int, max_running: int = 8,
+                 max_batch_tokens: int = 64, clock=None):
+        self.tokenizer = tokenizer
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.req_pool = ReqToTokenPool(max_running, MAX_CONTEXT)
+        self.radix = RadixCache(page_size, self.allocator)
+        kv = RequestKV(self.allocator, self.req_pool, self.radix)
+        config = SchedulerConfig(max_running, max_batch_tokens)
+        self.sched = Scheduler(config, kv, clock=clock) if clock else Scheduler(config, kv)
+        self.kv_content: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.events: dict[str, list] = {}
+        self.num_samples: dict[str, int] = {}
+        self.admission_order: list[str] = []
+        self.steps: list[list[Step]] = []
+
+    def add(self, rid: str, prompt: list[int], max_new_tokens: int = 4, namespace: str = "",
+            deadline: float | None = None) -> Request:
+        events = self.events.setdefault(rid, [])
+        req = Request(
+            rid=rid, prompt_ids=list(prompt),
+            params=SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+            namespace=namespace, sink=events.append,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt), stop_matcher=StopMatcher(()),
+            generator=None, eos_token_ids=frozenset(), deadline=deadline,
+        )
+        self.num_samples[rid] = 0
+        self.sched.add(req)
+        return req
+
+    def step(self) -> list[Step]:
+        sched = self.sched
+        entries = sched.schedule()
+        self._check_step(entries)
+        snapshot = [Step(e.req, e.start, e.extend_len, e.samples) for e in entries]
+        written: dict[int, Request] = {}
+        for e in entries:
+            req, ids = e.req, e.req.all_ids
+            assert self.req_pool.read(req.req_row, 0, req.kv_len).tolist() == req.kv_slots
+            for i in range(e.start):  # the prefix this step attends to holds this request's own history
+                assert self.kv_content.get(req.kv_slots[i]) == (req.namespace, tuple(ids[: i + 1])), (req.rid, i)
+            for i in range(e.start, e.start + e.extend_len):
+                slot = req.kv_slots[i]
+                assert slot // self.allocator.page_size != DUMMY_PAGE and slot not in written
+                written[slot] = req
+                self.kv_content[slot] = (req.namespace, tuple(ids[: i + 1]))
+            if req.rid not in self.admission_order:
+                self.admission_order.append(req.rid)
+        for req in sched.running:  # nobody writes into KV another running request holds
+            assert all(written.get(slot, req) is req for slot in req.kv_slots)
+        for e in snapshot:
+            if e.samples:
+                req = e.req
+                req.output_ids.append(fake_token(req.all_ids))
+                self.num_samples[req.rid] += 1
+                if len(req.output_ids) >= req.params.max_new_tokens:
+                    sched.finish(req, sched.finished_event(req, FinishReason.LENGTH))
+        self.radix.check_invariants()
+        self.steps.append(snapshot)
+        return snapshot
+
+    def _check_step(self, entries: list[BatchEntry]) -> None:
+        sched = self.sched
+        assert sum(e.extend_len for e in entries) <= sched.config.max_batch_tokens
+        assert len(sched.running) <= sched.config.max_running_requests
+        assert len({id(e.req) for e in entries}) == len(entries)
+        for e in entries:
+            assert e.extend_len > 0 and e.start + e.extend_len == e.req.kv_len
+            assert e.req in sched.running
+
+    def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.num_requests:
+                return
+            self.step()
+        raise AssertionError(f"requests still pending after {max_steps} steps")
+
+    def final(self, rid: str):
+        """The request's only terminal event (Finished or Failed), which must be its last event."""
+        events = self.events[rid]
+        assert len(events) == 1, events
+        return events[0]
+
+    def assert_all_freed(self) -> None:
+        assert not self.sched.running and not self.sched.waiting
+        assert self.radix.protected_size() == 0
+        self.radix.reset()
+        assert self.allocator.num_free_pages == self.allocator.num_usable_pages
+        assert self.req_pool.num_free_rows == self.req_pool.max_reqs
+
+
+def assert_finished(sim: Sim, req: Request, num_tokens: int, cached: int | None = None) -> Finished:
+    event = sim.final(req.rid)
+    assert isinstance(event, Finished) and event.reason is FinishReason.LENGTH
+    assert req.output_ids == expected_output(req.prompt_ids, num_tokens)
+    assert sim.num_samples[req.rid] == num_tokens
+    assert (event.prompt_tokens, event.completion_tokens) == (len(req.prompt_ids), num_tokens)
+    if cached is not None:
+        assert event.cached_prompt_tokens == cached
+    return event
+
+
+# ------------------------------------------------------------------------------------------ admission
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_fcfs_admission_under_the_running_cap(tokenizer, page_size):
+    sim = Sim(tokenizer, page_size=page_size, num_pages=256, max_running=2, max_batch_tokens=64)
+    lens = {"a": 30, "b": 5, "c": 3, "d": 20}  # short ones arrive late: they must not jump the queue
+    reqs = {rid: sim.add(rid, prompt_of(n, i), max_new_tokens=3 + i) for i, (rid, n) in enumerate(lens.items())}
+    first = sim.step()
+    assert [e.req.rid for e in first] == ["a", "b"]
+    assert [e.extend_len for e in first] == [30, 5] and all(e.samples for e in first)
+    assert [r.rid for r in sim.sched.waiting] == ["c", "d"]
+    sim.run()
+    assert sim.admission_order == ["a", "b", "c", "d"]
+    for i, req in enumerate(reqs.values()):
+        assert_finished(sim, req, 3 + i, cached=0)
+    sim.assert_all_freed()
+
+
+def test_config_refuses_a_budget_below_the_running_cap():
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        SchedulerConfig(max_running_requests=8, max_batch_tokens=4)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_chunked_prefill_samples_only_on_the_last_chunk(tokenizer, page_size):
+    sim = Sim(tokenizer, page_size=page_size, num_pages=128, max_running=4, max_batch_tokens=16)
+    req = sim.add("long", prompt_of(40, 1), max_new_tokens=3)
+    chunks = [sim.step() for _ in range(3)]
+    assert [[(e.start, e.extend_len, e.samples) for e in step] for step in chunks] == [
+        [(0, 16, False)], [(16, 16, False)], [(32, 8, True)]]
+    assert req.output_ids == expected_output(req.prompt_ids, 1)  # one token after three steps
+    sim.run()
+    assert_finished(sim, req, 3)
+    sim.assert_all_freed()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_decodes_come_before_new_prefills_within_the_budget(tokenizer, page_size):
+    sim = Sim(tokenizer, page_size=page_size, num_pages=128, max_running=4, max_batch_tokens=16)
+    a = sim.add("a", prompt_of(4, 1), max_new_tokens=20)
+    b = sim.add("b", prompt_of(6, 2), max_new_tokens=20)
+    assert [(e.req.rid, e.extend_len) for e in sim.step()] == [("a", 4), ("b", 6)]
+    c = sim.add("c", prompt_of(40, 3), max_new_tokens=2)
+    steps = [sim.step() for _ in range(3)]
+    assert [[(e.req.rid, e.start, e.extend_len, e.samples) for e in step] for step in steps] == [
+        [("a", 4, 1, True), ("b", 6, 1, True), ("c", 0, 14, False)],
+        [("a", 5, 1, True), ("b", 7, 1, True), ("c", 14, 14, False)],
+        [("a", 6, 1, True), ("b", 8, 1, True), ("c", 28, 12, True)],
+    ]
+    sim.run()
+    for req, num_tokens in ((a, 20), (b, 20), (c, 2)):
+        assert_finished(sim, req, num_tokens)
+    assert all(sum(e.extend_len for e in step) <= 16 for step in sim.steps)
+    sim.assert_all_freed()
+
+
+# ---------------------------------------------------------------------------------------- prefix cache
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_prefix_cache_hit_is_per_namespace(tokenizer, page_size):
+    sim = Sim(tokenizer, page_size=page_size, num_pages=128)
+    prompt = prompt_of(13, 5)
+    first = sim.add("first", prompt)
+    sim.run()
+    assert_finished(sim, first, 4, cached=0)
+
+    other = sim.add("other-namespace", prompt, namespace="adapter-digest")
+    (entry,) = sim.step()
+    assert (other.cached_len, entry.start, entry.extend_len) == (0, 0, 13)
+    sim.run()
+    assert_finished(sim, other, 4, cached=0)
+
+    again = sim.add("again", prompt)
+    (entry,) = sim.step()
+    num_cached = 12 // page_size * page_size  # whole pages of the prompt minus its last token
+    assert (again.cached_len, entry.start, entry.extend_len) == (num_cached, num_cached, 13 - num_cached)
+    sim.run()
+    assert_finished(sim, again, 4, cached=num_cached)
+    sim.assert_all_freed()
+
+
+# ----------------------------------------------------------------------------------------- retraction
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_retraction_takes_the_latest_arrival_and_loses_no_token(tokenizer, page_size):
+    prompt_len, max_new = 8, 12
+    pages_each = num_pages_for(prompt_len + max_new - 1, page_size)
+    # Two requests fit to the end, three do not.
+    sim = Sim(tokenizer, page_size=page_size, num_pages=2 * pages_each + 1, max_batch_tokens=64)
+    a, b, c = (sim.add(rid, prompt_of(prompt_len, i), max_new_tokens=max_new) for i, rid in enumerate("abc"))
+    assert [e.req.rid for e in sim.step()] == ["a", "b", "c"]
+    while not sim.sched.num_retractions:
+        sim.step()
+    assert sim.sched.num_retractions == 1
+    assert [r.rid for r in sim.sched.running] == ["a", "b"]
+    assert list(sim.sched.waiting) == [c] and c.req_row == -1 and c.kv_slots == []
+    num_before = len(c.output_ids)
+    assert 0 < num_before < max_new
+    assert c.output_ids == expected_output(c.prompt_ids, num_before)  # kept across the retraction
+    late = sim.add("late", prompt_of(3, 9), max_new_tokens=2)  # arrives after c was queued again
+    assert list(sim.sched.waiting) == [c, late]
+    num_steps_before = len(sim.steps)
+
+    sim.run()
+    assert sim.admission_order == ["a", "b", "c", "late"]
+    readmit = next(e for step in sim.steps[num_steps_before:] for e in step if e.req is c)
+    # c re-prefills prompt + output (less any still-cached prefix), then samples the next token once.
+    assert readmit.samples and readmit.start + readmit.extend_len == prompt_len + num_before
+    for req in (a, b, c):
+        assert_finished(sim, req, max_new, cached=0)
+    assert_finished(sim, late, 2)
+    sim.assert_all_freed()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("max_batch_tokens", [64, 8])
+def test_request_too_large_for_the_pool_fails_and_others_run(tokenizer, page_size, max_batch_tokens):
+    num_pages = 40 // page_size + 1  # 40 usable slots
+    sim = Sim(tokenizer, page_size=page_size, num_pages=num_pages, max_batch_tokens=max_batch_tokens)
+    alone = sim.add("alone", prompt_of(60, 1))
+    sim.run()
+    assert sim.final("alone") == Failed("RESOURCE_EXHAUSTED", sim.final("alone").message)
+    assert alone.req_row == -1
+
+    small1 = sim.add("small1", prompt_of(5, 2), max_new_tokens=6)
+    big = sim.add("big", prompt_of(60, 3), max_new_tokens=2)
+    small2 = sim.add("small2", prompt_of(7, 4), max_new_tokens=6)
+    sim.run()
+    event = sim.final("big")
+    assert isinstance(event, Failed) and event.code == "RESOURCE_EXHAUSTED"
+    assert big.output_ids == [] and big.req_row == -1
+    assert_finished(sim, small1, 6)
+    assert_finished(sim, small2, 6)
+    sim.assert_all_freed()
+
+
+# --------------------------------------------------------------------------- cancellation and deadlines
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_cancel_and_deadline_free_every_page(tokenizer, page_size):
+    now = [0.0]
+    sim = Sim(tokenizer, page_size=page_size, num_pages=256, max_running=3, max_batch_tokens=64,
+              clock=lambda: now[0])
+    keep = sim.add("keep", prompt_of(9, 1), max_new_tokens=30)
+    late = sim.add("deadline-running", prompt_of(14, 2), max_new_tokens=30, deadline=5.0)
+    cancel = sim.add("cancel-running", prompt_of(11, 3), max_new_tokens=30)
+    waiting_late = sim.add("deadline-waiting", prompt_of(5, 4), max_new_tokens=30, deadline=5.0)
+    waiting_cancel = sim.add("cancel-waiting", prompt_of(6, 5), max_new_tokens=30)
+    for _ in range(3):
+        sim.step()
+    now[0] = 5.0  # not past yet
+    sim.step()
+    assert [r.rid for r in sim.sched.running] == ["keep", "deadline-running", "cancel-running"]
+    assert all(not sim.events[r.rid] for r in (late, cancel, waiting_late, waiting_cancel))
+
+    now[0] = 5.5
+    cancel.is_cancelled = waiting_cancel.is_cancelled = True
+    sim.step()
+    assert sim.final("deadline-running") == Failed("DEADLINE_EXCEEDED", sim.final("deadline-running").message)
+    assert sim.final("deadline-waiting").code == "DEADLINE_EXCEEDED"
+    cancelled = sim.final("cancel-running")
+    assert (cancelled.reason, cancelled.completion_tokens) == (FinishReason.CANCELLED, 4)
+    assert sim.final("cancel-waiting") == Finished(FinishReason.CANCELLED, "", 6, 0, 0)
+    assert [r.rid for r in sim.sched.running] == ["keep"] and not sim.sched.waiting
+    assert all(r.req_row == -1 and not r.kv_slots for r in (late, cancel, waiting_late, waiting_cancel))
+    # Every page the ended requests held is free or an unpinned cached prefix, which eviction frees.
+    assert sim.radix.protected_size() == keep.cached_len == 0
+    sim.radix.evict(10**9)
+    assert sim.allocator.num_used_pages == len(keep.owned_pages) == num_pages_for(keep.kv_len, page_size)
+
+    sim.run()
+    assert_finished(sim, keep, 30)
+    sim.assert_all_freed()
