@@ -144,3 +144,19 @@ async def test_bad_requests_fail_without_disturbing_a_running_stream(engine):
         assert needle in info.value.details(), (name, info.value.details())
     ids, _, complete = await running
     assert ids == expected and complete.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_stop_string_across_tokens_is_never_streamed(engine):
+    server, stub = engine
+    tokenizer = server.core.tokenizer
+    ids, text, _ = await collect(stub, generate_request("Stop strings span tokens", max_new_tokens=12, ignore_eos=True))
+    spans = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    # A stop string that starts inside token 3's text and ends inside token 5's: no token holds it whole.
+    stop = spans[5][len(spans[3]) - 1 : len(spans[5]) - 1] if len(spans[5]) - len(spans[3]) > 1 else spans[5][-3:]
+    assert stop and stop in text
+    stopped_ids, stopped_text, complete = await collect(
+        stub, generate_request("Stop strings span tokens", max_new_tokens=12, ignore_eos=True, stop=[stop])
+    )
+    assert complete.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE and complete.matched_stop == stop
+    assert stopped_text == text[: text.index(stop)] and stop not in stopped_text
+    assert stopped_ids == ids[: len(stopped_ids)] and len(stopped_ids) < len(ids)
