@@ -23,3 +23,4 @@ class EngineConfig:
     max_batch_tokens: int = 2048
     max_queued_requests: int = 1024
     max_prompt_bytes: int = 1 << 20
+    attention_backend: str = ""  # "" = "sdpa" on CUDA, "ref" on CPU; or "ref" / "sdpa" explicitly

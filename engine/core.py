@@ -55,9 +55,9 @@ class EngineCore:
         kv_buffers = KVBuffers.allocate(model_config, allocator.num_slots, next(model.parameters()).dtype, device)
         kv = RequestKV(allocator, req_pool, RadixCache(config.page_size, allocator))
         scheduler_config = SchedulerConfig(config.max_running_requests, config.max_batch_tokens)
-        runner = ModelRunner(model, kv_buffers, req_pool.table, device)
+        runner = ModelRunner(model, kv_buffers, req_pool.table, device, _attention_backend(config, device))
         loop = EngineLoop(Scheduler(scheduler_config, kv), runner)
-        log.info("engine: %s on %s, %d KV slots (page %d), context %d", config.model_dir, device, allocator.num_slots, config.page_size, max_context)
+        log.info("engine: %s on %s, %d KV slots (page %d), context %d, %s attention", config.model_dir, device, allocator.num_slots, config.page_size, max_context, runner.attention_backend)
         return cls(config, model_config, tokenizer, loop, max_context)
 
     @property
@@ -104,3 +104,9 @@ def _auto_kv_slots(model_config: ModelConfig, device: torch.device, dtype: torch
     free, _ = torch.cuda.mem_get_info(device)
     bytes_per_slot = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * dtype.itemsize
     return int(free * config.kv_memory_fraction) // bytes_per_slot
+
+
+def _attention_backend(config: EngineConfig, device: torch.device) -> str:
+    if config.attention_backend not in ("", "ref", "sdpa"):
+        raise ValueError(f"attention_backend must be '', 'ref' or 'sdpa', not {config.attention_backend!r}")
+    return config.attention_backend or ("sdpa" if device.type == "cuda" else "ref")

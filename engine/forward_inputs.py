@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_config import ModelConfig
+from kernels.attention_sdpa import SdpaPlan
 
 
 @dataclass
@@ -21,6 +22,7 @@ class AttentionInputs:
     req_pool_indices: torch.Tensor  # [B] int
     prefix_lens: torch.Tensor  # [B] int: tokens already in the cache
     extend_lens: torch.Tensor  # [B] int: new tokens this step; 1 for decode
+    sdpa_plan: SdpaPlan | None = None  # the same batch as index tensors for the batched SDPA backend
 
 
 @dataclass

@@ -13,14 +13,25 @@ from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.model import LlamaModel
 from engine.sampling import sample
 from engine.scheduler import BatchEntry
+from kernels.attention_sdpa import SdpaPlan
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVBuffers, req_to_token: torch.Tensor, device: torch.device | str):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVBuffers,
+        req_to_token: torch.Tensor,
+        device: torch.device | str,
+        attention_backend: str = "ref",  # "ref" (kernels/attention_ref.py) or "sdpa" (kernels/attention_sdpa.py)
+    ):
+        if attention_backend not in ("ref", "sdpa"):
+            raise ValueError(f"attention_backend must be 'ref' or 'sdpa', not {attention_backend!r}")
         self.model = model
         self.kv = kv
         self.req_to_token = req_to_token  # [max_reqs, max_context]: the ReqToTokenPool's table
         self.device = torch.device(device)
+        self.attention_backend = attention_backend
 
     @torch.inference_mode()
     def run(self, entries: list[BatchEntry]) -> list[int]:
@@ -30,13 +41,7 @@ class ModelRunner:
             input_ids += e.req.all_ids[e.start : e.start + e.extend_len]
             positions += range(e.start, e.start + e.extend_len)
             out_cache_loc += e.req.kv_slots[e.start : e.start + e.extend_len]
-        attn = AttentionInputs(
-            out_cache_loc=self._tensor(out_cache_loc),
-            req_to_token=self.req_to_token,
-            req_pool_indices=self._tensor([e.req.req_row for e in entries]),
-            prefix_lens=self._tensor([e.start for e in entries]),
-            extend_lens=self._tensor([e.extend_len for e in entries]),
-        )
+        attn = self._attention_inputs(entries, out_cache_loc)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), attn, self.kv)  # [T, hidden]
         ends = list(itertools.accumulate(e.extend_len for e in entries))
         sampling = [(end - 1, e.req) for end, e in zip(ends, entries, strict=True) if e.samples]
@@ -47,6 +52,22 @@ class ModelRunner:
         reqs = [req for _, req in sampling]
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         return tokens.tolist()
+
+    def _attention_inputs(self, entries: list[BatchEntry], out_cache_loc: list[int]) -> AttentionInputs:
+        req_rows = [e.req.req_row for e in entries]
+        prefix_lens = [e.start for e in entries]
+        extend_lens = [e.extend_len for e in entries]
+        plan = None
+        if self.attention_backend == "sdpa":
+            plan = SdpaPlan.build(req_rows, prefix_lens, extend_lens, self.req_to_token, self.device)
+        return AttentionInputs(
+            out_cache_loc=self._tensor(out_cache_loc),
+            req_to_token=self.req_to_token,
+            req_pool_indices=self._tensor(req_rows),
+            prefix_lens=self._tensor(prefix_lens),
+            extend_lens=self._tensor(extend_lens),
+            sdpa_plan=plan,
+        )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)

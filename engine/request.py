@@ -59,19 +59,21 @@ class Request:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    namespace: str  # adapter digest; "" = the base model (a separate prefix-cache namespace)
+    namespace: str  # adapter digest; "" = the base model (also the prefix-cache namespace)
     sink: Sink
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopMatcher
     generator: torch.Generator | None
     eos_token_ids: frozenset[int]
     deadline: float | None = None  # time.monotonic() seconds
+    adapter_ref: str = ""  # the resolved "name@version" reported in GenerateComplete
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     kv_slots: list[int] = field(default_factory=list)
     owned_pages: list[int] = field(default_factory=list)  # pages this request allocated
     prefix_node: object | None = None  # locked radix node of the matched prefix
     req_row: int = -1  # row in the request-to-token table; -1 when not resident
+    lora_slot: int = -1  # GPU adapter slot while running with an adapter; -1 otherwise
     cached_len: int = 0  # tokens taken from the prefix cache at the latest admission
     first_cached_len: int = -1  # cached prompt tokens at the first admission (Usage)
     is_cancelled: bool = False

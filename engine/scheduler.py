@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.lora_manager import LoraManager
 from engine.request import Failed, Finished, FinishReason, Request
 from engine.request_kv import RequestKV
 
@@ -41,9 +42,16 @@ class BatchEntry:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: RequestKV, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: RequestKV,
+        clock: Callable[[], float] = time.monotonic,
+        lora: LoraManager | None = None,
+    ):
         self.config = config
         self.kv = kv
+        self.lora = lora
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -67,20 +75,13 @@ class Scheduler:
             if extend_len and self._grow_or_retract(req, extend_len):
                 entries.append(BatchEntry.grown(req, extend_len))
                 budget -= extend_len
-        while self.waiting and budget > 0 and self._can_admit_more():
-            entry = self._admit(self.waiting[0], budget)
-            if entry is None:
-                break
-            self.waiting.popleft()
-            self.running.append(entry.req)
-            entries.append(entry)
-            budget -= entry.extend_len
+        entries += self._admit_waiting(budget)
         return entries
 
     def finish(self, req: Request, event: Finished | Failed) -> None:
         """End req: cache its KV, free the rest, and send its last event."""
         req.is_finished = True
-        self.kv.release(req)
+        self._release(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -95,16 +96,42 @@ class Scheduler:
     def _can_admit_more(self) -> bool:
         return len(self.running) < self.config.max_running_requests and self.kv.can_admit()
 
+    def _admit_waiting(self, budget: int) -> list[BatchEntry]:
+        """FCFS admission; a request whose adapter cannot get a slot now waits without blocking others."""
+        entries, slot_blocked = [], []
+        while self.waiting and budget > 0 and self._can_admit_more():
+            req = self.waiting.popleft()
+            if req.namespace and self.lora is not None and not self.lora.can_acquire(req.namespace):
+                slot_blocked.append(req)
+                continue
+            entry = self._admit(req, budget)
+            if entry is None:
+                if self.running:  # KV frees as running requests finish
+                    self.waiting.appendleft(req)
+                    break
+                self.finish(req, self._too_big())  # nothing will ever free enough KV for it
+                continue
+            self.running.append(req)
+            entries.append(entry)
+            budget -= entry.extend_len
+        self.waiting.extendleft(reversed(slot_blocked))
+        return entries
+
     def _admit(self, req: Request, budget: int) -> BatchEntry | None:
         self.kv.admit(req)
         extend_len = min(req.num_pending, budget)
-        if self.kv.grow(req, extend_len):
-            return BatchEntry.grown(req, extend_len)
+        if not self.kv.grow(req, extend_len):
+            self.kv.release(req)
+            return None
+        if req.namespace and self.lora is not None:
+            req.lora_slot = self.lora.acquire(req.namespace)
+        return BatchEntry.grown(req, extend_len)
+
+    def _release(self, req: Request) -> None:
         self.kv.release(req)
-        if not self.running:  # nothing will ever free KV for it: the pool is too small
-            self.waiting.popleft()
-            self.finish(req, self._too_big())
-        return None
+        if req.lora_slot >= 0:
+            self.lora.release(req.namespace)
+            req.lora_slot = -1
 
     def _grow_or_retract(self, req: Request, extend_len: int) -> bool:
         """Grow req, retracting the latest-arrived other running requests while KV is short."""
@@ -123,7 +150,7 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         """Free req's KV (its computed prefix stays cached) and queue it first to re-run later."""
-        self.kv.release(req)
+        self._release(req)
         self.running.remove(req)
         self.waiting.appendleft(req)
         self.num_retractions += 1

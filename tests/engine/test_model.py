@@ -19,6 +19,7 @@ from engine.model_config import NAMED_SHAPES, ModelConfig
 from engine.rope import cos_sin_cache
 from engine.weights import load_model, random_model
 from kernels.attention_ref import extend_attention_ref
+from kernels.attention_sdpa import SdpaPlan
 from loramux.demo_model import LLAMA3_8B_CONFIG, write_llama_checkpoint
 
 ATOL = 1e-4  # fp32 logits of std ~1; observed differences are ~1e-6
@@ -41,6 +42,7 @@ VARIANTS: dict[str, dict] = {  # name -> write_llama_checkpoint kwargs; "llama" 
     "sharded": {"num_shards": 3},
 }
 PROMPT_LENS = (7, 19, 12)
+BACKENDS = ("ref", "sdpa")  # attention: kernels/attention_ref.py, kernels/attention_sdpa.py
 
 
 # ---------------------------------------------------------------- fixtures and the paged-KV harness
@@ -79,9 +81,17 @@ def _prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 class PagedKV:
     """Request rows and KV slots for tests. Slots come from a shuffled free list, so every request's KV
-    is scattered over the pool (req_to_token is never the identity)."""
+    is scattered over the pool (req_to_token is never the identity). backend picks the attention kernel."""
 
-    def __init__(self, config: ModelConfig, num_slots: int = 256, max_reqs: int = 4, max_context: int = 64):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int = 256,
+        max_reqs: int = 4,
+        max_context: int = 64,
+        backend: str = "ref",
+    ):
+        self.backend = backend
         self.kv = KVBuffers.allocate(config, num_slots, torch.float32, "cpu")
         self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int32)
         self.free = torch.randperm(num_slots, generator=torch.Generator().manual_seed(1)).tolist()
@@ -97,12 +107,19 @@ class PagedKV:
             ids += tokens
             positions += range(start, start + len(tokens))
             locs += slots
+        rows = [row for row, _ in chunks]
+        prefix_lens = [self.seq_lens[row] for row in rows]
+        extend_lens = [len(tokens) for _, tokens in chunks]
+        plan = None
+        if self.backend == "sdpa":
+            plan = SdpaPlan.build(rows, prefix_lens, extend_lens, self.req_to_token, "cpu")
         attn = AttentionInputs(
             out_cache_loc=torch.tensor(locs),
             req_to_token=self.req_to_token,
-            req_pool_indices=torch.tensor([row for row, _ in chunks]),
-            prefix_lens=torch.tensor([self.seq_lens[row] for row, _ in chunks]),
-            extend_lens=torch.tensor([len(tokens) for _, tokens in chunks]),
+            req_pool_indices=torch.tensor(rows),
+            prefix_lens=torch.tensor(prefix_lens),
+            extend_lens=torch.tensor(extend_lens),
+            sdpa_plan=plan,
         )
         for row, tokens in chunks:
             self.seq_lens[row] += len(tokens)
@@ -120,20 +137,22 @@ def _hf_logits(hf, prompt: list[int]) -> torch.Tensor:  # [len(prompt), vocab]
 # ---------------------------------------------------------------- model vs transformers
 
 
-def test_one_extend_batch_of_varied_lengths_matches_hf(models):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_extend_batch_of_varied_lengths_matches_hf(models, backend):
     ours, hf = models
     prompts = _prompts(ours.config.vocab_size)
     # Rows out of order, so request b's row is not b.
-    logits = PagedKV(ours.config).step(ours, list(zip((2, 0, 3), prompts, strict=True)))
+    logits = PagedKV(ours.config, backend=backend).step(ours, list(zip((2, 0, 3), prompts, strict=True)))
     for got, prompt in zip(logits, prompts, strict=True):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, _hf_logits(hf, prompt), atol=ATOL, rtol=0)
 
 
-def test_step_by_step_decode_matches_hf_full_sequence(models):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_by_step_decode_matches_hf_full_sequence(models, backend):
     ours, hf = models
     prompts = _prompts(ours.config.vocab_size, seed=1)
-    cache = PagedKV(ours.config)
+    cache = PagedKV(ours.config, backend=backend)
     got: list[list[torch.Tensor]] = [[] for _ in prompts]
     for pos in range(max(PROMPT_LENS)):
         active = [b for b, prompt in enumerate(prompts) if pos < len(prompt)]
@@ -144,10 +163,11 @@ def test_step_by_step_decode_matches_hf_full_sequence(models):
         torch.testing.assert_close(torch.stack(rows), _hf_logits(hf, prompt), atol=ATOL, rtol=0)
 
 
-def test_extend_on_top_of_cached_prefix_matches_one_pass(models):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extend_on_top_of_cached_prefix_matches_one_pass(models, backend):
     ours, hf = models
     prompts = _prompts(ours.config.vocab_size, seed=2)
-    cache = PagedKV(ours.config)
+    cache = PagedKV(ours.config, backend=backend)
     split = (3, 18, 1)  # the second request's rest is one token: a decode row inside an extend batch
     cache.step(ours, [(b, prompt[:k]) for b, (prompt, k) in enumerate(zip(prompts, split, strict=True))])
     rest = cache.step(
@@ -157,11 +177,12 @@ def test_extend_on_top_of_cached_prefix_matches_one_pass(models):
         torch.testing.assert_close(got, _hf_logits(hf, prompt)[k:], atol=ATOL, rtol=0)
 
 
-def test_greedy_generation_matches_hf_generate(models):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_generation_matches_hf_generate(models, backend):
     ours, hf = models
     prompts, num_new = _prompts(ours.config.vocab_size, seed=3), 12
     eos = set(ours.config.eos_token_ids)
-    cache = PagedKV(ours.config)
+    cache = PagedKV(ours.config, backend=backend)
     last = [logits[-1] for logits in cache.step(ours, list(enumerate(prompts)))]
     outputs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))

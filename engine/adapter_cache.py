@@ -1,0 +1,71 @@
+"""The host cache of adapters: packed, LRU-evicted, in pinned memory when a GPU is present.
+
+It sits between the adapter source (local files now, the registry later) and the GPU slots; entries
+are keyed by digest, never by name.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from engine.lora_pool import FusedTarget, PackedAdapter
+from registry.peft_compile import CanonicalAdapter
+
+
+def pack_adapter(digest: str, adapter: CanonicalAdapter, targets: dict[str, FusedTarget], dtype: torch.dtype, pin: bool) -> PackedAdapter:
+    """Lay a canonical adapter out per fused target; projections it lacks become zeros."""
+    rank, num_layers = adapter.rank, adapter.num_layers
+    a, b = {}, {}
+    for name, target in targets.items():
+        a_t = torch.zeros(num_layers, target.num_stack * rank, target.in_dim, dtype=dtype)
+        b_t = torch.zeros(num_layers, target.out_dim, rank, dtype=dtype)
+        for layer in range(num_layers):
+            for k, module in enumerate(target.modules):
+                weights = adapter.module_weights(layer, module)
+                if weights is None:
+                    continue
+                lora_a, lora_b = weights  # [rank, in], [out, rank]
+                offset, size = target.output_slices[k]
+                a_t[layer, k * rank : (k + 1) * rank] = lora_a
+                b_t[layer, offset : offset + size] = lora_b
+        a[name] = a_t.pin_memory() if pin else a_t
+        b[name] = b_t.pin_memory() if pin else b_t
+    return PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b)
+
+
+class HostAdapterCache:
+    """At most `max_adapters` packed adapters, least recently used evicted first."""
+
+    def __init__(self, max_adapters: int):
+        if max_adapters < 1:
+            raise ValueError("max_adapters must be >= 1")
+        self.max_adapters = max_adapters
+        self._entries: OrderedDict[str, PackedAdapter] = OrderedDict()
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: str) -> PackedAdapter | None:
+        entry = self._entries.get(digest)
+        if entry is None:
+            self.num_misses += 1
+            return None
+        self.num_hits += 1
+        self._entries.move_to_end(digest)
+        return entry
+
+    def put(self, adapter: PackedAdapter) -> None:
+        self._entries[adapter.digest] = adapter
+        self._entries.move_to_end(adapter.digest)
+        while len(self._entries) > self.max_adapters:
+            self._entries.popitem(last=False)
+
+    def discard(self, digest: str) -> None:
+        self._entries.pop(digest, None)

@@ -1,0 +1,128 @@
+"""Which adapter sits in which GPU slot: acquisition by running requests, eviction, pinning.
+
+Invariants: a slot used by a running request (num_users > 0) or pinned is never evicted; at most
+num_slots - 1 slots are pinned, so one slot always stays available to unpinned adapters. The
+eviction policy is a named function over the evictable slots (LRU by default, FIFO selectable).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.lora_pool import LoraSlotPool, PackedAdapter
+
+
+@dataclass
+class SlotState:
+    index: int
+    digest: str | None = None  # None: empty
+    num_users: int = 0  # running requests that use the slot
+    is_pinned: bool = False
+    last_used: float = 0.0
+    loaded_at: float = 0.0
+
+    @property
+    def is_evictable(self) -> bool:
+        return self.num_users == 0 and not self.is_pinned
+
+
+def lru_victim(candidates: list[SlotState]) -> SlotState:
+    return min(candidates, key=lambda s: s.last_used)
+
+
+def fifo_victim(candidates: list[SlotState]) -> SlotState:
+    return min(candidates, key=lambda s: s.loaded_at)
+
+
+EVICTION_POLICIES: dict[str, Callable[[list[SlotState]], SlotState]] = {"lru": lru_victim, "fifo": fifo_victim}
+
+
+class SlotsExhausted(RuntimeError):
+    """No slot can take the adapter now (all used by running requests or pinned)."""
+
+
+class AdapterSlots:
+    def __init__(self, pool: LoraSlotPool, policy: str = "lru", clock: Callable[[], float] | None = None):
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy {policy!r} is not one of {sorted(EVICTION_POLICIES)}")
+        self.pool = pool
+        self.choose_victim = EVICTION_POLICIES[policy]
+        self.clock = clock or itertools.count().__next__
+        self.slots = [SlotState(i) for i in range(pool.num_slots)]
+        self._by_digest: dict[str, SlotState] = {}
+        self.num_loads = 0
+        self.num_evictions = 0
+
+    def slot_of(self, digest: str) -> int | None:
+        state = self._by_digest.get(digest)
+        return None if state is None else state.index
+
+    def can_acquire(self, digest: str) -> bool:
+        return digest in self._by_digest or self._free_slot() is not None
+
+    def acquire(self, digest: str, load: Callable[[], PackedAdapter]) -> int:
+        """The slot holding digest for one more running request; loads it (evicting) when absent."""
+        state = self._by_digest.get(digest) or self._place(digest, load)
+        state.num_users += 1
+        state.last_used = self.clock()
+        return state.index
+
+    def release(self, digest: str) -> None:
+        state = self._by_digest[digest]
+        if state.num_users <= 0:
+            raise ValueError(f"adapter {digest[:12]} released more often than acquired")
+        state.num_users -= 1
+        state.last_used = self.clock()
+
+    def pin(self, digest: str, load: Callable[[], PackedAdapter]) -> int:
+        num_pinned = sum(s.is_pinned for s in self.slots)
+        state = self._by_digest.get(digest)
+        if state is None or not state.is_pinned:
+            if num_pinned >= self.pool.num_slots - 1:
+                raise SlotsExhausted(f"at most {self.pool.num_slots - 1} of {self.pool.num_slots} slots may be pinned")
+            state = state or self._place(digest, load)
+            state.is_pinned = True
+        return state.index
+
+    def unpin(self, digest: str) -> None:
+        state = self._by_digest.get(digest)
+        if state is not None:
+            state.is_pinned = False
+
+    def evict(self, digest: str) -> bool:
+        """Drop digest from its slot if nothing uses it; returns whether it is gone."""
+        state = self._by_digest.get(digest)
+        if state is None:
+            return True
+        if state.num_users or state.is_pinned:
+            return False
+        self._empty(state)
+        return True
+
+    def _free_slot(self) -> SlotState | None:
+        empty = [s for s in self.slots if s.digest is None]
+        if empty:
+            return empty[0]
+        candidates = [s for s in self.slots if s.is_evictable]
+        return self.choose_victim(candidates) if candidates else None
+
+    def _place(self, digest: str, load: Callable[[], PackedAdapter]) -> SlotState:
+        state = self._free_slot()
+        if state is None:
+            raise SlotsExhausted("every slot is used by running requests or pinned")
+        if state.digest is not None:
+            self._empty(state)
+            self.num_evictions += 1
+        self.pool.load(state.index, load())
+        state.digest = digest
+        state.loaded_at = state.last_used = self.clock()
+        self._by_digest[digest] = state
+        self.num_loads += 1
+        return state
+
+    def _empty(self, state: SlotState) -> None:
+        del self._by_digest[state.digest]
+        self.pool.clear(state.index)
+        state.digest = None

@@ -1,0 +1,84 @@
+"""Adapters the engine serves from local files (`--adapter NAME=DIR`), by name and digest.
+
+A DIR is a PEFT adapter (compiled here with the registry's own compiler, so there is one
+interpretation of PEFT) or a canonical artifact file. Every adapter is version 1 of its name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry.errors import FailedPrecondition, InvalidArgument, NotFound
+from registry.model_shapes import ModelShape
+from registry.peft_compile import compile_adapter, read_canonical
+from registry.peft_files import CONFIG_FILE, WEIGHTS_FILE
+from registry.types import check_name, parse_ref
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    name: str
+    version: int
+    digest: str
+    path: Path  # the canonical artifact
+    rank: int
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+class LocalAdapters:
+    def __init__(self, records: list[AdapterRecord]):
+        self._by_name = {r.name: r for r in records}
+        self._by_digest = {r.digest: r for r in records}
+
+    @classmethod
+    def compile_all(cls, specs: list[tuple[str, Path]], model_dir: Path, base_model: str, max_rank: int, work_dir: Path) -> LocalAdapters:
+        shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+        work_dir.mkdir(parents=True, exist_ok=True)
+        records = [_compile_one(check_name(name, "adapter"), Path(src), shape, base_model, max_rank, work_dir) for name, src in specs]
+        return cls(records)
+
+    def records(self) -> list[AdapterRecord]:
+        return sorted(self._by_name.values(), key=lambda r: r.name)
+
+    def resolve(self, ref: str) -> AdapterRecord:
+        """'name' or 'name@1' -> the record; NOT_FOUND for unknown names and versions."""
+        name, version = parse_ref(ref)
+        record = self._by_name.get(name)
+        if record is None or version not in (0, record.version):
+            raise NotFound(f"adapter {ref!r} is not available on this engine")
+        return record
+
+    def by_digest(self, digest: str) -> AdapterRecord:
+        return self._by_digest[digest]
+
+
+def parse_adapter_spec(spec: str) -> tuple[str, Path]:
+    """`NAME=DIR` from the command line."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise InvalidArgument(f"--adapter {spec!r}: expected NAME=DIR")
+    return name, Path(path)
+
+
+def _compile_one(name: str, src: Path, shape: ModelShape, base_model: str, max_rank: int, work_dir: Path) -> AdapterRecord:
+    if src.is_file():
+        data = src.read_bytes()
+        adapter = read_canonical(data, shape)
+        if adapter.rank > max_rank:
+            raise FailedPrecondition(f"adapter {name!r}: rank {adapter.rank} is over --max-lora-rank {max_rank}")
+        return AdapterRecord(name, 1, hashlib.sha256(data).hexdigest(), src, adapter.rank)
+    if not (src / CONFIG_FILE).is_file():
+        raise NotFound(f"adapter {name!r}: {src / CONFIG_FILE} does not exist")
+    staging = work_dir / f".{name}.safetensors"
+    compiled = compile_adapter(
+        (src / CONFIG_FILE).read_bytes(), src / WEIGHTS_FILE, shape, base_model=base_model, max_rank=max_rank, out_path=staging
+    )
+    final = work_dir / f"{compiled.digest}.safetensors"
+    staging.replace(final)
+    return AdapterRecord(name, 1, compiled.digest, final, compiled.rank)

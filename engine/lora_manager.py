@@ -1,0 +1,40 @@
+"""Adapter residency for the scheduler: host cache -> GPU slot, keyed by digest.
+
+Composes the slot assignment (AdapterSlots), the host cache and the adapter source; the scheduler asks
+`can_acquire` before admitting a request and `acquire`/`release` around its run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.adapter_cache import HostAdapterCache
+from engine.adapter_slots import AdapterSlots
+from engine.lora_pool import LoraSlotPool, PackedAdapter
+
+
+class LoraManager:
+    def __init__(self, pool: LoraSlotPool, slots: AdapterSlots, host_cache: HostAdapterCache, fetch: Callable[[str], PackedAdapter]):
+        self.pool = pool
+        self.slots = slots
+        self.host_cache = host_cache
+        self.fetch = fetch  # digest -> packed adapter, on a host-cache miss
+
+    def packed(self, digest: str) -> PackedAdapter:
+        adapter = self.host_cache.get(digest)
+        if adapter is None:
+            adapter = self.fetch(digest)
+            self.host_cache.put(adapter)
+        return adapter
+
+    def can_acquire(self, digest: str) -> bool:
+        return self.slots.can_acquire(digest)
+
+    def acquire(self, digest: str) -> int:
+        return self.slots.acquire(digest, lambda: self.packed(digest))
+
+    def release(self, digest: str) -> None:
+        self.slots.release(digest)
+
+    def pin(self, digest: str) -> int:
+        return self.slots.pin(digest, lambda: self.packed(digest))

@@ -1,0 +1,127 @@
+"""The GPU memory of LoRA adapters: per fused target, A and B buffers for a fixed number of slots.
+
+Allocated once at start; addresses never change (CUDA graphs capture them). Per fused target t with
+`stack` projections sharing one input:
+
+    A[t]: [num_layers, num_slots + 1, stack * max_rank, in_dim]     rows k*max_rank .. k*max_rank+r: A of projection k
+    B[t]: [num_layers, num_slots + 1, out_dim_total, max_rank]      columns 0 .. r of projection k's output rows
+
+Slot index `num_slots` is the base-model slot: rank 0 forever, so base-model tokens take the same
+kernels and contribute exactly nothing. An EMPTY slot (no adapter) is a different thing: rank 0 until
+an adapter is loaded into it. `ranks[s]` / `scalings[s]` hold each slot's rank and scaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class FusedTarget:
+    name: str  # qkv | o | gate_up | down
+    modules: tuple[str, ...]  # the PEFT projections stacked in this target, in order
+    in_dim: int
+    output_slices: tuple[tuple[int, int], ...]  # (offset, size) of each projection in the fused output
+
+    @property
+    def num_stack(self) -> int:
+        return len(self.modules)
+
+    @property
+    def out_dim(self) -> int:
+        offset, size = self.output_slices[-1]
+        return offset + size
+
+
+def fused_targets(config: ModelConfig) -> tuple[FusedTarget, ...]:
+    q, kv, hidden, inter = config.q_size, config.kv_size, config.hidden_size, config.intermediate_size
+    return (
+        FusedTarget("qkv", ("q_proj", "k_proj", "v_proj"), hidden, ((0, q), (q, kv), (q + kv, kv))),
+        FusedTarget("o", ("o_proj",), q, ((0, hidden),)),
+        FusedTarget("gate_up", ("gate_proj", "up_proj"), hidden, ((0, inter), (inter, inter))),
+        FusedTarget("down", ("down_proj",), inter, ((0, hidden),)),
+    )
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter laid out per fused target on the host, ready for one copy per target into a slot.
+
+    a[t]: [num_layers, stack * rank, in_dim]; b[t]: [num_layers, out_dim, rank]; projections the adapter
+    lacks are zeros, so copying a packed adapter over a slot leaves nothing of the previous tenant.
+    """
+
+    digest: str
+    rank: int
+    scaling: float
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+
+class LoraSlotPool:
+    """Owns the slot buffers and each slot's rank/scaling; knows nothing of which adapter is where."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str):
+        self.num_slots = num_slots
+        self.base_slot = num_slots
+        self.max_rank = max_rank
+        self.device = torch.device(device)
+        self.targets = {t.name: t for t in fused_targets(config)}
+        total = num_slots + 1
+        layers = config.num_layers
+        self.a = {t.name: torch.zeros(layers, total, t.num_stack * max_rank, t.in_dim, dtype=dtype, device=device) for t in self.targets.values()}
+        self.b = {t.name: torch.zeros(layers, total, t.out_dim, max_rank, dtype=dtype, device=device) for t in self.targets.values()}
+        self.ranks = [0] * total  # host copies: batch metadata is built from these, never from the device
+        self.scalings = [0.0] * total
+        is_cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
+        self._pending: list[torch.cuda.Event] = []
+
+    def load(self, slot: int, adapter: PackedAdapter) -> None:
+        """Zero every target of `slot`, then copy the adapter in (asynchronously on CUDA)."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not an adapter slot (0..{self.num_slots - 1})")
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"adapter rank {adapter.rank} is over the pool's max rank {self.max_rank}")
+        stream = self._copy_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for name, target in self.targets.items():
+                self._copy_target(slot, target, adapter.a[name], adapter.b[name], adapter.rank)
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._pending.append(event)
+        self.ranks[slot] = adapter.rank
+        self.scalings[slot] = adapter.scaling
+
+    def clear(self, slot: int) -> None:
+        """Mark a slot empty (rank 0); its buffers are zeroed again by the next load."""
+        self.ranks[slot] = 0
+        self.scalings[slot] = 0.0
+
+    def wait_for_loads(self) -> None:
+        """Make the compute stream wait for every slot load issued so far (call before a forward)."""
+        if self._pending:
+            current = torch.cuda.current_stream(self.device)
+            for event in self._pending:
+                current.wait_event(event)
+            self._pending.clear()
+
+    def _copy_target(self, slot: int, target: FusedTarget, a: torch.Tensor, b: torch.Tensor, rank: int) -> None:
+        # a: [L, stack * rank, in]; b: [L, out, rank]
+        dst_a, dst_b = self.a[target.name][:, slot], self.b[target.name][:, slot]
+        dst_a.zero_()
+        dst_b.zero_()
+        for k in range(target.num_stack):
+            rows = slice(k * self.max_rank, k * self.max_rank + rank)
+            dst_a[:, rows].copy_(a[:, k * rank : (k + 1) * rank], non_blocking=True)
+        dst_b[:, :, :rank].copy_(b, non_blocking=True)

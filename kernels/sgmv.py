@@ -1,0 +1,236 @@
+"""SGMV shrink and expand in Triton: many LoRA adapters in one batch, one program per (segment, tile).
+
+Semantics (the reference, the metadata and the v contract are in kernels/sgmv_ref.py):
+
+    shrink:  v[seg, k*R : k*R + r]   = x[seg] @ A[w, k*R : k*R + r, :]^T                (fp32 accumulate)
+    expand:  y[seg, o_k : o_k + n_k] += scalings[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T
+
+    x [T, in_dim] fp16/bf16/fp32, A [num_slots, num_stack * R, in_dim] same dtype, v [T, num_stack * R] x.dtype
+    y [T, out_dim] any float dtype, B [num_slots, out_dim, R] dtype of v
+
+Both ops are one kernel, `_sgmv_kernel`: out[rows, cols] (+)= scale * inp[rows, :K] @ W[w, cols, :K]^T
+over one tile of BLOCK_M rows of one segment and BLOCK_N columns of one stacked target:
+
+    op      inp  W  K (clipped)  N (clipped)  inp col offset  W row / out col offset  scale
+    shrink  x    A  in_dim       r            0               k*R                     1 (store)
+    expand  v    B  r            n_k          k*R             o_k                     scalings[w] (add)
+
+Grid: (cdiv(max_seg_len, BLOCK_M) * n_tiles, num_segments, num_stack). max_seg_len is a host int the
+caller knows, so launching never syncs; programs past their segment's end, past N, or of a rank-0 slot
+return at once. Fused q/k/v (num_stack 3) and gate/up (2) share one shrink per input and one expand.
+fp32 inputs use IEEE fp32 dot products (no TF32), so they match the reference to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.sgmv_ref import SgmvMeta
+
+MAX_STACK = 3  # q/k/v; the slice table below is passed as scalars so launching needs no device tensor
+MAX_GRID_YZ = 65535
+
+
+@triton.jit
+def _pick(k, a0, a1, a2):
+    """The k-th of three scalars (k in 0..2): per-target offsets without a device table."""
+    return tl.where(k == 0, a0, tl.where(k == 1, a1, a2))
+
+
+@triton.jit
+def _sgmv_kernel(
+    # pointers
+    inp_ptr,  # [T, *]
+    w_ptr,  # [num_slots, rows, K]
+    out_ptr,  # [T, *]
+    seg_indptr_ptr,  # [num_segments + 1] int32
+    weight_indices_ptr,  # [num_segments] int32
+    lora_ranks_ptr,  # [num_slots] int32
+    scalings_ptr,  # [num_slots] fp32
+    # sizes
+    K,  # shrink: in_dim; expand: unused (K = rank)
+    max_rank,  # R
+    n_tiles,  # column tiles per target (max over targets)
+    off_0, off_1, off_2,  # W row / out column offset of target k
+    size_0, size_1, size_2,  # column count of target k (shrink: R, clipped to rank)
+    # strides
+    stride_im, stride_ik,
+    stride_ww, stride_wn, stride_wk,
+    stride_om, stride_on,
+    # meta-parameters
+    IS_SHRINK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # -- which segment, slot and tile ------------------------------------------------------------
+    pid_mn = tl.program_id(0)
+    seg = tl.program_id(1)
+    pid_k = tl.program_id(2)  # stacked target
+    slot = tl.load(weight_indices_ptr + seg)
+    rank = tl.load(lora_ranks_ptr + slot)
+    if rank == 0:  # empty slot or base model: contributes nothing
+        return
+    seg_start = tl.load(seg_indptr_ptr + seg)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    pid_m = pid_mn // n_tiles
+    pid_n = pid_mn % n_tiles
+    m_start = seg_start + pid_m * BLOCK_M
+    col_offset = _pick(pid_k, off_0, off_1, off_2)
+    n_size = _pick(pid_k, size_0, size_1, size_2)
+    if IS_SHRINK:
+        n_size = tl.minimum(n_size, rank)
+        k_size = K
+        inp_col_offset = 0
+    else:
+        k_size = rank
+        inp_col_offset = pid_k * max_rank
+    if (m_start >= seg_end) | (pid_n * BLOCK_N >= n_size):
+        return
+
+    # -- tile pointers -------------------------------------------------------------------------------
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < seg_end
+    mask_n = offs_n < n_size
+    inp_ptrs = inp_ptr + offs_m[:, None] * stride_im + (inp_col_offset + offs_k)[None, :] * stride_ik
+    w_ptrs = (
+        w_ptr
+        + slot.to(tl.int64) * stride_ww
+        + (col_offset + offs_n)[None, :] * stride_wn
+        + offs_k[:, None] * stride_wk
+    )  # [BLOCK_K, BLOCK_N]: W^T
+
+    # -- inner loop: acc[BLOCK_M, BLOCK_N] = inp[rows, :k_size] @ W[cols, :k_size]^T in fp32 -----------
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(k_size, BLOCK_K)):
+        k_left = k_size - k * BLOCK_K
+        a = tl.load(inp_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        acc += tl.dot(a, b, input_precision=INPUT_PRECISION)
+        inp_ptrs += BLOCK_K * stride_ik
+        w_ptrs += BLOCK_K * stride_wk
+
+    # -- epilogue: shrink stores, expand scales and adds ---------------------------------------------
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + (col_offset + offs_n)[None, :] * stride_on
+    mask = mask_m[:, None] & mask_n[None, :]
+    if not IS_SHRINK:
+        scaling = tl.load(scalings_ptr + slot)
+        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + scaling * acc
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_m(max_seg_len: int) -> int:
+    """Rows per tile: tl.dot needs >= 16; grow with the segments so prefill reuses each weight tile."""
+    return 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
+
+
+def _shrink_config(max_seg_len: int, max_rank: int) -> dict:
+    return {
+        "BLOCK_M": _block_m(max_seg_len),
+        "BLOCK_N": min(max(triton.next_power_of_2(max_rank), 16), 64),
+        "BLOCK_K": 128,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
+
+
+def _expand_config(max_seg_len: int, max_rank: int) -> dict:
+    return {
+        "BLOCK_M": _block_m(max_seg_len),
+        "BLOCK_N": 128,
+        "BLOCK_K": min(max(triton.next_power_of_2(max_rank), 16), 64),
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+
+
+def _check_meta(meta: SgmvMeta, device: torch.device) -> None:
+    for name in ("seg_indptr", "weight_indices", "lora_ranks", "scalings"):
+        tensor = getattr(meta, name)
+        if tensor.device != device:
+            raise ValueError(f"meta.{name} is on {tensor.device}, the data on {device}")
+    if meta.seg_indptr.dtype != torch.int32 or meta.weight_indices.dtype != torch.int32:
+        raise ValueError("seg_indptr and weight_indices must be int32")
+    if meta.lora_ranks.dtype != torch.int32 or meta.scalings.dtype != torch.float32:
+        raise ValueError("lora_ranks must be int32 and scalings fp32")
+    if meta.num_segments > MAX_GRID_YZ:
+        raise ValueError(f"{meta.num_segments} segments exceed the grid limit {MAX_GRID_YZ}")
+
+
+def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config) -> None:
+    offsets = [off for off, _ in slices] + [0] * (MAX_STACK - len(slices))
+    sizes = [size for _, size in slices] + [0] * (MAX_STACK - len(slices))
+    n_tiles = triton.cdiv(max(sizes), config["BLOCK_N"])
+    m_tiles = triton.cdiv(meta.max_seg_len, config["BLOCK_M"])
+    if meta.num_segments == 0 or m_tiles == 0 or n_tiles == 0:
+        return
+    grid = (m_tiles * n_tiles, meta.num_segments, len(slices))
+    _sgmv_kernel[grid](
+        inp, w, out,
+        meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
+        K, max_rank, n_tiles, *offsets, *sizes,
+        inp.stride(0), inp.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        out.stride(0), out.stride(1),
+        IS_SHRINK=is_shrink,
+        INPUT_PRECISION="ieee" if inp.dtype == torch.float32 else "tf32",
+        **config,
+    )  # fmt: skip
+
+
+def sgmv_shrink(
+    x: torch.Tensor,  # [T, in_dim]
+    A: torch.Tensor,  # [num_slots, num_stack * R, in_dim], x.dtype
+    meta: SgmvMeta,
+    *,
+    num_stack: int,
+    out: torch.Tensor | None = None,  # [T, num_stack * R], x.dtype
+) -> torch.Tensor:  # v [T, num_stack * R], x.dtype; entries outside the LoRA rows/ranks left as they were
+    """v[seg, k*R : k*R + r] = x[seg] @ A[w, k*R : k*R + r, :]^T for every target k < num_stack."""
+    if x.dim() != 2 or A.dim() != 3 or A.shape[2] != x.shape[1]:
+        raise ValueError(f"want x [T, in_dim], A [slots, stack*R, in_dim]; got {tuple(x.shape)}, {tuple(A.shape)}")
+    if not 1 <= num_stack <= MAX_STACK or A.shape[1] % num_stack:
+        raise ValueError(f"A rows {A.shape[1]} are not num_stack={num_stack} (1..{MAX_STACK}) blocks")
+    if x.dtype != A.dtype:
+        raise ValueError(f"x is {x.dtype}, A is {A.dtype}")
+    _check_meta(meta, x.device)
+    if out is None:
+        out = torch.empty(x.shape[0], A.shape[1], dtype=x.dtype, device=x.device)
+    elif out.shape != (x.shape[0], A.shape[1]) or out.dtype != x.dtype:
+        raise ValueError(f"out must be [{x.shape[0]}, {A.shape[1]}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    max_rank = A.shape[1] // num_stack
+    slices = tuple((k * max_rank, max_rank) for k in range(num_stack))
+    config = _shrink_config(meta.max_seg_len, max_rank)
+    _launch(x, A, out, meta, is_shrink=True, K=x.shape[1], max_rank=max_rank, slices=slices, config=config)
+    return out
+
+
+def sgmv_expand(
+    v: torch.Tensor,  # [T, num_stack * R]
+    B: torch.Tensor,  # [num_slots, out_dim, R], v.dtype
+    meta: SgmvMeta,
+    y: torch.Tensor,  # [T, out_dim], updated in place
+    *,
+    output_slices: tuple[tuple[int, int], ...],  # ((offset, size), ...) one per stacked target
+) -> None:
+    """y[seg, o_k : o_k + n_k] += scalings[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T."""
+    if v.dim() != 2 or B.dim() != 3 or y.dim() != 2 or y.shape[0] != v.shape[0] or B.shape[1] != y.shape[1]:
+        raise ValueError(
+            f"want v [T, stack*R], B [slots, out_dim, R], y [T, out_dim]; "
+            f"got {tuple(v.shape)}, {tuple(B.shape)}, {tuple(y.shape)}"
+        )
+    max_rank = B.shape[2]
+    if not 1 <= len(output_slices) <= MAX_STACK or v.shape[1] != len(output_slices) * max_rank:
+        raise ValueError(f"v has {v.shape[1]} columns, want {len(output_slices)} targets x R={max_rank}")
+    if any(off < 0 or size < 0 or off + size > y.shape[1] for off, size in output_slices):
+        raise ValueError(f"output_slices {output_slices} fall outside out_dim {y.shape[1]}")
+    if v.dtype != B.dtype:
+        raise ValueError(f"v is {v.dtype}, B is {B.dtype}")
+    _check_meta(meta, v.device)
+    config = _expand_config(meta.max_seg_len, max_rank)
+    _launch(v, B, y, meta, is_shrink=False, K=0, max_rank=max_rank, slices=tuple(output_slices), config=config)

@@ -1,0 +1,158 @@
+"""The LoRA slot pool, slot assignment (eviction, pinning) and the host adapter cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.adapter_cache import HostAdapterCache, pack_adapter
+from engine.adapter_slots import AdapterSlots, SlotsExhausted
+from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
+from engine.model_config import NAMED_SHAPES
+from registry.peft_compile import CanonicalAdapter
+
+CONFIG = NAMED_SHAPES["tiny"]
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def module_dims(module: str) -> tuple[int, int]:
+    c = CONFIG
+    return {
+        "q_proj": (c.hidden_size, c.q_size),
+        "k_proj": (c.hidden_size, c.kv_size),
+        "v_proj": (c.hidden_size, c.kv_size),
+        "o_proj": (c.q_size, c.hidden_size),
+        "gate_proj": (c.hidden_size, c.intermediate_size),
+        "up_proj": (c.hidden_size, c.intermediate_size),
+        "down_proj": (c.intermediate_size, c.hidden_size),
+    }[module]
+
+
+def canonical(rank: int, modules=MODULES, seed: int = 0, scaling: float = 2.0) -> CanonicalAdapter:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(CONFIG.num_layers):
+        for module in modules:
+            in_dim, out_dim = module_dims(module)
+            tensors[f"layers.{layer}.{module}.lora_A"] = torch.randn(rank, in_dim, generator=gen)
+            tensors[f"layers.{layer}.{module}.lora_B"] = torch.randn(out_dim, rank, generator=gen)
+    return CanonicalAdapter("tiny", CONFIG.num_layers, rank, scaling * rank, scaling, False, tuple(modules), {}, tensors)
+
+
+def packed(name: str, rank: int = 4, modules=MODULES, seed: int = 0) -> PackedAdapter:
+    targets = {t.name: t for t in fused_targets(CONFIG)}
+    return pack_adapter(name, canonical(rank, modules, seed), targets, torch.float32, pin=False)
+
+
+def slot_delta(pool: LoraSlotPool, slot: int, layer: int, module: str) -> torch.Tensor:
+    """B @ A of one projection as stored in the slot: [out, in]."""
+    for target in pool.targets.values():
+        if module in target.modules:
+            k = target.modules.index(module)
+            offset, size = target.output_slices[k]
+            a = pool.a[target.name][layer, slot, k * pool.max_rank : (k + 1) * pool.max_rank]
+            b = pool.b[target.name][layer, slot, offset : offset + size]
+            return b @ a
+    raise KeyError(module)
+
+
+def test_packed_adapter_reproduces_every_projection():
+    adapter = canonical(4, seed=1)
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    pool.load(1, pack_adapter("x", adapter, pool.targets, torch.float32, pin=False))
+    assert (pool.ranks[1], pool.scalings[1]) == (4, 2.0)
+    for layer in range(CONFIG.num_layers):
+        for module in MODULES:
+            a, b = adapter.module_weights(layer, module)
+            torch.testing.assert_close(slot_delta(pool, 1, layer, module), b @ a)
+    assert pool.ranks[pool.base_slot] == 0 and not pool.a["qkv"][:, pool.base_slot].any()
+
+
+def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
+    pool = LoraSlotPool(CONFIG, num_slots=1, max_rank=16, dtype=torch.float32, device="cpu")
+    pool.load(0, packed("all", rank=16, seed=2))
+    pool.load(0, packed("qv", rank=2, modules=("q_proj", "v_proj"), seed=3))
+    for layer in range(CONFIG.num_layers):
+        for module in ("k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            assert not slot_delta(pool, 0, layer, module).any(), module
+    assert not pool.a["qkv"][:, 0, 2:16].any()  # q's rows past rank 2
+    assert not pool.b["qkv"][:, 0, :, 2:].any()
+    assert pool.ranks[0] == 2
+
+
+def make_slots(num_slots: int, policy: str = "lru"):
+    pool = LoraSlotPool(CONFIG, num_slots=num_slots, max_rank=4, dtype=torch.float32, device="cpu")
+    clock = iter(range(1, 10_000))
+    return AdapterSlots(pool, policy, clock=lambda: next(clock))
+
+
+def loader(name: str):
+    return lambda: packed(name, seed=hash(name) % 1000)
+
+
+def test_lru_evicts_the_least_recently_used_unused_slot():
+    slots = make_slots(2)
+    a = slots.acquire("a", loader("a"))
+    b = slots.acquire("b", loader("b"))
+    slots.release("a")
+    slots.release("b")
+    slots.acquire("a", loader("a"))  # a is now the most recently used
+    slots.release("a")
+    assert slots.acquire("c", loader("c")) == b
+    assert slots.slot_of("b") is None and slots.slot_of("a") == a
+    assert (slots.num_loads, slots.num_evictions) == (3, 1)
+
+
+def test_fifo_evicts_the_oldest_load():
+    slots = make_slots(2, "fifo")
+    a = slots.acquire("a", loader("a"))
+    slots.acquire("b", loader("b"))
+    slots.release("a")
+    slots.release("b")
+    slots.acquire("a", loader("a"))  # a is the most recently used, but it was loaded first
+    slots.release("a")
+    assert slots.acquire("c", loader("c")) == a
+
+
+def test_slots_in_use_or_pinned_are_never_evicted():
+    slots = make_slots(2)
+    slots.acquire("busy", loader("busy"))
+    slots.pin("pinned", loader("pinned"))
+    assert not slots.can_acquire("new")
+    with pytest.raises(SlotsExhausted):
+        slots.acquire("new", loader("new"))
+    assert slots.evict("busy") is False and slots.evict("pinned") is False
+    slots.release("busy")
+    assert slots.can_acquire("new")
+    slots.acquire("new", loader("new"))
+    assert slots.slot_of("pinned") is not None and slots.slot_of("busy") is None
+
+
+def test_pinning_is_capped_at_slots_minus_one():
+    slots = make_slots(3)
+    slots.pin("a", loader("a"))
+    slots.pin("b", loader("b"))
+    with pytest.raises(SlotsExhausted, match="at most 2"):
+        slots.pin("c", loader("c"))
+    slots.pin("a", loader("a"))  # already pinned: no new slot taken
+    slots.unpin("a")
+    slots.pin("c", loader("c"))
+
+
+def test_release_without_acquire_is_an_error():
+    slots = make_slots(1)
+    slots.acquire("a", loader("a"))
+    slots.release("a")
+    with pytest.raises(ValueError):
+        slots.release("a")
+
+
+def test_host_cache_is_lru_by_digest():
+    cache = HostAdapterCache(2)
+    for name in ("a", "b"):
+        cache.put(packed(name))
+    assert cache.get("a") is not None  # a becomes most recent
+    cache.put(packed("c"))
+    assert "b" not in cache and "a" in cache and "c" in cache
+    assert cache.get("b") is None
+    assert (cache.num_hits, cache.num_misses) == (1, 1)
