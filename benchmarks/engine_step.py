@@ -43,14 +43,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build(shape: str, device: torch.device, max_reqs: int, max_context: int, num_slots: int):
+def build(shape: str, device: torch.device, max_reqs: int, max_context: int, num_slots: int, attention: str):
     model = random_model(shape, device=device)
     dtype = next(model.parameters()).dtype
     allocator = PageAllocator(num_slots, 1)
     req_pool = ReqToTokenPool(max_reqs, max_context, device=device)
     kv = RequestKV(allocator, req_pool, RadixCache(1, allocator))
     scheduler = Scheduler(SchedulerConfig(max_reqs, max(8192, max_reqs)), kv)
-    runner = ModelRunner(model, KVBuffers.allocate(model.config, allocator.num_slots, dtype, device), req_pool.table, device)
+    kv_buffers = KVBuffers.allocate(model.config, allocator.num_slots, dtype, device)
+    runner = ModelRunner(model, kv_buffers, req_pool.table, device, attention)
     return model, scheduler, runner
 
 
@@ -71,8 +72,9 @@ def step(scheduler: Scheduler, runner: ModelRunner) -> int:
     return sum(e.extend_len for e in entries)
 
 
-def measure(shape: str, device: torch.device, batch: int, prompt_len: int, num_decode: int) -> dict:
-    model, scheduler, runner = build(shape, device, batch, prompt_len + num_decode + 8, batch * (prompt_len + num_decode + 8) + 8)
+def measure(shape: str, device: torch.device, batch: int, prompt_len: int, num_decode: int, attention: str) -> dict:
+    max_context = prompt_len + num_decode + 8
+    model, scheduler, runner = build(shape, device, batch, max_context, batch * max_context + 8, attention)
     vocab = model.config.vocab_size
     for i in range(batch):
         scheduler.add(make_request(i, prompt_len, vocab, num_decode + 4))
@@ -107,13 +109,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--num-decode", type=int, default=20)
+    parser.add_argument("--attention", choices=("ref", "sdpa"), default="sdpa")
     parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth for the floor")
     args = parser.parse_args()
     device = torch.device(args.device)
     for batch in args.batch:
-        row = measure(args.shape, device, batch, args.prompt_len, args.num_decode)
+        row = measure(args.shape, device, batch, args.prompt_len, args.num_decode, args.attention)
         row["floor_ms"] = row["param_gb"] / args.copy_gbps * 1e3
-        row.update(shape=args.shape, device=str(device), torch=torch.__version__)
+        row.update(shape=args.shape, attention=args.attention, device=str(device), torch=torch.__version__)
         print(json.dumps(row), flush=True)
 
 

@@ -65,6 +65,7 @@ def _sgmv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     # -- which segment, slot and tile ------------------------------------------------------------
     pid_mn = tl.program_id(0)
@@ -111,6 +112,9 @@ def _sgmv_kernel(
         k_left = k_size - k * BLOCK_K
         a = tl.load(inp_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=INPUT_PRECISION)
         inp_ptrs += BLOCK_K * stride_ik
         w_ptrs += BLOCK_K * stride_wk
@@ -178,7 +182,10 @@ def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config) -> Non
         w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
         IS_SHRINK=is_shrink,
-        INPUT_PRECISION="ieee" if inp.dtype == torch.float32 else "tf32",
+        INPUT_PRECISION="ieee",  # only fp32 operands look at it: exact fp32, no TF32
+        # Triton's CPU interpreter (the only way Triton runs on CPU tensors) gets bf16 tl.dot wrong
+        # (triton 3.9): upcast there; the products are exact in fp32 either way.
+        UPCAST_DOT=inp.device.type == "cpu" and inp.dtype == torch.bfloat16,
         **config,
     )  # fmt: skip
 
