@@ -58,12 +58,12 @@ class LocalAdapters:
         return self._by_digest[digest]
 
 
-def parse_adapter_spec(spec: str) -> tuple[str, Path]:
+def parse_adapter_spec(spec: str) -> tuple[str, str]:
     """`NAME=DIR` from the command line."""
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
         raise InvalidArgument(f"--adapter {spec!r}: expected NAME=DIR")
-    return name, Path(path)
+    return name, path
 
 
 def _compile_one(name: str, src: Path, shape: ModelShape, base_model: str, max_rank: int, work_dir: Path) -> AdapterRecord:

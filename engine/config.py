@@ -24,3 +24,11 @@ class EngineConfig:
     max_queued_requests: int = 1024
     max_prompt_bytes: int = 1 << 20
     attention_backend: str = ""  # "" = "sdpa" on CUDA, "ref" on CPU; or "ref" / "sdpa" explicitly
+    # LoRA: adapters served from local files (NAME, DIR), the GPU slot pool and the host cache.
+    adapters: tuple[tuple[str, str], ...] = ()
+    max_loras_per_batch: int = 8  # GPU adapter slots; 0 disables LoRA
+    max_lora_rank: int = 64
+    max_host_adapters: int = 64
+    lora_eviction_policy: str = "lru"  # or "fifo"
+    lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked"
+    work_dir: str = ""  # compiled adapters; "" = a temporary directory

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.adapter_cache import HostAdapterCache, pack_adapter
+from engine.adapter_slots import AdapterSlots
+from engine.adapters import AdapterRecord, LocalAdapters
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.forward_inputs import KVBuffers
 from engine.kv_pool import PageAllocator, ReqToTokenPool
+from engine.lora_manager import LoraManager
+from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.radix_cache import RadixCache
@@ -24,6 +30,8 @@ from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
 from engine.weights import load_model
+from registry.errors import NotFound
+from registry.peft_compile import read_canonical
 
 log = logging.getLogger(__name__)
 CPU_KV_SLOTS = 16384
@@ -40,6 +48,8 @@ class EngineCore:
     tokenizer: Tokenizer
     loop: EngineLoop
     max_context: int
+    adapters: LocalAdapters
+    lora: LoraManager | None
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineCore:
@@ -55,10 +65,15 @@ class EngineCore:
         kv_buffers = KVBuffers.allocate(model_config, allocator.num_slots, next(model.parameters()).dtype, device)
         kv = RequestKV(allocator, req_pool, RadixCache(config.page_size, allocator))
         scheduler_config = SchedulerConfig(config.max_running_requests, config.max_batch_tokens)
-        runner = ModelRunner(model, kv_buffers, req_pool.table, device, _attention_backend(config, device))
-        loop = EngineLoop(Scheduler(scheduler_config, kv), runner)
+        adapters = _local_adapters(config)
+        lora = _lora_manager(config, model_config, adapters, next(model.parameters()).dtype, device)
+        lora_pool = lora.pool if lora is not None else None
+        runner = ModelRunner(
+            model, kv_buffers, req_pool.table, device, _attention_backend(config, device), lora_pool, _lora_backend(config, device)
+        )
+        loop = EngineLoop(Scheduler(scheduler_config, kv, lora=lora), runner)
         log.info("engine: %s on %s, %d KV slots (page %d), context %d, %s attention", config.model_dir, device, allocator.num_slots, config.page_size, max_context, runner.attention_backend)
-        return cls(config, model_config, tokenizer, loop, max_context)
+        return cls(config, model_config, tokenizer, loop, max_context, adapters, lora)
 
     @property
     def base_model_name(self) -> str:
@@ -81,14 +96,32 @@ class EngineCore:
             raise InvalidPrompt(f"prompt: {len(ids)} tokens leave no room in the context of {self.max_context}")
         return ids
 
-    def new_request(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, *, rid: str = "", namespace: str = "", deadline: float | None = None) -> Request:
+    def resolve_adapter(self, ref: str) -> AdapterRecord | None:
+        """'' -> None (the base model); 'name' / 'name@N' -> its record (NotFound, never the base model)."""
+        if not ref:
+            return None
+        if self.lora is None:
+            raise NotFound(f"adapter {ref!r}: this engine serves no adapters (--max-loras-per-batch 0)")
+        return self.adapters.resolve(ref)
+
+    def new_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        *,
+        rid: str = "",
+        adapter: AdapterRecord | None = None,
+        deadline: float | None = None,
+    ) -> Request:
         params = params.resolve(len(prompt_ids), self.max_context)
         params.validate(self.model_config.vocab_size, self.max_context, len(prompt_ids))
         return Request(
             rid=rid or uuid.uuid4().hex,
             prompt_ids=prompt_ids,
             params=params,
-            namespace=namespace,
+            namespace=adapter.digest if adapter else "",
+            adapter_ref=adapter.ref if adapter else "",
             sink=sink,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stop_matcher=StopMatcher(params.stop),
@@ -96,6 +129,33 @@ class EngineCore:
             eos_token_ids=frozenset(itertools.chain(self.tokenizer.eos_token_ids, self.model_config.eos_token_ids)),
             deadline=deadline,
         )
+
+
+def _local_adapters(config: EngineConfig) -> LocalAdapters:
+    if not config.adapters:
+        return LocalAdapters([])
+    work_dir = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="loramux-adapters-"))
+    base_model = config.base_model_name or Path(config.model_dir).resolve().name
+    specs = [(name, Path(path)) for name, path in config.adapters]
+    return LocalAdapters.compile_all(specs, Path(config.model_dir), base_model, config.max_lora_rank, work_dir)
+
+
+def _lora_manager(config: EngineConfig, model_config: ModelConfig, adapters: LocalAdapters, dtype: torch.dtype, device: torch.device) -> LoraManager | None:
+    if config.max_loras_per_batch <= 0:
+        return None
+    pool = LoraSlotPool(model_config, config.max_loras_per_batch, config.max_lora_rank, dtype, device)
+    slots = AdapterSlots(pool, config.lora_eviction_policy)
+    pin = device.type == "cuda"
+
+    def fetch(digest: str) -> PackedAdapter:
+        canonical = read_canonical(adapters.by_digest(digest).path)
+        return pack_adapter(digest, canonical, pool.targets, dtype, pin)
+
+    return LoraManager(pool, slots, HostAdapterCache(config.max_host_adapters), fetch)
+
+
+def _lora_backend(config: EngineConfig, device: torch.device) -> str:
+    return config.lora_backend or ("triton" if device.type == "cuda" else "ref")
 
 
 def _auto_kv_slots(model_config: ModelConfig, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> int:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_inputs import AttentionInputs, KVBuffers
+from engine.lora_inputs import LoraInputs
 from engine.model_config import ModelConfig
 from engine.rope import apply_rope, cos_sin_cache
 from kernels.attention_ref import extend_attention_ref
@@ -41,11 +42,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias, **factory)
         self.scale = config.head_dim**-0.5
 
-    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden] -> [T, q_size + 2 * kv_size]
-        return self.qkv_proj(x)
+    def project_qkv(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
+        y = self.qkv_proj(x)  # x: [T, hidden] -> y: [T, q_size + 2 * kv_size]
+        if lora is not None:
+            lora.add("qkv", self.layer_id, x, y)
+        return y
 
-    def project_o(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, q_size] -> [T, hidden]
-        return self.o_proj(x)
+    def project_o(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
+        y = self.o_proj(x)  # x: [T, q_size] -> y: [T, hidden]
+        if lora is not None:
+            lora.add("o", self.layer_id, x, y)
+        return y
 
     def forward(
         self,
@@ -54,9 +61,10 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor,  # [max_positions, head_dim]
         attn: AttentionInputs,
         kv: KVBuffers,
+        lora: LoraInputs | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         c = self.config
-        q, k, v = self.project_qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = self.project_qkv(x, lora).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)  # [T, H, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = v.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
@@ -65,7 +73,7 @@ class Attention(nn.Module):
         k_cache[attn.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[attn.out_cache_loc] = v.to(v_cache.dtype)
         o = _attend(q, k_cache, v_cache, attn, self.scale)  # [T, H, D]
-        return self.project_o(o.reshape(-1, c.q_size))
+        return self.project_o(o.reshape(-1, c.q_size), lora)
 
 
 def _attend(
@@ -90,21 +98,28 @@ def _attend(
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, **factory):
+    def __init__(self, config: ModelConfig, layer_id: int, **factory):
         super().__init__()
+        self.layer_id = layer_id
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=config.mlp_bias, **factory)
         self.down_proj = nn.Linear(inter, hidden, bias=config.mlp_bias, **factory)
 
-    def project_gate_up(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden] -> [T, 2 * inter]
-        return self.gate_up_proj(x)
+    def project_gate_up(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
+        y = self.gate_up_proj(x)  # x: [T, hidden] -> y: [T, 2 * inter]
+        if lora is not None:
+            lora.add("gate_up", self.layer_id, x, y)
+        return y
 
-    def project_down(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, inter] -> [T, hidden]
-        return self.down_proj(x)
+    def project_down(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
+        y = self.down_proj(x)  # x: [T, inter] -> y: [T, hidden]
+        if lora is not None:
+            lora.add("down", self.layer_id, x, y)
+        return y
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.project_gate_up(x).chunk(2, dim=-1)  # each [T, inter]
-        return self.project_down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> torch.Tensor:  # x: [T, hidden]
+        gate, up = self.project_gate_up(x, lora).chunk(2, dim=-1)  # each [T, inter]
+        return self.project_down(F.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -113,11 +128,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.self_attn = Attention(config, layer_id, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = MLP(config, **factory)
+        self.mlp = MLP(config, layer_id, **factory)
 
-    def forward(self, x, positions, cos_sin, attn: AttentionInputs, kv: KVBuffers) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos_sin, attn, kv)  # x: [T, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, cos_sin, attn: AttentionInputs, kv: KVBuffers, lora: LoraInputs | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos_sin, attn, kv, lora)  # x: [T, hidden]
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaModel(nn.Module):
@@ -145,10 +160,11 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T]
         attn: AttentionInputs,
         kv: KVBuffers,
+        lora: LoraInputs | None = None,  # None: no LoRA in this step (base-model tokens only)
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, positions, self.cos_sin, attn, kv)
+            x = layer(x, positions, self.cos_sin, attn, kv, lora)
         return self.norm(x)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32

@@ -10,10 +10,13 @@ import itertools
 import torch
 
 from engine.forward_inputs import AttentionInputs, KVBuffers
+from engine.lora_inputs import LoraInputs, sgmv_ops
+from engine.lora_pool import LoraSlotPool
 from engine.model import LlamaModel
 from engine.sampling import sample
 from engine.scheduler import BatchEntry
 from kernels.attention_sdpa import SdpaPlan
+from kernels.sgmv_ref import SgmvMeta
 
 
 class ModelRunner:
@@ -24,6 +27,8 @@ class ModelRunner:
         req_to_token: torch.Tensor,
         device: torch.device | str,
         attention_backend: str = "ref",  # "ref" (kernels/attention_ref.py) or "sdpa" (kernels/attention_sdpa.py)
+        lora_pool: LoraSlotPool | None = None,
+        lora_backend: str = "ref",  # SGMV ops: "ref" (PyTorch), "triton" or "chunked"
     ):
         if attention_backend not in ("ref", "sdpa"):
             raise ValueError(f"attention_backend must be 'ref' or 'sdpa', not {attention_backend!r}")
@@ -32,6 +37,8 @@ class ModelRunner:
         self.req_to_token = req_to_token  # [max_reqs, max_context]: the ReqToTokenPool's table
         self.device = torch.device(device)
         self.attention_backend = attention_backend
+        self.lora_pool = lora_pool
+        self.lora_ops = sgmv_ops(lora_backend)
 
     @torch.inference_mode()
     def run(self, entries: list[BatchEntry]) -> list[int]:
@@ -42,7 +49,8 @@ class ModelRunner:
             positions += range(e.start, e.start + e.extend_len)
             out_cache_loc += e.req.kv_slots[e.start : e.start + e.extend_len]
         attn = self._attention_inputs(entries, out_cache_loc)
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), attn, self.kv)  # [T, hidden]
+        lora = self._lora_inputs(entries)
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), attn, self.kv, lora)  # [T, hidden]
         ends = list(itertools.accumulate(e.extend_len for e in entries))
         sampling = [(end - 1, e.req) for end, e in zip(ends, entries, strict=True) if e.samples]
         if not sampling:
@@ -68,6 +76,16 @@ class ModelRunner:
             extend_lens=self._tensor(extend_lens),
             sdpa_plan=plan,
         )
+
+    def _lora_inputs(self, entries: list[BatchEntry]) -> LoraInputs | None:
+        """One segment per request (its tokens are contiguous); None when no request uses an adapter."""
+        pool = self.lora_pool
+        if pool is None or all(e.req.lora_slot < 0 for e in entries):
+            return None
+        pool.wait_for_loads()
+        slots = [e.req.lora_slot if e.req.lora_slot >= 0 else pool.base_slot for e in entries]
+        meta = SgmvMeta.from_lists([e.extend_len for e in entries], slots, pool.ranks, pool.scalings, self.device)
+        return LoraInputs(pool, meta, *self.lora_ops)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)

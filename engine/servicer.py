@@ -14,8 +14,7 @@ from engine.request import Event, Finished, Request, TokenDelta
 from engine.sampling import InvalidSampling, SamplingParams
 from loramux.v1 import engine_pb2 as pb
 from loramux.v1 import engine_pb2_grpc as pb_grpc
-from registry.errors import NotFound, RegistryError
-from registry.types import parse_ref
+from registry.errors import RegistryError
 
 
 def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
@@ -61,7 +60,6 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
-            adapter = self._resolve_adapter(request.adapter)
             req = await self._new_request(request, context, events)
         except (InvalidPrompt, InvalidSampling) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -79,22 +77,15 @@ class EngineServicer(pb_grpc.EngineServicer):
                     continue
                 is_done = True
                 if isinstance(event, Finished):
-                    yield _complete(event, adapter)
+                    yield _complete(event, req.adapter_ref)
                     return
                 await context.abort(getattr(grpc.StatusCode, event.code), event.message)
         finally:
             if not is_done:  # the client went away or the deadline passed: free the KV now
                 self.core.loop.cancel(req)
 
-    @staticmethod
-    def _resolve_adapter(ref: str) -> str:
-        """'' is the base model; adapters arrive with the multi-LoRA engine, never a fallback to the base."""
-        if not ref:
-            return ""
-        parse_ref(ref)  # INVALID_ARGUMENT for a malformed reference
-        raise NotFound(f"adapter {ref!r} is not available on this engine")
-
     async def _new_request(self, request: pb.GenerateRequest, context, events: asyncio.Queue[Event]) -> Request:
+        adapter = self.core.resolve_adapter(request.adapter)  # an unknown adapter never means the base model
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidPrompt("prompt: set text or token_ids")
@@ -106,4 +97,4 @@ class EngineServicer(pb_grpc.EngineServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         sink = _thread_safe_sink(loop, events)
-        return self.core.new_request(prompt_ids, params, sink, rid=request.request_id, deadline=deadline)
+        return self.core.new_request(prompt_ids, params, sink, rid=request.request_id, adapter=adapter, deadline=deadline)

@@ -200,7 +200,9 @@ def sgmv_shrink(
 ) -> torch.Tensor:  # v [T, num_stack * R], x.dtype; entries outside the LoRA rows/ranks left as they were
     """v[seg, k*R : k*R + r] = x[seg] @ A[w, k*R : k*R + r, :]^T for every target k < num_stack."""
     if x.dim() != 2 or A.dim() != 3 or A.shape[2] != x.shape[1]:
-        raise ValueError(f"want x [T, in_dim], A [slots, stack*R, in_dim]; got {tuple(x.shape)}, {tuple(A.shape)}")
+        raise ValueError(
+            f"want x [T, in_dim], A [slots, stack*R, in_dim]; got {tuple(x.shape)}, {tuple(A.shape)}"
+        )
     if not 1 <= num_stack <= MAX_STACK or A.shape[1] % num_stack:
         raise ValueError(f"A rows {A.shape[1]} are not num_stack={num_stack} (1..{MAX_STACK}) blocks")
     if x.dtype != A.dtype:
@@ -209,7 +211,9 @@ def sgmv_shrink(
     if out is None:
         out = torch.empty(x.shape[0], A.shape[1], dtype=x.dtype, device=x.device)
     elif out.shape != (x.shape[0], A.shape[1]) or out.dtype != x.dtype:
-        raise ValueError(f"out must be [{x.shape[0]}, {A.shape[1]}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"out must be [{x.shape[0]}, {A.shape[1]}] {x.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
     max_rank = A.shape[1] // num_stack
     slices = tuple((k * max_rank, max_rank) for k in range(num_stack))
     config = _shrink_config(meta.max_seg_len, max_rank)
@@ -240,4 +244,6 @@ def sgmv_expand(
         raise ValueError(f"v is {v.dtype}, B is {B.dtype}")
     _check_meta(meta, v.device)
     config = _expand_config(meta.max_seg_len, max_rank)
-    _launch(v, B, y, meta, is_shrink=False, K=0, max_rank=max_rank, slices=tuple(output_slices), config=config)
+    _launch(
+        v, B, y, meta, is_shrink=False, K=0, max_rank=max_rank, slices=tuple(output_slices), config=config
+    )

@@ -103,6 +103,8 @@ def _add_engine_commands(sub, env: _EnvDefaults) -> None:
     serve.add_argument("--base-model-name", default=env("--base-model-name", ""), help="default: the model dir's name")
     serve.add_argument("--host", default=env("--host", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(env("--port", DEFAULT_ENGINE_PORT)))
+    serve.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="serve a PEFT adapter dir (repeatable)")
+    serve.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(serve, env)
     serve.set_defaults(func=commands.engine_serve)
 
@@ -116,6 +118,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument("--max-running-requests", type=int, default=int(env("--max-running-requests", 64)))
     p.add_argument("--max-batch-tokens", type=int, default=int(env("--max-batch-tokens", 2048)))
     p.add_argument("--max-queued-requests", type=int, default=int(env("--max-queued-requests", 1024)))
+    p.add_argument("--attention-backend", default=env("--attention-backend", ""), help="ref or sdpa (default: sdpa on cuda)")
+    p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")
+    p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))
+    p.add_argument("--lora-eviction-policy", default=env("--lora-eviction-policy", "lru"), choices=("lru", "fifo"))
+    p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton or chunked (default: triton on cuda)")
 
 
 def _add_generate_command(sub, env: _EnvDefaults) -> None:

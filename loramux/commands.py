@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.adapters import parse_adapter_spec
 from engine.config import EngineConfig
 from loramux.engine_client import EngineClient, generate_request
 from loramux.grpc_server import stop_event_on_signals
@@ -78,6 +79,13 @@ def engine_config(args, model_dir: str, port: int) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         max_batch_tokens=args.max_batch_tokens,
         max_queued_requests=args.max_queued_requests,
+        attention_backend=args.attention_backend,
+        adapters=tuple(parse_adapter_spec(spec) for spec in getattr(args, "adapter", [])),
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_lora_rank=args.max_lora_rank,
+        max_host_adapters=args.max_host_adapters,
+        lora_eviction_policy=args.lora_eviction_policy,
+        lora_backend=args.lora_backend,
     )
 
 
