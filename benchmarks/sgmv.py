@@ -99,6 +99,8 @@ def bench_case(name, num_tokens, num_adapters, rank, copy_gbps, num_slots) -> di
 
     times = {
         "triton_us": triton.testing.do_bench(triton_op, return_mode="median") * 1e3,
+        # inside a replayed CUDA graph: kernel time without Python launch overhead (the decode-step case)
+        "triton_graph_us": triton.testing.do_bench_cudagraph(triton_op, return_mode="median") * 1e3,
         "chunked_us": triton.testing.do_bench(chunked_op, return_mode="median") * 1e3,
         "torch_loop_us": triton.testing.do_bench(
             lambda: torch_loop(x, A, B, y, seg_lens, slots, output_slices, rank), return_mode="median"
@@ -122,6 +124,7 @@ def bench_case(name, num_tokens, num_adapters, rank, copy_gbps, num_slots) -> di
         "bytes": nbytes,
         "triton_bw_frac": round(nbytes / (times["triton_us"] * 1e-6) / (copy_gbps * 1e9), 3),
         "best_bw_frac": round(nbytes / (best * 1e-6) / (copy_gbps * 1e9), 3),
+        "graph_bw_frac": round(nbytes / (times["triton_graph_us"] * 1e-6) / (copy_gbps * 1e9), 3),
     }
 
 
