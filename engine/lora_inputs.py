@@ -44,3 +44,49 @@ class LoraInputs:
         t = self.pool.targets[target]
         v = self.shrink(x, self.pool.a[target][layer], self.meta, num_stack=t.num_stack)  # [T, stack * R]
         self.expand(v, self.pool.b[target][layer], self.meta, y, output_slices=t.output_slices)
+
+
+class SgmvMetaBuffers:
+    """The step's SGMV metadata in device buffers allocated once and refilled in place each step.
+
+    Addresses never change, so a captured CUDA graph that reads them sees every new step's segments.
+    Refilling copies from Python lists through one pinned (on CUDA) host staging buffer: no GPU sync.
+    """
+
+    def __init__(self, max_segments: int, num_slots: int, device: torch.device | str):
+        self.device = torch.device(device)
+        self.max_segments = max_segments
+        pin = self.device.type == "cuda"
+        # staging layout: [seg_indptr (max_segments + 1) | weight_indices (max_segments) | ranks (num_slots)]
+        self._ints_host = torch.zeros(2 * max_segments + 1 + num_slots, dtype=torch.int32, pin_memory=pin)
+        self._scalings_host = torch.zeros(num_slots, dtype=torch.float32, pin_memory=pin)
+        self._ints = torch.zeros_like(self._ints_host, device=self.device)
+        self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+        self.seg_indptr = self._ints[: max_segments + 1]
+        self.weight_indices = self._ints[max_segments + 1 : 2 * max_segments + 1]
+        self.lora_ranks = self._ints[2 * max_segments + 1 :]
+
+    def fill(self, seg_lens: list[int], slots: list[int], ranks: list[int], scalings: list[float]) -> SgmvMeta:
+        num_segments = len(seg_lens)
+        if num_segments > self.max_segments:
+            raise ValueError(f"{num_segments} segments; the buffers hold {self.max_segments}")
+        host = self._ints_host
+        host[0] = 0
+        host[1 : num_segments + 1] = torch.tensor(seg_lens, dtype=torch.int32).cumsum(0)
+        host[num_segments + 1 : self.max_segments + 1] = host[num_segments]  # unused segments are empty
+        host[self.max_segments + 1 : self.max_segments + 1 + num_segments] = torch.tensor(slots, dtype=torch.int32)
+        host[2 * self.max_segments + 1 :] = torch.tensor(ranks, dtype=torch.int32)
+        self._scalings_host[:] = torch.tensor(scalings, dtype=torch.float32)
+        self._ints.copy_(host, non_blocking=True)
+        self.scalings.copy_(self._scalings_host, non_blocking=True)
+        return SgmvMeta(
+            seg_indptr=self.seg_indptr[: num_segments + 1],
+            weight_indices=self.weight_indices[:num_segments],
+            lora_ranks=self.lora_ranks,
+            scalings=self.scalings,
+            max_seg_len=max(seg_lens, default=0),
+            num_segments=num_segments,
+            host_seg_lens=tuple(seg_lens),
+            host_slots=tuple(slots),
+            host_ranks=tuple(ranks),
+        )

@@ -10,13 +10,12 @@ import itertools
 import torch
 
 from engine.forward_inputs import AttentionInputs, KVBuffers
-from engine.lora_inputs import LoraInputs, sgmv_ops
+from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, sgmv_ops
 from engine.lora_pool import LoraSlotPool
 from engine.model import LlamaModel
 from engine.sampling import sample
 from engine.scheduler import BatchEntry
 from kernels.attention_sdpa import SdpaPlan
-from kernels.sgmv_ref import SgmvMeta
 
 
 class ModelRunner:
@@ -39,6 +38,9 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.lora_pool = lora_pool
         self.lora_ops = sgmv_ops(lora_backend)
+        self.lora_meta = None
+        if lora_pool is not None:  # one segment per request at most
+            self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device)
 
     @torch.inference_mode()
     def run(self, entries: list[BatchEntry]) -> list[int]:
@@ -84,7 +86,7 @@ class ModelRunner:
             return None
         pool.wait_for_loads()
         slots = [e.req.lora_slot if e.req.lora_slot >= 0 else pool.base_slot for e in entries]
-        meta = SgmvMeta.from_lists([e.extend_len for e in entries], slots, pool.ranks, pool.scalings, self.device)
+        meta = self.lora_meta.fill([e.extend_len for e in entries], slots, pool.ranks, pool.scalings)
         return LoraInputs(pool, meta, *self.lora_ops)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

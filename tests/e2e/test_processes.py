@@ -112,9 +112,13 @@ def test_loramux_up_serves_the_demo_model(tmp_path, make_adapter):
         assert up.interrupt() == 0
 
 
-def test_engine_process_with_cli_and_grpcurl(tiny_llama_dir):
-    engine = Service(["engine", "serve", "--model", str(tiny_llama_dir), "--port", "0"], "engine")
+def test_engine_process_with_cli_and_grpcurl(tiny_llama_dir, make_adapter):
+    adapter = make_adapter("proc-qv", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=5)
+    args = ["engine", "serve", "--model", str(tiny_llama_dir), "--port", "0", "--adapter", f"qv={adapter}"]
+    engine = Service(args, "engine")
     try:
+        with_adapter = run_cli("generate", "--engine", engine.address, "--adapter", "qv@1", "--max-new-tokens", "5", "Hello")
+        assert "[length, 5 tokens]" in with_adapter.stderr
         out = run_cli("generate", "--engine", engine.address, "--max-new-tokens", "5", "Hello")
         assert out.stdout and "[length, 5 tokens]" in out.stderr
         services = grpcurl(engine.address, "list").stdout.split()

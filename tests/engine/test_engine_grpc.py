@@ -160,3 +160,23 @@ async def test_stop_string_across_tokens_is_never_streamed(engine):
     assert complete.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE and complete.matched_stop == stop
     assert stopped_text == text[: text.index(stop)] and stop not in stopped_text
     assert stopped_ids == ids[: len(stopped_ids)] and len(stopped_ids) < len(ids)
+
+
+async def test_generate_with_local_adapters(tiny_llama_dir, make_adapter, tmp_path):
+    qv = make_adapter("grpc-qv", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=31)
+    config = EngineConfig(model_dir=str(tiny_llama_dir), port=0, adapters=(("qv", str(qv)),), work_dir=str(tmp_path))
+    server = await start_engine(config)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.EngineStub(channel)
+            base_ids, _, base = await collect(stub, generate_request("Adapters over gRPC", max_new_tokens=8, ignore_eos=True))
+            ids, _, done = await collect(stub, generate_request("Adapters over gRPC", adapter="qv", max_new_tokens=8, ignore_eos=True))
+            pinned_ids, _, pinned = await collect(stub, generate_request("Adapters over gRPC", adapter="qv@1", max_new_tokens=8, ignore_eos=True))
+            assert (base.adapter, done.adapter, pinned.adapter) == ("", "qv@1", "qv@1")
+            assert ids == pinned_ids and ids != base_ids
+            for ref, code in (("qv@2", grpc.StatusCode.NOT_FOUND), ("other", grpc.StatusCode.NOT_FOUND), ("qv@zero", INVALID)):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await collect(stub, generate_request("x", adapter=ref, max_new_tokens=2))
+                assert info.value.code() == code and ref.split("@")[0] in info.value.details()
+    finally:
+        await server.stop(grace=0.5)

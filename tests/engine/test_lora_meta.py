@@ -1,0 +1,62 @@
+"""Per-step SGMV metadata in preallocated buffers, and a CUDA-graph replay that reads them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.lora_inputs import SgmvMetaBuffers
+from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
+
+
+def test_refill_keeps_addresses_and_matches_from_lists():
+    buffers = SgmvMetaBuffers(max_segments=6, num_slots=4, device="cpu")
+    addresses = [t.data_ptr() for t in (buffers.seg_indptr, buffers.weight_indices, buffers.lora_ranks, buffers.scalings)]
+    for seg_lens, slots in (([3, 1, 4], [1, 3, 0]), ([1] * 6, [2, 2, 0, 1, 3, 3]), ([7], [3])):
+        ranks, scalings = [8, 0, 16, 4], [1.0, 0.0, 0.5, 2.0]
+        meta = buffers.fill(seg_lens, slots, ranks, scalings)
+        expected = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings)
+        for name in ("seg_indptr", "weight_indices", "lora_ranks", "scalings"):
+            assert torch.equal(getattr(meta, name), getattr(expected, name)), name
+        assert (meta.num_segments, meta.max_seg_len) == (expected.num_segments, expected.max_seg_len)
+        assert buffers.seg_indptr[len(seg_lens) + 1 :].eq(sum(seg_lens)).all()  # unused segments are empty
+    assert addresses == [t.data_ptr() for t in (buffers.seg_indptr, buffers.weight_indices, buffers.lora_ranks, buffers.scalings)]
+    with pytest.raises(ValueError, match="segments"):
+        buffers.fill([1] * 7, [0] * 7, ranks, scalings)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replay_sees_refilled_metadata():
+    from kernels.sgmv import sgmv_expand, sgmv_shrink
+
+    torch.manual_seed(0)
+    num_slots, rank, in_dim, out_dim, tokens = 5, 16, 256, 384, 8
+    A = torch.randn(num_slots, rank, in_dim, device="cuda", dtype=torch.bfloat16) / 16
+    B = torch.randn(num_slots, out_dim, rank, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, in_dim, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(tokens, out_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros(tokens, rank, device="cuda", dtype=torch.bfloat16)
+    buffers = SgmvMetaBuffers(max_segments=tokens, num_slots=num_slots, device="cuda")
+    ranks, scalings = [rank, rank, 0, rank, rank], [0.5, 1.0, 0.0, 2.0, 0.25]
+    # capture with the largest grid (one token per segment); replays reuse its launch shape
+    meta = buffers.fill([1] * tokens, [0] * tokens, ranks, scalings)
+    slices = ((0, out_dim),)
+
+    def step():
+        y.zero_()
+        sgmv_shrink(x, A, meta, num_stack=1, out=v)
+        sgmv_expand(v, B, meta, y, output_slices=slices)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seg_slots in ([1, 3, 4, 0, 2, 1, 1, 3], [4] * 8, [2] * 8):
+        buffers.fill([1] * tokens, seg_slots, ranks, scalings)
+        graph.replay()
+        expected = torch.zeros(tokens, out_dim, device="cuda", dtype=torch.bfloat16)
+        ref_meta = SgmvMeta.from_lists([1] * tokens, seg_slots, ranks, scalings, "cuda")
+        sgmv_expand_ref(sgmv_shrink_ref(x, A, ref_meta, num_stack=1), B, ref_meta, expected, output_slices=slices)
+        torch.testing.assert_close(y.float(), expected.float(), atol=2e-2, rtol=2e-2)
