@@ -6,6 +6,7 @@ are keyed by digest, never by name.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -36,36 +37,46 @@ def pack_adapter(digest: str, adapter: CanonicalAdapter, targets: dict[str, Fuse
 
 
 class HostAdapterCache:
-    """At most `max_adapters` packed adapters, least recently used evicted first."""
+    """At most `max_adapters` packed adapters, least recently used evicted first.
+
+    Thread-safe: request handlers fill it before submitting, the engine loop reads it. An evicted
+    entry stays alive while a queued request still holds it (Request.packed_adapter).
+    """
 
     def __init__(self, max_adapters: int):
         if max_adapters < 1:
             raise ValueError("max_adapters must be >= 1")
         self.max_adapters = max_adapters
         self._entries: OrderedDict[str, PackedAdapter] = OrderedDict()
+        self._lock = threading.Lock()
         self.num_hits = 0
         self.num_misses = 0
 
     def __contains__(self, digest: str) -> bool:
-        return digest in self._entries
+        with self._lock:
+            return digest in self._entries
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            return len(self._entries)
 
     def get(self, digest: str) -> PackedAdapter | None:
-        entry = self._entries.get(digest)
-        if entry is None:
-            self.num_misses += 1
-            return None
-        self.num_hits += 1
-        self._entries.move_to_end(digest)
-        return entry
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                self.num_misses += 1
+                return None
+            self.num_hits += 1
+            self._entries.move_to_end(digest)
+            return entry
 
     def put(self, adapter: PackedAdapter) -> None:
-        self._entries[adapter.digest] = adapter
-        self._entries.move_to_end(adapter.digest)
-        while len(self._entries) > self.max_adapters:
-            self._entries.popitem(last=False)
+        with self._lock:
+            self._entries[adapter.digest] = adapter
+            self._entries.move_to_end(adapter.digest)
+            while len(self._entries) > self.max_adapters:
+                self._entries.popitem(last=False)
 
     def discard(self, digest: str) -> None:
-        self._entries.pop(digest, None)
+        with self._lock:
+            self._entries.pop(digest, None)

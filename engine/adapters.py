@@ -23,7 +23,7 @@ class AdapterRecord:
     name: str
     version: int
     digest: str
-    path: Path  # the canonical artifact
+    path: Path | None  # the canonical artifact on local disk; None when it comes from the registry
     rank: int
 
     @property

@@ -30,5 +30,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_host_adapters: int = 64
     lora_eviction_policy: str = "lru"  # or "fifo"
+    lora_drain_wait_s: float = 0.0  # starvation drain threshold (DESIGN 7); 0 = off
     lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked"
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
+    registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only

@@ -3,19 +3,22 @@ and turns validated inputs into Requests."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import logging
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
-from engine.adapter_slots import AdapterSlots
+from engine.adapter_slots import AdapterSlots, SlotsExhausted
 from engine.adapters import AdapterRecord, LocalAdapters
 from engine.config import EngineConfig
+from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
 from engine.forward_inputs import KVBuffers
 from engine.kv_pool import PageAllocator, ReqToTokenPool
@@ -24,13 +27,15 @@ from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.radix_cache import RadixCache
+from engine.registry_link import RegistryLink
 from engine.request import Request, Sink
 from engine.request_kv import RequestKV
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
 from engine.weights import load_model
-from registry.errors import NotFound
+from registry.errors import FailedPrecondition, NotFound
+from registry.model_shapes import ModelShape
 from registry.peft_compile import read_canonical
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,9 @@ class EngineCore:
     max_context: int
     adapters: LocalAdapters
     lora: LoraManager | None
+    shape: ModelShape
+    link: RegistryLink | None = None  # set by the server once it has an event loop
+    refs: dict[str, str] = field(default_factory=dict)  # digest -> "name@version" of adapters seen
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineCore:
@@ -71,9 +79,11 @@ class EngineCore:
         runner = ModelRunner(
             model, kv_buffers, req_pool.table, device, _attention_backend(config, device), lora_pool, _lora_backend(config, device)
         )
-        loop = EngineLoop(Scheduler(scheduler_config, kv, lora=lora), runner)
+        drain = StarvationDrain(config.lora_drain_wait_s) if lora is not None and config.lora_drain_wait_s > 0 else None
+        loop = EngineLoop(Scheduler(scheduler_config, kv, lora=lora, drain=drain), runner)
         log.info("engine: %s on %s, %d KV slots (page %d), context %d, %s attention", config.model_dir, device, allocator.num_slots, config.page_size, max_context, runner.attention_backend)
-        return cls(config, model_config, tokenizer, loop, max_context, adapters, lora)
+        shape = ModelShape.from_config(json.loads((Path(config.model_dir) / "config.json").read_text()))
+        return cls(config, model_config, tokenizer, loop, max_context, adapters, lora, shape)
 
     @property
     def base_model_name(self) -> str:
@@ -97,12 +107,63 @@ class EngineCore:
         return ids
 
     def resolve_adapter(self, ref: str) -> AdapterRecord | None:
-        """'' -> None (the base model); 'name' / 'name@N' -> its record (NotFound, never the base model)."""
+        """Local adapters only: '' -> None (the base model); 'name' / 'name@N' -> its record."""
         if not ref:
             return None
         if self.lora is None:
             raise NotFound(f"adapter {ref!r}: this engine serves no adapters (--max-loras-per-batch 0)")
         return self.adapters.resolve(ref)
+
+    async def resolve(self, ref: str) -> AdapterRecord | None:
+        """Local adapters first, then the registry; an unknown adapter is NotFound, never the base model."""
+        try:
+            record = self.resolve_adapter(ref)
+        except NotFound:
+            if self.link is None or self.lora is None:
+                raise
+            record = await self.link.resolve(ref)
+        if record is not None:
+            self.refs[record.digest] = record.ref
+        return record
+
+    async def prepare(self, record: AdapterRecord) -> PackedAdapter:
+        """The adapter's packed host copy: from the host cache, its local file, or a registry fetch."""
+        packed = self.lora.host_cache.get(record.digest)
+        if packed is None:
+            if record.path is not None:
+                packed = await asyncio.to_thread(self.lora.fetch, record.digest)
+            else:
+                data = await self.link.fetch(record)
+                packed = await asyncio.to_thread(self._pack, record.digest, data)
+            self.lora.host_cache.put(packed)
+        return packed
+
+    def _pack(self, digest: str, artifact: bytes) -> PackedAdapter:
+        adapter = read_canonical(artifact, self.shape)
+        if adapter.rank > self.config.max_lora_rank:
+            raise FailedPrecondition(f"adapter rank {adapter.rank} is over this engine's --max-lora-rank {self.config.max_lora_rank}")
+        pool = self.lora.pool
+        return pack_adapter(digest, adapter, pool.targets, pool.a["qkv"].dtype, pool.device.type == "cuda")
+
+    def on_registry_event(self, kind: str, record: AdapterRecord) -> None:
+        """WatchAdapters events (on the server's event loop): deletions, pins and unpins."""
+        if self.lora is None:
+            return
+        lora = self.lora
+        self.refs.setdefault(record.digest, record.ref)
+        if kind == "DELETED":
+            self.loop.call(lambda: lora.retire(record.digest))
+        elif kind == "UNPINNED":
+            self.loop.call(lambda: lora.unpin(record.digest))
+        elif kind == "PINNED":
+            asyncio.get_running_loop().create_task(self._pin(record))
+
+    async def _pin(self, record: AdapterRecord) -> None:
+        packed = await self.prepare(record)
+        try:
+            await asyncio.wrap_future(self.loop.call(lambda: self.lora.pin(record.digest, packed)))
+        except SlotsExhausted as exc:
+            log.warning("cannot pin %s: %s", record.ref, exc)
 
     def new_request(
         self,
@@ -112,6 +173,7 @@ class EngineCore:
         *,
         rid: str = "",
         adapter: AdapterRecord | None = None,
+        packed: PackedAdapter | None = None,
         deadline: float | None = None,
     ) -> Request:
         params = params.resolve(len(prompt_ids), self.max_context)
@@ -122,6 +184,7 @@ class EngineCore:
             params=params,
             namespace=adapter.digest if adapter else "",
             adapter_ref=adapter.ref if adapter else "",
+            packed_adapter=packed,
             sink=sink,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stop_matcher=StopMatcher(params.stop),
@@ -147,7 +210,7 @@ def _lora_manager(config: EngineConfig, model_config: ModelConfig, adapters: Loc
     slots = AdapterSlots(pool, config.lora_eviction_policy)
     pin = device.type == "cuda"
 
-    def fetch(digest: str) -> PackedAdapter:
+    def fetch(digest: str) -> PackedAdapter:  # local files; registry adapters arrive packed (EngineCore.prepare)
         canonical = read_canonical(adapters.by_digest(digest).path)
         return pack_adapter(digest, canonical, pool.targets, dtype, pin)
 

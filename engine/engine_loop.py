@@ -9,12 +9,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 from engine.model_runner import ModelRunner
 from engine.request import Failed, FinishReason, Request, TokenDelta
 from engine.scheduler import BatchEntry, Scheduler
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 IDLE_WAIT_S = 0.05  # deadlines are checked at least this often while idle
 
 
@@ -23,6 +27,7 @@ class EngineLoop:
         self.scheduler = scheduler
         self.runner = runner
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -57,6 +62,13 @@ class EngineLoop:
         self._inbox.put(req)
         self._wake.set()
 
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run fn on the loop thread before its next step (thread-safe); the future holds its result."""
+        future: Future[T] = Future()
+        self._calls.put((fn, future))
+        self._wake.set()
+        return future
+
     def cancel(self, req: Request) -> None:
         """Thread-safe: the loop frees req's KV at its next step."""
         req.is_cancelled = True
@@ -67,6 +79,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._wake.clear()
+            self._run_calls()
             while not self._inbox.empty():
                 self.scheduler.add(self._inbox.get())
             entries = self.scheduler.schedule()
@@ -75,6 +88,16 @@ class EngineLoop:
                 continue
             self._step(entries)
         self._fail_all("UNAVAILABLE", "the engine is shutting down")
+        self._run_calls()
+
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            fn, future = self._calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # the caller sees it through the future
+                    future.set_exception(exc)
 
     def _step(self, entries: list[BatchEntry]) -> None:
         try:

@@ -19,6 +19,7 @@ class LoraManager:
         self.slots = slots
         self.host_cache = host_cache
         self.fetch = fetch  # digest -> packed adapter, on a host-cache miss
+        self._retired: set[str] = set()  # deleted in the registry: dropped once no request uses them
 
     def packed(self, digest: str) -> PackedAdapter:
         adapter = self.host_cache.get(digest)
@@ -30,11 +31,28 @@ class LoraManager:
     def can_acquire(self, digest: str) -> bool:
         return self.slots.can_acquire(digest)
 
-    def acquire(self, digest: str) -> int:
-        return self.slots.acquire(digest, lambda: self.packed(digest))
+    def acquire(self, digest: str, packed: PackedAdapter | None = None) -> int:
+        """The slot of digest for one more running request; `packed` (if given) spares a host lookup."""
+        self._retired.discard(digest)  # the same content may come back under another name
+        return self.slots.acquire(digest, lambda: packed or self.packed(digest))
 
     def release(self, digest: str) -> None:
         self.slots.release(digest)
+        if digest in self._retired and self.slots.evict(digest):
+            self._retired.discard(digest)
 
-    def pin(self, digest: str) -> int:
-        return self.slots.pin(digest, lambda: self.packed(digest))
+    def pin(self, digest: str, packed: PackedAdapter | None = None) -> int:
+        return self.slots.pin(digest, lambda: packed or self.packed(digest))
+
+    def unpin(self, digest: str) -> None:
+        self.slots.unpin(digest)
+
+    def retire(self, digest: str) -> bool:
+        """Forget digest (deleted in the registry) now, or when its last running request ends;
+        returns whether it is gone already."""
+        self.host_cache.discard(digest)
+        self.slots.unpin(digest)
+        if self.slots.evict(digest):
+            return True
+        self._retired.add(digest)
+        return False

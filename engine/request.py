@@ -74,6 +74,7 @@ class Request:
     prefix_node: object | None = None  # locked radix node of the matched prefix
     req_row: int = -1  # row in the request-to-token table; -1 when not resident
     lora_slot: int = -1  # GPU adapter slot while running with an adapter; -1 otherwise
+    packed_adapter: object | None = None  # the adapter's host copy, fetched before submission
     cached_len: int = 0  # tokens taken from the prefix cache at the latest admission
     first_cached_len: int = -1  # cached prompt tokens at the first admission (Usage)
     is_cancelled: bool = False

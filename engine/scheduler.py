@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.drain import StarvationDrain
 from engine.lora_manager import LoraManager
 from engine.request import Failed, Finished, FinishReason, Request
 from engine.request_kv import RequestKV
@@ -48,10 +49,12 @@ class Scheduler:
         kv: RequestKV,
         clock: Callable[[], float] = time.monotonic,
         lora: LoraManager | None = None,
+        drain: StarvationDrain | None = None,  # None: no starvation drain
     ):
         self.config = config
         self.kv = kv
         self.lora = lora
+        self.drain = drain
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -75,6 +78,8 @@ class Scheduler:
             if extend_len and self._grow_or_retract(req, extend_len):
                 entries.append(BatchEntry.grown(req, extend_len))
                 budget -= extend_len
+        if self.drain is not None and self.lora is not None:
+            self.drain.update(self.waiting, self.running, self.lora)
         entries += self._admit_waiting(budget)
         return entries
 
@@ -97,11 +102,13 @@ class Scheduler:
         return len(self.running) < self.config.max_running_requests and self.kv.can_admit()
 
     def _admit_waiting(self, budget: int) -> list[BatchEntry]:
-        """FCFS admission; a request whose adapter cannot get a slot now waits without blocking others."""
+        """FCFS admission; a request whose adapter cannot get a slot now (or is being drained) waits
+        without blocking others."""
         entries, slot_blocked = [], []
         while self.waiting and budget > 0 and self._can_admit_more():
             req = self.waiting.popleft()
-            if req.namespace and self.lora is not None and not self.lora.can_acquire(req.namespace):
+            no_slot = req.namespace and self.lora is not None and not self.lora.can_acquire(req.namespace)
+            if no_slot or (self.drain is not None and self.drain.blocks(req)):
                 slot_blocked.append(req)
                 continue
             entry = self._admit(req, budget)
@@ -124,7 +131,7 @@ class Scheduler:
             self.kv.release(req)
             return None
         if req.namespace and self.lora is not None:
-            req.lora_slot = self.lora.acquire(req.namespace)
+            req.lora_slot = self.lora.acquire(req.namespace, req.packed_adapter)
         return BatchEntry.grown(req, extend_len)
 
     def _release(self, req: Request) -> None:

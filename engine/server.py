@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from pathlib import Path
 
+from engine.adapter_admin import AdapterAdmin
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.registry_link import RegistryLink
 from engine.request import TokenDelta
 from engine.sampling import SamplingParams
 from engine.servicer import EngineServicer
@@ -41,9 +44,10 @@ class EngineServer:
     def __init__(self, config: EngineConfig, core: EngineCore):
         self.config = config
         self.core = core
+        self.admin = AdapterAdmin(core)
         # Prompts over max_prompt_bytes get a clear INVALID_ARGUMENT rather than gRPC's size error.
         self.host = ServiceHost([SERVICE_NAME], max_receive_bytes=max(16 << 20, 2 * config.max_prompt_bytes))
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core), self.host.server)
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, self.admin), self.host.server)
         self.port = self.host.bind(config.host, config.port)
 
     @property
@@ -54,6 +58,10 @@ class EngineServer:
         """Serve at once (health says NOT_SERVING), then SERVING once the loop has warmed up."""
         await self.host.start()
         await self.host.set_serving(False)
+        if self.config.registry:
+            config_json = (Path(self.config.model_dir) / "config.json").read_text()
+            self.core.link = RegistryLink(self.config.registry, self.core.base_model_name, config_json, self.core.on_registry_event)
+            await self.core.link.start()
         self.core.loop.start()
         await asyncio.to_thread(warm_up, self.core)
         await self.host.set_serving(True)
@@ -61,6 +69,8 @@ class EngineServer:
     async def stop(self, grace: float | None = None) -> None:
         await (self.host.stop() if grace is None else self.host.stop(grace))
         await asyncio.to_thread(self.core.loop.stop)
+        if self.core.link is not None:
+            await self.core.link.close()
 
 
 async def start_engine(config: EngineConfig) -> EngineServer:

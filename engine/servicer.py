@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from engine.adapter_admin import AdapterAdmin, AdapterResidency
 from engine.core import EngineCore, InvalidPrompt
 from engine.request import Event, Finished, Request, TokenDelta
 from engine.sampling import InvalidSampling, SamplingParams
@@ -53,9 +54,49 @@ def _thread_safe_sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Eve
     return sink
 
 
+def _state_to_pb(state: AdapterResidency) -> pb.AdapterState:
+    return pb.AdapterState(
+        adapter=state.ref,
+        digest=state.digest,
+        on_gpu=state.on_gpu,
+        in_host_cache=state.in_host_cache,
+        pinned=state.pinned,
+        running_requests=state.running_requests,
+        waiting_requests=state.waiting_requests,
+    )
+
+
+async def _abort(context, exc: Exception):
+    if isinstance(exc, RegistryError):
+        await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
 class EngineServicer(pb_grpc.EngineServicer):
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, admin: AdapterAdmin):
         self.core = core
+        self.admin = admin
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.AdapterState:
+        if self.core.lora is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine serves no adapters (--max-loras-per-batch 0)")
+        try:
+            return _state_to_pb(await self.admin.load(request.adapter, request.pin))
+        except (RegistryError, InvalidPrompt) as exc:
+            await _abort(context, exc)
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.AdapterState:
+        if self.core.lora is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine serves no adapters (--max-loras-per-batch 0)")
+        remaining = context.time_remaining()
+        try:
+            return _state_to_pb(await self.admin.unload(request.adapter, remaining if remaining is not None else 600.0))
+        except RegistryError as exc:
+            await _abort(context, exc)
+
+    async def ListAdapters(self, request: pb.ListLoadedRequest, context) -> pb.ListLoadedResponse:
+        states = await self.admin.states() if self.core.lora is not None else []
+        return pb.ListLoadedResponse(adapters=[_state_to_pb(s) for s in states])
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         events: asyncio.Queue[Event] = asyncio.Queue()
@@ -85,7 +126,10 @@ class EngineServicer(pb_grpc.EngineServicer):
                 self.core.loop.cancel(req)
 
     async def _new_request(self, request: pb.GenerateRequest, context, events: asyncio.Queue[Event]) -> Request:
-        adapter = self.core.resolve_adapter(request.adapter)  # an unknown adapter never means the base model
+        adapter = await self.core.resolve(request.adapter)  # an unknown adapter never means the base model
+        packed = None
+        if adapter is not None:
+            packed = await self.core.prepare(adapter)  # fetched here, so the engine loop never waits on it
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidPrompt("prompt: set text or token_ids")
@@ -97,4 +141,6 @@ class EngineServicer(pb_grpc.EngineServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         sink = _thread_safe_sink(loop, events)
-        return self.core.new_request(prompt_ids, params, sink, rid=request.request_id, adapter=adapter, deadline=deadline)
+        return self.core.new_request(
+            prompt_ids, params, sink, rid=request.request_id, adapter=adapter, packed=packed, deadline=deadline
+        )

@@ -104,6 +104,7 @@ def _add_engine_commands(sub, env: _EnvDefaults) -> None:
     serve.add_argument("--host", default=env("--host", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(env("--port", DEFAULT_ENGINE_PORT)))
     serve.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="serve a PEFT adapter dir (repeatable)")
+    serve.add_argument("--registry", default=env("--registry", ""), help="HOST:PORT of the registry (adapters by name)")
     serve.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(serve, env)
     serve.set_defaults(func=commands.engine_serve)

@@ -65,7 +65,7 @@ def registry_gc(args) -> int:
     return 0
 
 
-def engine_config(args, model_dir: str, port: int) -> EngineConfig:
+def engine_config(args, model_dir: str, port: int, registry: str = "") -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
         base_model_name=getattr(args, "base_model_name", ""),
@@ -86,6 +86,7 @@ def engine_config(args, model_dir: str, port: int) -> EngineConfig:
         max_host_adapters=args.max_host_adapters,
         lora_eviction_policy=args.lora_eviction_policy,
         lora_backend=args.lora_backend,
+        registry=registry or getattr(args, "registry", ""),
     )
 
 

@@ -42,7 +42,7 @@ async def run_up(args) -> None:
     await asyncio.to_thread(registry.service.register_base_model, base_name, config_json)
     await registry.start()
     announce("registry", config.host, registry.port)
-    engine = await start_engine(engine_config(args, str(model_dir), args.engine_port))
+    engine = await start_engine(engine_config(args, str(model_dir), args.engine_port, registry=registry.address))
     announce("engine", engine.config.host, engine.port)
     print(f"base model {base_name} from {model_dir}", flush=True)
     print(f"try: loramux generate --engine {engine.address} 'Once upon a time'", flush=True)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from loramux.grpc_server import ServiceHost, announce
+from loramux.metrics import RegistryMetrics, start_metrics_server
 from loramux.v1 import registry_pb2, registry_pb2_grpc
 from registry.catalog import Catalog
 from registry.config import RegistryConfig
@@ -29,12 +30,19 @@ def build_service(config: RegistryConfig) -> RegistryService:
 class RegistryServer:
     """A started registry; `port` is the bound port (useful when config.port is 0)."""
 
-    def __init__(self, config: RegistryConfig, service: RegistryService | None = None):
+    def __init__(
+        self,
+        config: RegistryConfig,
+        service: RegistryService | None = None,
+        metrics: RegistryMetrics | None = None,
+    ):
         """Create in the event loop's thread (grpc.aio binds to it); pass a service built elsewhere
-        to keep the blocking database set-up out of the loop."""
+        to keep the blocking database set-up out of the loop. Metrics are always counted; serving
+        them over HTTP is the caller's choice (see `serve`)."""
         self.config = config
         self.service = service or build_service(config)
-        self.servicer = RegistryServicer(self.service)
+        self.metrics = metrics or RegistryMetrics()
+        self.servicer = RegistryServicer(self.service, self.metrics)
         self.host = ServiceHost([SERVICE_NAME])
         registry_pb2_grpc.add_RegistryServicer_to_server(self.servicer, self.host.server)
         self.port = self.host.bind(config.host, config.port)
@@ -52,11 +60,17 @@ class RegistryServer:
         await asyncio.to_thread(self.service.catalog.engine.dispose)
 
 
-async def serve(config: RegistryConfig, stop: asyncio.Event) -> None:
-    """Run until `stop` is set, then stop gracefully."""
+async def serve(config: RegistryConfig, stop: asyncio.Event, metrics_port: int | None = None) -> None:
+    """Run until `stop` is set, then stop gracefully; serve /metrics on config.host:metrics_port
+    when a port is given (0 = pick a free one)."""
     server = RegistryServer(config, await asyncio.to_thread(build_service, config))
     await server.start()
     announce("registry", config.host, server.port)
+    metrics_server = None
+    if metrics_port is not None:
+        metrics_server, _ = start_metrics_server(server.metrics, config.host, metrics_port)
     await stop.wait()
     log.info("registry shutting down")
+    if metrics_server is not None:
+        await asyncio.to_thread(metrics_server.shutdown)
     await server.stop()

@@ -12,11 +12,13 @@ import functools
 import itertools
 import logging
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
 
+from loramux.metrics import RegistryMetrics
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
 from registry.errors import RegistryError
@@ -41,31 +43,76 @@ class EventHub:
         self.current = asyncio.Event()
 
 
-def _statuses(method: Callable) -> Callable:
+def _status_of(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status an RPC ends with when `exc` leaves its handler (after the wrappers below)."""
+    if isinstance(exc, RegistryError):
+        return getattr(grpc.StatusCode, exc.code.value)
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code()  # set by context.abort
+        return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(exc: Exception, name: str, context: grpc.aio.ServicerContext) -> None:
     """Abort with the RegistryError's code; anything else is INTERNAL and logged."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    if isinstance(exc, RegistryError):
+        await context.abort(_status_of(exc, context), str(exc))
+    log.error("%s failed", name, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error (see the registry log)")
+
+
+def _statuses(method: Callable) -> Callable:
+    """Map errors to statuses (see `_abort`) and count the RPC by method and status."""
+    name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        code = grpc.StatusCode.OK
         try:
             return await method(self, request, context)
-        except RegistryError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            log.exception("%s failed", method.__name__)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"{method.__name__}: internal error (see the registry log)"
-            )
+        except BaseException as exc:
+            code = _status_of(exc, context)
+            if not isinstance(exc, Exception):
+                raise
+            await _abort(exc, name, context)
+        finally:
+            self.metrics.count_rpc(name, code.name)
+
+    return wrapper
+
+
+def _stream_statuses(method: Callable) -> Callable:
+    """`_statuses` for server-streaming handlers (async generators)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        code = grpc.StatusCode.OK
+        try:
+            async with contextlib.aclosing(method(self, request, context)) as responses:
+                async for response in responses:
+                    yield response
+        except BaseException as exc:
+            code = _status_of(exc, context)
+            if not isinstance(exc, Exception):
+                raise
+            await _abort(exc, name, context)
+        finally:
+            self.metrics.count_rpc(name, code.name)
 
     return wrapper
 
 
 class RegistryServicer(pb_grpc.RegistryServicer):
-    def __init__(self, service: RegistryService):
+    def __init__(self, service: RegistryService, metrics: RegistryMetrics | None = None):
         self.service = service
         self.catalog = service.catalog
         self.hub = EventHub()
+        self.metrics = metrics or RegistryMetrics()
 
     @_statuses
     async def RegisterBaseModel(self, request: pb.BaseModel, context) -> pb.BaseModel:
@@ -84,6 +131,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         self, request_iterator: AsyncIterator[pb.RegisterAdapterRequest], context
     ) -> pb.Adapter:
         config = self.service.config
+        started = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=config.spool_dir) as tmp:
             upload = await receive_upload(request_iterator, Path(tmp), config.max_upload_bytes)
             s = upload.spec
@@ -91,8 +139,12 @@ class RegistryServicer(pb_grpc.RegistryServicer):
             if upload.files is None:
                 info = await asyncio.to_thread(self.service.import_adapter, spec)
             else:
-                info = await asyncio.to_thread(self.service.register_adapter, spec, upload.files)
+                files = upload.files
+                self.metrics.uploaded_bytes.inc(files.config_path.stat().st_size + files.weights_path.stat().st_size)
+                info = await asyncio.to_thread(self.service.register_adapter, spec, files)
         self.hub.notify()
+        self.metrics.adapters_registered.inc()
+        self.metrics.registration_latency.observe(time.perf_counter() - started)
         return adapter_to_pb(info)
 
     @_statuses
@@ -117,6 +169,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         check_name(request.name)
         deleted = await asyncio.to_thread(self.catalog.delete, request.name, request.version)
         self.hub.notify()
+        self.metrics.adapters_deleted.inc(len(deleted))
         return pb.DeleteAdapterResponse(deleted=[adapter_to_pb(i) for i in deleted])
 
     @_statuses
@@ -126,34 +179,35 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         self.hub.notify()
         return adapter_to_pb(info)
 
+    @_stream_statuses
     async def FetchAdapter(self, request: pb.FetchAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
-        try:
-            check_name(request.name)
-            info = await asyncio.to_thread(self.catalog.get, request.name, request.version)
-            yield pb.AdapterChunk(adapter=adapter_to_pb(info))
-            chunks = self.service.iter_artifact(info.digest)
-            offset = 0
-            # Several chunks per worker-thread hop: the hop, not the read, dominated per-chunk cost.
-            while batch := await asyncio.to_thread(list, itertools.islice(chunks, FETCH_CHUNKS_PER_READ)):
-                for data in batch:
-                    yield pb.AdapterChunk(data=pb.DataChunk(offset=offset, data=data))
-                    offset += len(data)
-        except RegistryError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
+        check_name(request.name)
+        info = await asyncio.to_thread(self.catalog.get, request.name, request.version)
+        yield pb.AdapterChunk(adapter=adapter_to_pb(info))
+        chunks = self.service.iter_artifact(info.digest)
+        offset = 0
+        # Several chunks per worker-thread hop: the hop, not the read, dominated per-chunk cost.
+        while batch := await asyncio.to_thread(list, itertools.islice(chunks, FETCH_CHUNKS_PER_READ)):
+            for data in batch:
+                yield pb.AdapterChunk(data=pb.DataChunk(offset=offset, data=data))
+                offset += len(data)
+                self.metrics.fetched_bytes.inc(len(data))
 
+    @_stream_statuses
     async def WatchAdapters(
         self, request: pb.WatchAdaptersRequest, context
     ) -> AsyncIterator[pb.AdapterEvent]:
-        after = request.after_event_id or await asyncio.to_thread(self.catalog.last_event_id)
-        while True:
-            woken = self.hub.current
-            events = await asyncio.to_thread(self.catalog.events_after, after, request.base_model)
-            for event in events:
-                yield event_to_pb(event)
-                after = event.event_id
-            if not events:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woken.wait(), WATCH_POLL_S)
+        with self.metrics.watchers.track_inprogress():
+            after = request.after_event_id or await asyncio.to_thread(self.catalog.last_event_id)
+            while True:
+                woken = self.hub.current
+                events = await asyncio.to_thread(self.catalog.events_after, after, request.base_model)
+                for event in events:
+                    yield event_to_pb(event)
+                    after = event.event_id
+                if not events:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(woken.wait(), WATCH_POLL_S)
 
 
 def adapter_to_pb(info: AdapterInfo) -> pb.Adapter:

@@ -1,0 +1,164 @@
+"""The engine's link to the registry service (over gRPC, never its database or store).
+
+- registers the engine's base model at start (and again after the registry comes back);
+- resolves "name" / "name@N" to (version, digest), caching answers and keeping them fresh with
+  WatchAdapters (resumed from the last event id after a reconnect);
+- fetches canonical artifacts with FetchAdapter, checks their sha256 against the digest (a
+  mismatch is refused, logged and retried, never served), one fetch per digest at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from engine.adapters import AdapterRecord
+from loramux.v1 import registry_pb2 as pb
+from loramux.v1 import registry_pb2_grpc as pb_grpc
+from registry.errors import Code, FailedPrecondition, NotFound, RegistryError
+from registry.types import parse_ref
+
+log = logging.getLogger(__name__)
+RPC_TIMEOUT_S = 10.0
+FETCH_TIMEOUT_S = 300.0
+RECONNECT_S = (0.2, 5.0)  # first and longest pause between reconnection attempts
+
+EventHandler = Callable[[str, AdapterRecord], None]  # (REGISTERED | DELETED | PINNED | UNPINNED, record)
+
+
+def unavailable(what: str, exc: grpc.aio.AioRpcError) -> RegistryError:
+    return RegistryError(f"{what}: the registry is unavailable ({exc.code().name}: {exc.details()})", Code.UNAVAILABLE)
+
+
+def record_of(adapter: pb.Adapter) -> AdapterRecord:
+    return AdapterRecord(adapter.name, adapter.version, adapter.digest, None, adapter.rank)
+
+
+class RegistryLink:
+    def __init__(self, address: str, base_model: str, config_json: str, on_event: EventHandler):
+        self.address = address
+        self.base_model = base_model
+        self.config_json = config_json
+        self.on_event = on_event
+        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 8 << 20)])
+        self.stub = pb_grpc.RegistryStub(self.channel)
+        self._resolved: dict[tuple[str, int], AdapterRecord] = {}
+        self._fetches: dict[str, asyncio.Task[bytes]] = {}
+        self._watch: asyncio.Task | None = None
+        self.last_event_id = 0
+        self.is_connected = False
+        self.num_fetches = 0
+        self.num_digest_mismatches = 0
+
+    async def start(self) -> None:
+        """Try to register the base model now; keep trying (and watching) in the background."""
+        try:
+            await self._register_base_model()
+        except grpc.aio.AioRpcError as exc:
+            log.warning("registry %s: %s; serving cached adapters until it answers", self.address, exc.details())
+        self._watch = asyncio.create_task(self._watch_forever())
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.channel.close()
+
+    # ---- resolution --------------------------------------------------------------------------
+
+    async def resolve(self, ref: str) -> AdapterRecord:
+        name, version = parse_ref(ref)
+        cached = self._resolved.get((name, version))
+        if cached is not None:
+            return cached
+        try:
+            adapter = await self.stub.GetAdapter(pb.GetAdapterRequest(name=name, version=version), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"adapter {ref!r} is not registered") from None
+            raise unavailable(f"adapter {ref!r}", exc) from None
+        if adapter.base_model != self.base_model:
+            raise FailedPrecondition(
+                f"adapter {ref!r} is for base model {adapter.base_model!r}; this engine serves {self.base_model!r}"
+            )
+        record = record_of(adapter)
+        self._resolved[(name, version)] = self._resolved[(name, record.version)] = record
+        return record
+
+    # ---- fetching ----------------------------------------------------------------------------
+
+    async def fetch(self, record: AdapterRecord, attempts: int = 3) -> bytes:
+        """The artifact's bytes, sha256-checked; concurrent callers for one digest share one fetch."""
+        task = self._fetches.get(record.digest)
+        if task is None:
+            task = asyncio.create_task(self._fetch_checked(record, attempts))
+            self._fetches[record.digest] = task
+            task.add_done_callback(lambda _: self._fetches.pop(record.digest, None))
+        return await asyncio.shield(task)
+
+    async def _fetch_checked(self, record: AdapterRecord, attempts: int) -> bytes:
+        for attempt in range(1, attempts + 1):
+            data = await self._fetch_once(record)
+            if hashlib.sha256(data).hexdigest() == record.digest:
+                self.num_fetches += 1
+                return data
+            self.num_digest_mismatches += 1
+            log.error("artifact of %s failed its sha256 check (attempt %d of %d)", record.ref, attempt, attempts)
+        raise RegistryError(f"adapter {record.ref!r}: the fetched artifact does not match its digest", Code.UNAVAILABLE)
+
+    async def _fetch_once(self, record: AdapterRecord) -> bytes:
+        parts: list[bytes] = []
+        request = pb.FetchAdapterRequest(name=record.name, version=record.version)
+        try:
+            async for chunk in self.stub.FetchAdapter(request, timeout=FETCH_TIMEOUT_S):
+                if chunk.WhichOneof("item") == "data":
+                    parts.append(chunk.data.data)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"adapter {record.ref!r} is not registered") from None
+            raise unavailable(f"adapter {record.ref!r}", exc) from None
+        return b"".join(parts)
+
+    # ---- watching ----------------------------------------------------------------------------
+
+    async def _register_base_model(self) -> None:
+        model = pb.BaseModel(name=self.base_model, config_json=self.config_json)
+        await self.stub.RegisterBaseModel(model, timeout=RPC_TIMEOUT_S)
+
+    async def _watch_forever(self) -> None:
+        pause = RECONNECT_S[0]
+        while True:
+            try:
+                if not self.is_connected:
+                    await self._register_base_model()
+                await self._watch_once()
+            except grpc.aio.AioRpcError as exc:
+                if self.is_connected:
+                    log.warning("registry %s went away (%s); reconnecting", self.address, exc.code().name)
+                    pause = RECONNECT_S[0]
+                self.is_connected = False
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RECONNECT_S[1])
+
+    async def _watch_once(self) -> None:
+        if self.last_event_id == 0:
+            self._resolved.clear()  # events before this stream began are unknown: forget every answer
+        request = pb.WatchAdaptersRequest(base_model=self.base_model, after_event_id=self.last_event_id)
+        stream = self.stub.WatchAdapters(request)
+        await stream.wait_for_connection()
+        self.is_connected = True
+        async for event in stream:
+            self.last_event_id = event.event_id
+            self._apply(pb.AdapterEvent.Kind.Name(event.kind), record_of(event.adapter))
+
+    def _apply(self, kind: str, record: AdapterRecord) -> None:
+        self._resolved.pop((record.name, 0), None)  # "latest" may have changed
+        if kind == "DELETED":
+            self._resolved.pop((record.name, record.version), None)
+        try:
+            self.on_event(kind, record)
+        except Exception:
+            log.exception("handling %s of %s failed", kind, record.ref)

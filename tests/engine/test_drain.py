@@ -1,0 +1,341 @@
+"""The starvation drain: the policy over real slot assignment with a fake clock, and an engine whose one
+LoRA slot a steady flow of one adapter's requests would otherwise hold forever."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from engine.adapter_slots import AdapterSlots
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.drain import StarvationDrain
+from engine.request import Finished, TokenDelta
+from engine.sampling import SamplingParams
+
+WAIT_S = 2.0
+
+
+class FakePool:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+
+    def load(self, slot, adapter) -> None:
+        pass
+
+    def clear(self, slot) -> None:
+        pass
+
+
+class FakeLora:
+    """LoraManager's surface over real AdapterSlots; loads nothing."""
+
+    def __init__(self, num_slots: int):
+        self.slots = AdapterSlots(FakePool(num_slots))
+
+    def can_acquire(self, digest: str) -> bool:
+        return self.slots.can_acquire(digest)
+
+    def acquire(self, digest: str) -> int:
+        return self.slots.acquire(digest, lambda: None)
+
+    def release(self, digest: str) -> None:
+        self.slots.release(digest)
+
+    def pin(self, digest: str) -> int:
+        return self.slots.pin(digest, lambda: None)
+
+
+@dataclass(eq=False)
+class FakeReq:
+    namespace: str
+    arrival: float
+    max_new_tokens: int = 10
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def params(self):
+        return SimpleNamespace(max_new_tokens=self.max_new_tokens)
+
+
+class World:
+    """Waiting and running fake requests, slots acquired as a scheduler would, and a fake clock."""
+
+    def __init__(self, num_slots: int):
+        self.now = 0.0
+        self.lora = FakeLora(num_slots)
+        self.waiting: list[FakeReq] = []
+        self.running: list[FakeReq] = []
+        self.drain = StarvationDrain(WAIT_S, clock=lambda: self.now)
+
+    def run(self, namespace: str, remaining: int) -> FakeReq:
+        req = FakeReq(namespace, self.now, max_new_tokens=remaining + 3, output_ids=[0, 0, 0])
+        self.lora.acquire(namespace)
+        self.running.append(req)
+        return req
+
+    def wait(self, namespace: str) -> FakeReq:
+        req = FakeReq(namespace, self.now)
+        self.waiting.append(req)
+        return req
+
+    def finish(self, req: FakeReq) -> None:
+        self.running.remove(req)
+        self.lora.release(req.namespace)
+
+    def admit(self, req: FakeReq) -> None:
+        self.waiting.remove(req)
+        self.lora.acquire(req.namespace)
+        self.running.append(req)
+
+    def update(self, after_s: float = 0.0) -> None:
+        self.now += after_s
+        self.drain.update(self.waiting, self.running, self.lora)
+
+
+def test_no_drain_before_the_threshold():
+    w = World(num_slots=1)
+    w.run("a", remaining=5)
+    w.wait("b")
+    w.update(after_s=WAIT_S - 0.1)
+    assert w.drain.draining is None and w.drain.num_drains == 0
+
+
+def test_no_drain_while_a_slot_is_free_or_evictable():
+    w = World(num_slots=2)
+    w.run("a", remaining=5)
+    w.wait("b")
+    w.update(after_s=WAIT_S + 1)  # the second slot is empty
+    assert w.drain.draining is None
+    w.finish(w.run("c", remaining=1))  # c stays resident, unused: evictable
+    w.update(after_s=1)
+    assert w.drain.draining is None and w.drain.num_drains == 0
+
+
+def test_drains_the_running_adapter_with_the_fewest_remaining_tokens():
+    w = World(num_slots=2)
+    w.run("a", remaining=4)
+    w.run("a", remaining=4)  # a: 8 tokens left in all
+    w.run("c", remaining=6)
+    w.update()
+    b = w.wait("b")
+    w.update(after_s=WAIT_S + 0.1)
+    assert w.drain.draining == "c" and w.drain.starving == "b" and w.drain.num_drains == 1
+    assert w.drain.blocks(FakeReq("c", w.now)) and not w.drain.blocks(FakeReq("a", w.now))
+    assert not w.drain.blocks(b) and not w.drain.blocks(FakeReq("", w.now))
+
+
+def test_pinned_adapters_are_never_drained():
+    w = World(num_slots=3)
+    for digest in ("p", "q"):
+        w.lora.pin(digest)
+        w.run(digest, remaining=1)
+    w.run("a", remaining=50)
+    w.wait("b")
+    w.update(after_s=WAIT_S + 1)
+    assert w.drain.draining == "a"
+
+
+def test_no_drain_when_only_pinned_adapters_run():
+    w = World(num_slots=2)
+    w.lora.pin("p")
+    w.run("p", remaining=1)
+    w.lora.acquire("x")  # held by a request outside `running` (e.g. retracted): no candidate to drain
+    w.wait("b")
+    w.update(after_s=WAIT_S + 1)
+    assert w.drain.draining is None and w.drain.num_drains == 0
+
+
+def test_drain_holds_until_the_starving_adapter_gets_the_slot():
+    w = World(num_slots=1)
+    a1 = w.run("a", remaining=2)
+    b = w.wait("b")
+    w.update(after_s=WAIT_S + 1)
+    assert w.drain.draining == "a"
+    a2 = w.wait("a")  # a new request of the drained adapter waits
+    w.update(after_s=1)
+    assert w.drain.blocks(a2) and w.drain.num_drains == 1  # still the same drain
+    w.finish(a1)
+    w.update()
+    assert w.drain.draining == "a"  # slot free, but b has not taken it yet
+    w.admit(b)
+    w.update()
+    assert w.drain.draining is None and not w.drain.blocks(a2) and w.drain.num_drains == 1
+
+
+def test_drain_lifts_when_nobody_starves_any_more():
+    w = World(num_slots=1)
+    w.run("a", remaining=2)
+    b = w.wait("b")
+    w.update(after_s=WAIT_S + 1)
+    assert w.drain.draining == "a"
+    w.waiting.remove(b)  # cancelled
+    w.update()
+    assert w.drain.draining is None
+
+
+def test_one_drain_at_a_time_for_the_oldest_starving_adapter():
+    w = World(num_slots=2)
+    w.run("a", remaining=3)
+    w.run("c", remaining=9)
+    w.wait("b")
+    w.update(after_s=1)
+    w.wait("d")
+    w.update(after_s=WAIT_S + 1)
+    assert (w.drain.draining, w.drain.starving, w.drain.num_drains) == ("a", "b", 1)
+
+
+def test_wait_must_be_positive():
+    with pytest.raises(ValueError):
+        StarvationDrain(0.0)
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+
+FLOW_TOKENS = 12  # tokens per flow request; each submits its successor at its first token
+B_TOKENS = 8
+ENGINE_WAIT_S = 0.3
+OFF_WATCH_S = 2.5  # how long B must stay unfinished without the drain while the flow runs
+
+
+class Flow:
+    """A steady flow of adapter-A requests: each request's first token makes a feeder thread submit the
+    next one, so A always has running requests (its slot never frees) until `stop`."""
+
+    def __init__(self, core: EngineCore, adapter: str):
+        self.core = core
+        self.record = core.resolve_adapter(adapter)
+        self.prompt = core.prompt_ids("The quick brown fox", None)
+        self.submitted_at: list[float] = []
+        self.num_finished = 0
+        self.num_active = 0
+        self.is_flowing = True
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._asks: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._feeder = threading.Thread(target=self._feed, daemon=True)
+
+    def start(self) -> None:
+        self._feeder.start()
+        self._asks.put(True)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop submitting and wait for the flow's requests to finish."""
+        self.is_flowing = False
+        self._asks.put(False)
+        self._feeder.join(timeout)
+        with self._lock:
+            if not self.num_active:
+                self._idle.set()
+        assert self._idle.wait(timeout)
+
+    def _feed(self) -> None:
+        while self._asks.get() and self.is_flowing:
+            with self._lock:
+                self.num_active += 1
+            params = SamplingParams(max_new_tokens=FLOW_TOKENS, ignore_eos=True)
+            self.core.loop.submit(self.core.new_request(self.prompt, params, self._sink(), adapter=self.record))
+            self.submitted_at.append(time.monotonic())
+
+    def _sink(self):
+        num_tokens = 0
+
+        def sink(event):
+            nonlocal num_tokens
+            if isinstance(event, TokenDelta):
+                num_tokens += 1
+                if num_tokens == 1:
+                    self._asks.put(True)
+                return
+            with self._lock:
+                self.num_finished += 1
+                self.num_active -= 1
+                if not self.is_flowing and not self.num_active:
+                    self._idle.set()
+
+        return sink
+
+
+def submit_b(core: EngineCore) -> dict:
+    """Submit one adapter-B request; the dict gets its final event and the time it ended."""
+    out: dict = {"done": threading.Event(), "start": time.monotonic()}
+
+    def sink(event):
+        if not isinstance(event, TokenDelta):
+            out["final"], out["end"] = event, time.monotonic()
+            out["done"].set()
+
+    params = SamplingParams(max_new_tokens=B_TOKENS, ignore_eos=True)
+    core.loop.submit(core.new_request(core.prompt_ids("Hello world", None), params, sink, adapter=core.resolve_adapter("b")))
+    return out
+
+
+@pytest.fixture
+def engine(tiny_llama_dir, make_adapter, tmp_path):
+    cores: list[EngineCore] = []
+
+    def build(drain_wait_s: float) -> EngineCore:
+        dirs = {name: make_adapter(f"drain-{name}", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=seed)
+                for name, seed in (("a", 61), ("b", 62))}
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir),
+            adapters=tuple((name, str(path)) for name, path in dirs.items()),
+            work_dir=str(tmp_path / f"work-{len(cores)}"),
+            max_loras_per_batch=1,
+            lora_drain_wait_s=drain_wait_s,
+        )
+        core = EngineCore.build(config)
+        cores.append(core)
+        core.loop.start()
+        return core
+
+    yield build
+    for core in cores:
+        core.loop.stop()
+
+
+def start_flow(core: EngineCore) -> Flow:
+    flow = Flow(core, "a")
+    flow.start()
+    deadline = time.monotonic() + 10
+    while flow.num_finished < 3:  # the flow is steady: several A requests came and went
+        assert time.monotonic() < deadline, "the A flow does not run"
+        time.sleep(0.01)
+    return flow
+
+
+def test_drain_lets_a_starving_adapter_through_a_steady_flow(engine):
+    core = engine(ENGINE_WAIT_S)
+    flow = start_flow(core)
+    b = submit_b(core)
+    assert b["done"].wait(ENGINE_WAIT_S + 3.0), "B starved despite the drain"
+    assert isinstance(b["final"], Finished) and b["final"].completion_tokens == B_TOKENS
+    assert b["end"] - b["start"] >= ENGINE_WAIT_S  # it did wait for the threshold: A held the only slot
+    num_finished_at_b = flow.num_finished
+    deadline = time.monotonic() + 10
+    while flow.num_finished < num_finished_at_b + 3:  # A flows on after B
+        assert time.monotonic() < deadline, "the A flow did not resume after the drain"
+        time.sleep(0.01)
+    assert any(t > b["start"] for t in flow.submitted_at)
+    assert max(flow.submitted_at) > b["end"]
+    assert core.loop.scheduler.drain.num_drains >= 1
+    flow.stop()
+
+
+def test_without_drain_a_steady_flow_starves_the_other_adapter(engine):
+    core = engine(0.0)
+    assert core.loop.scheduler.drain is None
+    flow = start_flow(core)
+    b = submit_b(core)
+    num_finished_at_b = flow.num_finished
+    assert not b["done"].wait(OFF_WATCH_S), "B ran while A's flow held the slot: the starvation scenario is broken"
+    assert flow.num_finished > num_finished_at_b + 3  # the flow kept running all along
+    stopped_at = time.monotonic()
+    flow.stop()
+    assert b["done"].wait(10) and isinstance(b["final"], Finished)
+    assert b["end"] > stopped_at

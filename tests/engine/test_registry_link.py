@@ -1,0 +1,172 @@
+"""The engine against a live registry (both in process): names resolve through the registry, artifacts
+are fetched and sha256-checked, and registry events (new versions, deletes, pins) reach the engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from engine.server import start_engine
+from loramux.engine_client import generate_request
+from loramux.v1 import engine_pb2 as epb
+from loramux.v1 import engine_pb2_grpc as epb_grpc
+from loramux.v1 import registry_pb2 as rpb
+from tests.engine.test_engine_grpc import collect
+from tests.registry.harness import running_registry
+
+PROMPT = "The registry feeds the engine"
+
+
+@pytest.fixture
+async def stack(tmp_path, tiny_llama_dir):
+    """(registry harness, engine server, engine stub); the base model is registered by the engine."""
+    async with running_registry(tmp_path / "registry") as registry:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), port=0, registry=registry.server.address, max_loras_per_batch=2,
+            base_model_name="tiny",
+        )
+        engine = await start_engine(config)
+        channel = grpc.aio.insecure_channel(engine.address)
+        try:
+            yield registry, engine, epb_grpc.EngineStub(channel)
+        finally:
+            await channel.close()
+            await engine.stop(grace=0.5)
+
+
+async def generate(stub, adapter: str = "", **kwargs):
+    return await collect(stub, generate_request(PROMPT, adapter=adapter, max_new_tokens=8, ignore_eos=True, **kwargs))
+
+
+async def wait_for(predicate, timeout: float = 10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_adapter_by_name_through_the_registry(stack, make_adapter, tmp_path, tiny_llama_dir):
+    registry, engine, stub = stack
+    models = await registry.stub.ListBaseModels(rpb.ListBaseModelsRequest())
+    assert [m.name for m in models.base_models] == ["tiny"]  # registered by the engine at start
+    qv = make_adapter("link-qv", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=51)
+    await registry.register("bot", qv)
+    ids, _, done = await generate(stub, "bot")
+    assert done.adapter == "bot@1"
+    # the same adapter served from a local dir gives the same tokens
+    local = await start_engine(EngineConfig(model_dir=str(tiny_llama_dir), port=0, adapters=(("bot", str(qv)),), work_dir=str(tmp_path / "w")))
+    try:
+        async with grpc.aio.insecure_channel(local.address) as channel:
+            local_ids, _, _ = await generate(epb_grpc.EngineStub(channel), "bot")
+    finally:
+        await local.stop(grace=0.5)
+    assert ids == local_ids
+    base_ids, _, _ = await generate(stub)
+    assert ids != base_ids
+    assert engine.core.link.num_fetches == 1
+    await asyncio.gather(*(generate(stub, "bot") for _ in range(5)))
+    assert engine.core.link.num_fetches == 1  # cached on the host
+
+
+async def test_many_requests_for_one_uncached_adapter_fetch_once(stack, make_adapter):
+    registry, engine, stub = stack
+    await registry.register("popular", make_adapter("link-pop", r=4, lora_alpha=8, seed=52))
+    results = await asyncio.gather(*(generate(stub, "popular") for _ in range(8)))
+    assert len({tuple(ids) for ids, _, _ in results}) == 1
+    assert engine.core.link.num_fetches == 1
+
+
+async def test_new_version_is_used_and_never_the_old_kv_or_slot(stack, make_adapter):
+    registry, engine, stub = stack
+    v1 = await registry.register("bot", make_adapter("link-v1", r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"], seed=53))
+    ids1, _, done1 = await generate(stub, "bot")
+    v2 = await registry.register("bot", make_adapter("link-v2", r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"], seed=54))
+    assert v2.version == 2 and v2.digest != v1.digest
+    await wait_for(lambda: _resolves_to(engine, "bot", 2))
+    ids2, _, done2 = await generate(stub, "bot")
+    assert (done1.adapter, done2.adapter) == ("bot@1", "bot@2")
+    assert done2.usage.cached_prompt_tokens == 0  # v1's prefix cache is not v2's
+    assert ids2 != ids1
+    old_ids, _, old = await generate(stub, "bot@1")
+    assert old.adapter == "bot@1" and old_ids == ids1
+
+
+async def _resolves_to(engine, name: str, version: int) -> bool:
+    return (await engine.core.link.resolve(name)).version == version
+
+
+async def test_delete_refuses_new_requests_and_frees_the_adapter(stack, make_adapter):
+    registry, engine, stub = stack
+    gone = await registry.register("gone", make_adapter("link-gone", r=4, lora_alpha=8, seed=55))
+    running = asyncio.create_task(collect(stub, generate_request(PROMPT, adapter="gone", max_new_tokens=120, ignore_eos=True)))
+    await wait_for(lambda: _has_running(engine))
+    await registry.stub.DeleteAdapter(rpb.DeleteAdapterRequest(name="gone"))
+    ids, _, done = await running  # the running stream finishes
+    assert done.usage.completion_tokens == 120
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(stub, "gone")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    await wait_for(lambda: _gone(stub))  # freed once its running request ended
+    assert engine.core.lora.slots.slot_of(gone.digest) is None and gone.digest not in engine.core.lora.host_cache
+
+
+async def _has_running(engine) -> bool:
+    return bool(engine.core.loop.scheduler.running)
+
+
+async def _gone(stub) -> bool:
+    listed = await stub.ListAdapters(epb.ListLoadedRequest())
+    return all(a.adapter != "gone@1" for a in listed.adapters)
+
+
+async def test_pin_and_unpin_in_the_registry_reach_the_engine(stack, make_adapter):
+    registry, engine, stub = stack
+    await registry.register("vip", make_adapter("link-vip", r=4, lora_alpha=8, seed=56))
+    await registry.stub.SetPinned(rpb.SetPinnedRequest(name="vip", pinned=True))
+    await wait_for(lambda: _pinned(stub, "vip@1", True))
+    await registry.stub.SetPinned(rpb.SetPinnedRequest(name="vip", pinned=False))
+    await wait_for(lambda: _pinned(stub, "vip@1", False))
+
+
+async def _pinned(stub, ref: str, pinned: bool) -> bool:
+    listed = await stub.ListAdapters(epb.ListLoadedRequest())
+    return any(a.adapter == ref and a.pinned == pinned and (a.on_gpu or not pinned) for a in listed.adapters)
+
+
+async def test_load_and_unload_rpcs(stack, make_adapter):
+    registry, engine, stub = stack
+    await registry.register("warm", make_adapter("link-warm", r=4, lora_alpha=8, seed=57))
+    state = await stub.LoadAdapter(epb.LoadAdapterRequest(adapter="warm", pin=True))
+    assert (state.adapter, state.in_host_cache, state.on_gpu, state.pinned) == ("warm@1", True, True, True)
+    state = await stub.UnloadAdapter(epb.UnloadAdapterRequest(adapter="warm"))
+    assert (state.on_gpu, state.in_host_cache, state.pinned) == (False, False, False)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.LoadAdapter(epb.LoadAdapterRequest(adapter="missing"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_digest_mismatch_is_refused_and_retried(stack, make_adapter):
+    registry, engine, stub = stack
+    await registry.register("tamper", make_adapter("link-tamper", r=4, lora_alpha=8, seed=58))
+    link = engine.core.link
+    real_fetch = link._fetch_once
+    corrupt = {"left": 1}
+
+    async def flaky(record):
+        data = await real_fetch(record)
+        if corrupt["left"]:
+            corrupt["left"] -= 1
+            return data[:-1] + bytes([data[-1] ^ 1])
+        return data
+
+    link._fetch_once = flaky
+    _, _, done = await generate(stub, "tamper")
+    assert done.adapter == "tamper@1" and link.num_digest_mismatches == 1
+    corrupt["left"] = 10
+    await registry.register("tamper2", make_adapter("link-tamper2", r=4, lora_alpha=8, seed=59))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(stub, "tamper2")
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "digest" in info.value.details()
