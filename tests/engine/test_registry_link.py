@@ -104,7 +104,7 @@ async def test_delete_refuses_new_requests_and_frees_the_adapter(stack, make_ada
     running = asyncio.create_task(collect(stub, generate_request(PROMPT, adapter="gone", max_new_tokens=120, ignore_eos=True)))
     await wait_for(lambda: _has_running(engine))
     await registry.stub.DeleteAdapter(rpb.DeleteAdapterRequest(name="gone"))
-    ids, _, done = await running  # the running stream finishes
+    _ids, _, done = await running  # the running stream finishes
     assert done.usage.completion_tokens == 120
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await generate(stub, "gone")
@@ -123,7 +123,7 @@ async def _gone(stub) -> bool:
 
 
 async def test_pin_and_unpin_in_the_registry_reach_the_engine(stack, make_adapter):
-    registry, engine, stub = stack
+    registry, _engine, stub = stack
     await registry.register("vip", make_adapter("link-vip", r=4, lora_alpha=8, seed=56))
     await registry.stub.SetPinned(rpb.SetPinnedRequest(name="vip", pinned=True))
     await wait_for(lambda: _pinned(stub, "vip@1", True))
@@ -137,7 +137,7 @@ async def _pinned(stub, ref: str, pinned: bool) -> bool:
 
 
 async def test_load_and_unload_rpcs(stack, make_adapter):
-    registry, engine, stub = stack
+    registry, _engine, stub = stack
     await registry.register("warm", make_adapter("link-warm", r=4, lora_alpha=8, seed=57))
     state = await stub.LoadAdapter(epb.LoadAdapterRequest(adapter="warm", pin=True))
     assert (state.adapter, state.in_host_cache, state.on_gpu, state.pinned) == ("warm@1", True, True, True)
