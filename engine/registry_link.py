@@ -44,7 +44,13 @@ class RegistryLink:
         self.base_model = base_model
         self.config_json = config_json
         self.on_event = on_event
-        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 8 << 20)])
+        options = [
+            ("grpc.max_receive_message_length", 8 << 20),
+            # come back quickly after a registry restart (gRPC's default backoff grows to 120 s)
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        self.channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = pb_grpc.RegistryStub(self.channel)
         self._resolved: dict[tuple[str, int], AdapterRecord] = {}
         self._fetches: dict[str, asyncio.Task[bytes]] = {}
@@ -148,7 +154,7 @@ class RegistryLink:
             self._resolved.clear()  # events before this stream began are unknown: forget every answer
         request = pb.WatchAdaptersRequest(base_model=self.base_model, after_event_id=self.last_event_id)
         stream = self.stub.WatchAdapters(request)
-        await stream.wait_for_connection()
+        await stream.initial_metadata()  # the registry sends headers once the watch is in place
         self.is_connected = True
         async for event in stream:
             self.last_event_id = event.event_id

@@ -8,6 +8,7 @@ Counters are exposed with the `_total` suffix prometheus_client adds (`requests`
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -183,6 +184,15 @@ class RegistryMetrics:
         self.rpcs.labels(method, code).inc()
 
 
+def _registry_of(metrics: EngineMetrics | RegistryMetrics | Sequence) -> CollectorRegistry:
+    if isinstance(metrics, EngineMetrics | RegistryMetrics):
+        return metrics.registry
+    combined = CollectorRegistry()  # collects from each registry; family names differ by prefix
+    for one in metrics:
+        combined.register(one.registry)
+    return combined
+
+
 class MetricsServer:
     """The HTTP endpoint (GET /metrics) of one metrics object, served from a daemon thread."""
 
@@ -202,10 +212,12 @@ class MetricsServer:
 
 
 def start_metrics_server(
-    metrics: EngineMetrics | RegistryMetrics, host: str, port: int
+    metrics: EngineMetrics | RegistryMetrics | Sequence[EngineMetrics | RegistryMetrics], host: str, port: int
 ) -> tuple[MetricsServer, int]:
-    """Serve `metrics.registry` on host:port (0 = pick a free port) and print the ready line."""
-    httpd, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    """Serve the metrics on host:port (0 = pick a free port) and print the ready line.
+
+    A sequence serves several services' metrics on one port (`loramux up --metrics-port`)."""
+    httpd, thread = start_http_server(port, addr=host, registry=_registry_of(metrics))
     server = MetricsServer(httpd, thread)
     announce("metrics", host, server.port)
     return server, server.port

@@ -60,7 +60,7 @@ async def _abort(exc: Exception, name: str, context: grpc.aio.ServicerContext) -
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
     if isinstance(exc, RegistryError):
-        await context.abort(_status_of(exc, context), str(exc))
+        await context.abort(_status_of(exc, context), str(exc))  # raises AbortError
     log.error("%s failed", name, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error (see the registry log)")
 
@@ -199,6 +199,8 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     ) -> AsyncIterator[pb.AdapterEvent]:
         with self.metrics.watchers.track_inprogress():
             after = request.after_event_id or await asyncio.to_thread(self.catalog.last_event_id)
+            # Headers now: the client knows the watch is in place before the first event arrives.
+            await context.send_initial_metadata(())
             while True:
                 woken = self.hub.current
                 events = await asyncio.to_thread(self.catalog.events_after, after, request.base_model)

@@ -176,6 +176,19 @@ def test_endpoint_serves_the_text_format_on_a_free_loopback_port(capsys):
         http_get(f"http://127.0.0.1:{port}/metrics")
 
 
+def test_endpoint_serves_several_services_on_one_port(capsys):
+    engine, registry = EngineMetrics(), RegistryMetrics()
+    engine.adapter_loads.inc()
+    registry.watchers.set(2)
+    server, port = start_metrics_server([engine, registry], "127.0.0.1", 0)
+    try:
+        _, text = http_get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        server.shutdown()
+    assert "loramux_engine_adapter_loads_total 1.0" in text
+    assert "loramux_registry_watchers 2.0" in text
+
+
 async def test_serve_starts_the_metrics_endpoint_when_given_a_port(tmp_path, capsys):
     stop = asyncio.Event()
     task = asyncio.create_task(serve(RegistryConfig(data_dir=tmp_path / "data", port=0), stop, metrics_port=0))

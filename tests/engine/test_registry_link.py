@@ -170,3 +170,40 @@ async def test_digest_mismatch_is_refused_and_retried(stack, make_adapter):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await generate(stub, "tamper2")
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "digest" in info.value.details()
+
+
+async def test_registry_down_then_back(tmp_path, tiny_llama_dir, make_adapter):
+    data = tmp_path / "registry"
+    async with running_registry(data) as registry:
+        port = registry.server.port
+        config = EngineConfig(model_dir=str(tiny_llama_dir), port=0, registry=f"127.0.0.1:{port}", base_model_name="tiny")
+        engine = await start_engine(config)
+        await registry.register("cached", make_adapter("link-cached", r=4, lora_alpha=8, seed=60))
+        await registry.register("uncached", make_adapter("link-uncached", r=4, lora_alpha=8, seed=61))
+    channel = grpc.aio.insecure_channel(engine.address)
+    stub = epb_grpc.EngineStub(channel)
+    try:
+        # registry gone: the engine never saw "cached", so it cannot resolve either name now
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(stub, "uncached")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "registry" in info.value.details()
+        async with running_registry(data, port=port) as registry:  # the same registry comes back
+            await wait_for(lambda: _connected(engine), timeout=15)
+            ids, _, done = await generate(stub, "cached")
+            assert done.adapter == "cached@1"
+            await registry.register("after", make_adapter("link-after", r=4, lora_alpha=8, seed=62))
+            _, _, after = await generate(stub, "after")
+            assert after.adapter == "after@1"
+        # down again: the adapter the engine has resolved and cached keeps working
+        again, _, still = await generate(stub, "cached")
+        assert again == ids and still.adapter == "cached@1"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(stub, "uncached")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await channel.close()
+        await engine.stop(grace=0.5)
+
+
+async def _connected(engine) -> bool:
+    return engine.core.link.is_connected

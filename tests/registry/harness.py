@@ -81,9 +81,8 @@ async def _aiter(items):
 async def running_registry(
     data_dir: Path, database_url: str = "", object_store: str = "", **config
 ) -> AsyncIterator[Harness]:
-    cfg = RegistryConfig(
-        data_dir=data_dir, port=0, database_url=database_url, object_store=object_store, **config
-    )
+    config.setdefault("port", 0)
+    cfg = RegistryConfig(data_dir=data_dir, database_url=database_url, object_store=object_store, **config)
     server = RegistryServer(cfg)
     await server.start()
     channel = grpc.aio.insecure_channel(server.address)
