@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
 from engine.weights import load_model
+from loramux.metrics import EngineMetrics
 from registry.errors import FailedPrecondition, NotFound
 from registry.model_shapes import ModelShape
 from registry.peft_compile import read_canonical
@@ -58,6 +60,7 @@ class EngineCore:
     shape: ModelShape
     link: RegistryLink | None = None  # set by the server once it has an event loop
     refs: dict[str, str] = field(default_factory=dict)  # digest -> "name@version" of adapters seen
+    metrics: EngineMetrics | None = None
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineCore:
@@ -133,7 +136,11 @@ class EngineCore:
             if record.path is not None:
                 packed = await asyncio.to_thread(self.lora.fetch, record.digest)
             else:
+                started = time.monotonic()
                 data = await self.link.fetch(record)
+                if self.metrics is not None:
+                    self.metrics.adapter_fetch_bytes.inc(len(data))
+                    self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
                 packed = await asyncio.to_thread(self._pack, record.digest, data)
             self.lora.host_cache.put(packed)
         return packed

@@ -34,6 +34,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._num_active = 0  # submitted and not yet finished (read by other threads for admission)
         self.num_steps = 0
+        self.after_step: Callable[[], None] | None = None  # e.g. a metrics sampler, run on this thread
 
     @property
     def num_active(self) -> int:
@@ -83,10 +84,12 @@ class EngineLoop:
             while not self._inbox.empty():
                 self.scheduler.add(self._inbox.get())
             entries = self.scheduler.schedule()
+            if entries:
+                self._step(entries)
+            if self.after_step is not None:
+                self.after_step()
             if not entries:
                 self._wake.wait(IDLE_WAIT_S)
-                continue
-            self._step(entries)
         self._fail_all("UNAVAILABLE", "the engine is shutting down")
         self._run_calls()
 

@@ -14,7 +14,9 @@ from engine.registry_link import RegistryLink
 from engine.request import TokenDelta
 from engine.sampling import SamplingParams
 from engine.servicer import EngineServicer
+from engine.telemetry import StepSampler
 from loramux.grpc_server import ServiceHost, announce
+from loramux.metrics import EngineMetrics, start_metrics_server
 from loramux.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,9 @@ class EngineServer:
         self.config = config
         self.core = core
         self.admin = AdapterAdmin(core)
+        self.metrics = EngineMetrics(base_model_name=core.base_model_name)
+        core.metrics = self.metrics
+        core.loop.after_step = StepSampler(self.metrics, core.loop.scheduler, core.lora)
         # Prompts over max_prompt_bytes get a clear INVALID_ARGUMENT rather than gRPC's size error.
         self.host = ServiceHost([SERVICE_NAME], max_receive_bytes=max(16 << 20, 2 * config.max_prompt_bytes))
         engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, self.admin), self.host.server)
@@ -80,9 +85,15 @@ async def start_engine(config: EngineConfig) -> EngineServer:
     return server
 
 
-async def serve(config: EngineConfig, stop: asyncio.Event) -> None:
+async def serve(config: EngineConfig, stop: asyncio.Event, metrics_port: int | None = None) -> None:
+    """Run until `stop` is set; serve /metrics on config.host:metrics_port when given."""
     server = await start_engine(config)
+    metrics_server = None
+    if metrics_port is not None:
+        metrics_server, _ = start_metrics_server(server.metrics, config.host, metrics_port)
     announce("engine", config.host, server.port)
     await stop.wait()
     log.info("engine shutting down")
     await server.stop()
+    if metrics_server is not None:
+        await asyncio.to_thread(metrics_server.shutdown)

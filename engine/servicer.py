@@ -109,21 +109,39 @@ class EngineServicer(pb_grpc.EngineServicer):
         if self.core.loop.num_active >= self.core.config.max_queued_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the engine queue is full ({self.core.config.max_queued_requests} requests)")
         self.core.loop.submit(req)
-        is_done = False
+        outcome, first_token_at, num_tokens = "CANCELLED", None, 0
         try:
             while True:
                 event = await events.get()
                 if isinstance(event, TokenDelta):
+                    first_token_at = first_token_at or time.monotonic()
+                    num_tokens += len(event.token_ids)
                     yield pb.GenerateResponse(chunk=pb.GenerateChunk(token_ids=event.token_ids, text=event.text))
                     continue
-                is_done = True
                 if isinstance(event, Finished):
+                    outcome = event.reason.value.lower()
                     yield _complete(event, req.adapter_ref)
                     return
+                outcome = event.code
                 await context.abort(getattr(grpc.StatusCode, event.code), event.message)
         finally:
-            if not is_done:  # the client went away or the deadline passed: free the KV now
+            if outcome == "CANCELLED":  # the client went away or the deadline passed: free the KV now
                 self.core.loop.cancel(req)
+            self._record(req, outcome, first_token_at, num_tokens)
+
+    def _record(self, req: Request, outcome: str, first_token_at: float | None, num_tokens: int) -> None:
+        if self.core.metrics is None:
+            return
+        now = time.monotonic()
+        self.core.metrics.record_finished(
+            req.adapter_ref,
+            outcome,
+            num_prompt_tokens=len(req.prompt_ids),
+            num_cached_tokens=max(req.first_cached_len, 0),
+            num_generated_tokens=num_tokens,
+            latency_s=now - req.arrival,
+            first_token_s=None if first_token_at is None else first_token_at - req.arrival,
+        )
 
     async def _new_request(self, request: pb.GenerateRequest, context, events: asyncio.Queue[Event]) -> Request:
         adapter = await self.core.resolve(request.adapter)  # an unknown adapter never means the base model

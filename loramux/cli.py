@@ -33,6 +33,14 @@ def _registry_server_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> Non
     p.add_argument("--object-store", default=env("--object-store", ""), help="a dir, file:///dir or s3://bucket?endpoint_url=...")
 
 
+def _metrics_flag(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
+    default = env("--metrics-port", None)
+    p.add_argument(
+        "--metrics-port", type=int, default=None if default is None else int(default),
+        help="serve Prometheus metrics at http://HOST:N/metrics (0 = pick a free port; default: off)",
+    )
+
+
 def _registry_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument("--registry", default=env("--registry", f"127.0.0.1:{DEFAULT_REGISTRY_PORT}"), help="HOST:PORT")
 
@@ -47,6 +55,7 @@ def _add_registry_commands(sub, env: _EnvDefaults) -> None:
     serve.add_argument("--max-upload-bytes", type=int, default=int(env("--max-upload-bytes", DEFAULT_MAX_UPLOAD_BYTES)))
     serve.add_argument("--import-allow-dir", action="append", default=[], help="local dir source_uri may read (repeatable)")
     serve.add_argument("--import-s3-endpoint-url", default=env("--import-s3-endpoint-url", ""))
+    _metrics_flag(serve, env)
     serve.set_defaults(func=commands.registry_serve)
     gc = registry.add_parser("gc", help="remove blobs that no adapter refers to")
     _registry_server_flags(gc, env)
@@ -105,6 +114,7 @@ def _add_engine_commands(sub, env: _EnvDefaults) -> None:
     serve.add_argument("--port", type=int, default=int(env("--port", DEFAULT_ENGINE_PORT)))
     serve.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="serve a PEFT adapter dir (repeatable)")
     serve.add_argument("--registry", default=env("--registry", ""), help="HOST:PORT of the registry (adapters by name)")
+    _metrics_flag(serve, env)
     serve.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(serve, env)
     serve.set_defaults(func=commands.engine_serve)
@@ -150,6 +160,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=env("--data-dir", DEFAULT_DATA_DIR))
     up.add_argument("--registry-port", type=int, default=int(env("--registry-port", DEFAULT_REGISTRY_PORT)))
     up.add_argument("--engine-port", type=int, default=int(env("--engine-port", DEFAULT_ENGINE_PORT)))
+    _metrics_flag(up, env)
     up.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(up, env)
     up.set_defaults(func=commands.up)

@@ -47,7 +47,7 @@ def registry_serve(args) -> int:
     _setup_logging()
 
     async def main() -> None:
-        await serve(_registry_config(args), stop_event_on_signals())
+        await serve(_registry_config(args), stop_event_on_signals(), metrics_port=args.metrics_port)
 
     asyncio.run(main())
     return 0
@@ -96,7 +96,7 @@ def engine_serve(args) -> int:
     _setup_logging()
 
     async def main() -> None:
-        await serve(engine_config(args, args.model, args.port), stop_event_on_signals())
+        await serve(engine_config(args, args.model, args.port), stop_event_on_signals(), metrics_port=args.metrics_port)
 
     asyncio.run(main())
     return 0

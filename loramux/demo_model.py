@@ -328,3 +328,35 @@ def _write_tokenizer(out_dir: Path, tokenizer: Tokenizer, model_max_length: int)
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_demo_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: int = 8, seed: int = 1) -> Path:
+    """A PEFT LoRA adapter of the model in model_dir, written without peft: adapter_config.json and
+    adapter_model.safetensors with PEFT's tensor names, random A and a non-zero B on q_proj and v_proj
+    of every layer, scaled to change the demo model's greedy tokens visibly."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    outs = {"q_proj": heads * head_dim, "v_proj": config.get("num_key_value_heads", heads) * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out_dim in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) / hidden**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * 0.5 / rank**0.5
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": sorted(outs),
+        "lora_dropout": 0.0,
+        "bias": "none",
+    }
+    _write_json(out_dir / "adapter_config.json", adapter_config)
+    return out_dir

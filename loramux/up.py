@@ -14,20 +14,24 @@ from pathlib import Path
 from engine.server import start_engine
 from loramux.commands import engine_config
 from loramux.grpc_server import announce, stop_event_on_signals
+from loramux.metrics import start_metrics_server
 from registry.config import RegistryConfig
 from registry.server import RegistryServer, build_service
 
 log = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "loramux-demo"
+DEMO_ADAPTER_DIR = "demo-adapter"
 
 
 def ensure_demo_model(data_dir: Path) -> Path:
-    """Write the demo checkpoint once under data_dir/models and return its directory."""
-    from loramux.demo_model import write_llama_checkpoint
+    """Write the demo checkpoint and a demo PEFT adapter of it once under data_dir; returns the model dir."""
+    from loramux.demo_model import write_demo_adapter, write_llama_checkpoint
 
     model_dir = data_dir / "models" / DEMO_MODEL_NAME
     if not (model_dir / "config.json").is_file():
         write_llama_checkpoint(model_dir)
+    if not (data_dir / DEMO_ADAPTER_DIR / "adapter_config.json").is_file():
+        write_demo_adapter(data_dir / DEMO_ADAPTER_DIR, model_dir)
     return model_dir
 
 
@@ -43,10 +47,20 @@ async def run_up(args) -> None:
     await registry.start()
     announce("registry", config.host, registry.port)
     engine = await start_engine(engine_config(args, str(model_dir), args.engine_port, registry=registry.address))
+    metrics_server = None
+    if args.metrics_port is not None:
+        metrics_server, _ = start_metrics_server([registry.metrics, engine.metrics], config.host, args.metrics_port)
     announce("engine", engine.config.host, engine.port)
     print(f"base model {base_name} from {model_dir}", flush=True)
-    print(f"try: loramux generate --engine {engine.address} 'Once upon a time'", flush=True)
+    if not args.model:
+        adapter_dir = data_dir / DEMO_ADAPTER_DIR
+        print(f"try: loramux adapters register {adapter_dir} --name demo --registry {registry.address}", flush=True)
+        print(f"     loramux generate --engine {engine.address} --adapter demo 'Once upon a time'", flush=True)
+    else:
+        print(f"try: loramux generate --engine {engine.address} 'Once upon a time'", flush=True)
     await stop.wait()
     log.info("shutting down")
     await engine.stop()
     await registry.stop()
+    if metrics_server is not None:
+        await asyncio.to_thread(metrics_server.shutdown)

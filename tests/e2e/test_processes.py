@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -97,19 +98,30 @@ def test_registry_process_on_postgres_and_s3(tmp_path, tiny_llama_dir, make_adap
             assert server.interrupt() == 0
 
 
-def test_loramux_up_serves_the_demo_model(tmp_path, make_adapter):
-    args = ["up", "--data-dir", str(tmp_path), "--registry-port", "0", "--engine-port", "0"]
-    up = Service(args, "registry", also=("engine",))
+def test_loramux_up_serves_the_demo_model_and_adapter(tmp_path):
+    """The README's first command: up, a generation, the demo adapter registered, a generation with it."""
+    args = ["up", "--data-dir", str(tmp_path), "--registry-port", "0", "--engine-port", "0", "--metrics-port", "0"]
+    up = Service(args, "registry", also=("engine", "metrics"))
     try:
-        reg = ("--registry", up.address)
+        reg, eng = ("--registry", up.address), ("--engine", up.addresses["engine"])
         assert run_cli("base-models", "list", *reg).stdout.split() == ["loramux-demo"]
-        adapter_dir = make_adapter("up-qv", r=8, lora_alpha=16)
-        out = run_cli("adapters", "register", str(adapter_dir), "--name", "demo-adapter", *reg).stdout
-        assert out.startswith("registered demo-adapter@1")
-        generated = run_cli("generate", "--engine", up.addresses["engine"], "--max-new-tokens", "8", "Once upon a time")
-        assert generated.stdout.strip() and "8 tokens]" in generated.stderr
+        base = run_cli("generate", *eng, "--wait", "60", "--max-new-tokens", "8", "Once upon a time")
+        assert base.stdout.strip() and "8 tokens]" in base.stderr
+        out = run_cli("adapters", "register", str(tmp_path / "demo-adapter"), "--name", "demo", *reg).stdout
+        assert out.startswith("registered demo@1")
+        tuned = run_cli("generate", *eng, "--adapter", "demo", "--max-new-tokens", "8", "Once upon a time")
+        assert "8 tokens]" in tuned.stderr and tuned.stdout != base.stdout
+        metrics = urllib.request.urlopen(f"http://{up.addresses['metrics']}/metrics", timeout=10).read().decode()
+        assert 'loramux_engine_requests_total{adapter="demo",outcome="length"} 1.0' in metrics
+        assert "loramux_registry_adapters_registered_total 1.0" in metrics
     finally:
         assert up.interrupt() == 0
+    again = Service(args, "registry", also=("engine", "metrics"))  # the next start finds the adapter again
+    try:
+        listed = run_cli("adapters", "list", "--registry", again.address).stdout
+        assert "demo@1" in listed
+    finally:
+        assert again.interrupt() == 0
 
 
 def test_engine_process_with_cli_and_grpcurl(tiny_llama_dir, make_adapter):
