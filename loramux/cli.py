@@ -132,6 +132,10 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument("--attention-backend", default=env("--attention-backend", ""), help="ref or sdpa (default: sdpa on cuda)")
     p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")
     p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))
+    p.add_argument(
+        "--lora-drain-wait-s", type=float, default=float(env("--lora-drain-wait-s", 0.0)),
+        help="drain a running adapter when another adapter's requests waited this long for a slot (0 = off)",
+    )
     p.add_argument("--lora-eviction-policy", default=env("--lora-eviction-policy", "lru"), choices=("lru", "fifo"))
     p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton or chunked (default: triton on cuda)")
 
