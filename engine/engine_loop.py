@@ -83,11 +83,16 @@ class EngineLoop:
             self._run_calls()
             while not self._inbox.empty():
                 self.scheduler.add(self._inbox.get())
-            entries = self.scheduler.schedule()
-            if entries:
-                self._step(entries)
-            if self.after_step is not None:
-                self.after_step()
+            try:
+                entries = self.scheduler.schedule()
+                if entries:
+                    self._step(entries)
+                if self.after_step is not None:
+                    self.after_step()
+            except Exception:  # a bug must not leave every stream hanging: fail them, keep serving
+                log.exception("engine step failed outside the forward")
+                self._fail_all("INTERNAL", "the engine failed this request (see the engine log)", keep_kv=False)
+                entries = []
             if not entries:
                 self._wake.wait(IDLE_WAIT_S)
         self._fail_all("UNAVAILABLE", "the engine is shutting down")
@@ -107,7 +112,8 @@ class EngineLoop:
             tokens = self.runner.run(entries)
         except Exception:
             log.exception("forward step failed")
-            for entry in entries:
+            for entry in entries:  # this step's KV was never (fully) written: it must not be cached
+                self.scheduler.kv.truncate(entry.req, entry.start)
                 self.scheduler.finish(entry.req, Failed("INTERNAL", "the forward step failed (see the engine log)"))
             return
         self.num_steps += 1
@@ -137,8 +143,11 @@ class EngineLoop:
             return FinishReason.LENGTH
         return None
 
-    def _fail_all(self, code: str, message: str) -> None:
+    def _fail_all(self, code: str, message: str, keep_kv: bool = True) -> None:
+        """Fail every live request; keep_kv=False caches none of their KV (its state is unknown)."""
         while not self._inbox.empty():
             self.scheduler.add(self._inbox.get())
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            if not keep_kv:
+                self.scheduler.kv.truncate(req, req.cached_len)
             self.scheduler.finish(req, Failed(code, message))

@@ -68,5 +68,15 @@ class RequestKV:
         self.req_pool.free(req.req_row)
         req.prefix_node, req.req_row, req.kv_slots, req.owned_pages, req.cached_len = None, -1, [], [], 0
 
-    def evictable_tokens(self) -> int:
-        return self.radix.evictable_size()
+    def truncate(self, req: Request, length: int) -> None:
+        """Forget req's KV past `length` tokens (e.g. a step that failed never computed it): the
+        pages wholly past it go back to the allocator; the page holding token length-1 stays."""
+        if length >= req.kv_len:
+            return
+        if length < req.cached_len:
+            raise ValueError(f"cannot truncate below the cached prefix ({req.cached_len} tokens)")
+        first_dropped_page = -(-length // self.page_size)  # pages [0, this) hold tokens [0, length)
+        dropped = sorted({slot // self.page_size for slot in req.kv_slots[first_dropped_page * self.page_size :]})
+        self.allocator.free(dropped)
+        req.owned_pages = [page for page in req.owned_pages if page not in set(dropped)]
+        req.kv_slots = req.kv_slots[:length]

@@ -131,7 +131,13 @@ class Scheduler:
             self.kv.release(req)
             return None
         if req.namespace and self.lora is not None:
-            req.lora_slot = self.lora.acquire(req.namespace, req.packed_adapter)
+            try:
+                req.lora_slot = self.lora.acquire(req.namespace, req.packed_adapter)
+            except Exception:
+                self.kv.truncate(req, req.cached_len)  # nothing of this step was computed
+                self.kv.release(req)
+                self.waiting.appendleft(req)  # so the loop's failure path reaches it
+                raise
         return BatchEntry.grown(req, extend_len)
 
     def _release(self, req: Request) -> None:

@@ -72,8 +72,10 @@ class EngineServer:
         await self.host.set_serving(True)
 
     async def stop(self, grace: float | None = None) -> None:
-        await (self.host.stop() if grace is None else self.host.stop(grace))
+        """Stop generating first, so every in-flight stream ends at once with UNAVAILABLE, then the host."""
+        await self.host.set_serving(False)
         await asyncio.to_thread(self.core.loop.stop)
+        await (self.host.stop() if grace is None else self.host.stop(grace))
         if self.core.link is not None:
             await self.core.link.close()
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 
+from loramux.engine_client import EngineClient, generate_request
 from loramux.registry_client import RegistryClient
 from loramux.testing.procs import Service, run_cli
 from tests.registry.backends import fresh_postgres_database
@@ -114,6 +117,14 @@ def test_loramux_up_serves_the_demo_model_and_adapter(tmp_path):
         metrics = urllib.request.urlopen(f"http://{up.addresses['metrics']}/metrics", timeout=10).read().decode()
         assert 'loramux_engine_requests_total{adapter="demo",outcome="length"} 1.0' in metrics
         assert "loramux_registry_adapters_registered_total 1.0" in metrics
+        # Ctrl-C with a stream in flight: the stream ends with an error status, the process exits 0
+        with EngineClient(up.addresses["engine"]) as client:
+            stream = client.stream(generate_request("long", max_new_tokens=480, ignore_eos=True))
+            next(stream)
+            up.proc.send_signal(signal.SIGINT)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stream)
+            assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     finally:
         assert up.interrupt() == 0
     again = Service(args, "registry", also=("engine", "metrics"))  # the next start finds the adapter again

@@ -37,8 +37,9 @@ async def stack(tmp_path, tiny_llama_dir):
             await engine.stop(grace=0.5)
 
 
-async def generate(stub, adapter: str = "", **kwargs):
-    return await collect(stub, generate_request(PROMPT, adapter=adapter, max_new_tokens=8, ignore_eos=True, **kwargs))
+async def generate(stub, adapter: str = "", max_new_tokens: int = 8, **kwargs):
+    request = generate_request(PROMPT, adapter=adapter, max_new_tokens=max_new_tokens, ignore_eos=True, **kwargs)
+    return await collect(stub, request)
 
 
 async def wait_for(predicate, timeout: float = 10.0):
@@ -207,3 +208,22 @@ async def test_registry_down_then_back(tmp_path, tiny_llama_dir, make_adapter):
 
 async def _connected(engine) -> bool:
     return engine.core.link.is_connected
+
+
+async def test_a_slow_fetch_does_not_stall_other_streams(stack, make_adapter):
+    registry, engine, stub = stack
+    await registry.register("slow", make_adapter("link-slow", r=4, lora_alpha=8, seed=63))
+    link, release = engine.core.link, asyncio.Event()
+    real_fetch = link._fetch_once
+
+    async def stalled(record):
+        await release.wait()
+        return await real_fetch(record)
+
+    link._fetch_once = stalled
+    waiting = asyncio.create_task(generate(stub, "slow"))
+    _ids, _, done = await generate(stub, max_new_tokens=24)  # the base model streams meanwhile
+    assert done.usage.completion_tokens == 24 and not waiting.done()
+    release.set()
+    _, _, slow = await waiting
+    assert slow.adapter == "slow@1"
