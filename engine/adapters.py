@@ -25,6 +25,7 @@ class AdapterRecord:
     digest: str
     path: Path | None  # the canonical artifact on local disk; None when it comes from the registry
     rank: int
+    pinned: bool = False  # as the registry last said
 
     @property
     def ref(self) -> str:

@@ -61,6 +61,7 @@ class EngineCore:
     link: RegistryLink | None = None  # set by the server once it has an event loop
     refs: dict[str, str] = field(default_factory=dict)  # digest -> "name@version" of adapters seen
     metrics: EngineMetrics | None = None
+    _loading: dict[str, asyncio.Task] = field(default_factory=dict)  # digest -> load in progress
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineCore:
@@ -130,19 +131,29 @@ class EngineCore:
         return record
 
     async def prepare(self, record: AdapterRecord) -> PackedAdapter:
-        """The adapter's packed host copy: from the host cache, its local file, or a registry fetch."""
+        """The adapter's packed host copy: from the host cache, its local file, or a registry fetch.
+        Concurrent callers for one digest share one load (fetch, check, pack, cache)."""
         packed = self.lora.host_cache.get(record.digest)
-        if packed is None:
-            if record.path is not None:
-                packed = await asyncio.to_thread(self.lora.fetch, record.digest)
-            else:
-                started = time.monotonic()
-                data = await self.link.fetch(record)
-                if self.metrics is not None:
-                    self.metrics.adapter_fetch_bytes.inc(len(data))
-                    self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
-                packed = await asyncio.to_thread(self._pack, record.digest, data)
-            self.lora.host_cache.put(packed)
+        if packed is not None:
+            return packed
+        task = self._loading.get(record.digest)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._load(record))
+            self._loading[record.digest] = task
+            task.add_done_callback(lambda _: self._loading.pop(record.digest, None))
+        return await asyncio.shield(task)
+
+    async def _load(self, record: AdapterRecord) -> PackedAdapter:
+        if record.path is not None:
+            packed = await asyncio.to_thread(self.lora.fetch, record.digest)
+        else:
+            started = time.monotonic()
+            data = await self.link.fetch(record)
+            if self.metrics is not None:
+                self.metrics.adapter_fetch_bytes.inc(len(data))
+                self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
+            packed = await asyncio.to_thread(self._pack, record.digest, data)
+        self.lora.host_cache.put(packed)
         return packed
 
     def _pack(self, digest: str, artifact: bytes) -> PackedAdapter:
@@ -152,25 +163,24 @@ class EngineCore:
         pool = self.lora.pool
         return pack_adapter(digest, adapter, pool.targets, pool.a["qkv"].dtype, pool.device.type == "cuda")
 
-    def on_registry_event(self, kind: str, record: AdapterRecord) -> None:
-        """WatchAdapters events (on the server's event loop): deletions, pins and unpins."""
+    async def on_registry_event(self, kind: str, record: AdapterRecord) -> None:
+        """WatchAdapters events, in order: deletions, pins and unpins (RegistryLink filters deletes of
+        content that another name or version still uses)."""
         if self.lora is None:
             return
         lora = self.lora
         self.refs.setdefault(record.digest, record.ref)
         if kind == "DELETED":
-            self.loop.call(lambda: lora.retire(record.digest))
+            await asyncio.wrap_future(self.loop.call(lambda: lora.retire(record.digest)))
         elif kind == "UNPINNED":
-            self.loop.call(lambda: lora.unpin(record.digest))
+            await asyncio.wrap_future(self.loop.call(lambda: lora.unpin(record.digest)))
         elif kind == "PINNED":
-            asyncio.get_running_loop().create_task(self._pin(record))
+            packed = await self.prepare(record)
+            try:
+                await asyncio.wrap_future(self.loop.call(lambda: lora.pin(record.digest, packed)))
+            except SlotsExhausted as exc:
+                log.warning("cannot pin %s: %s", record.ref, exc)
 
-    async def _pin(self, record: AdapterRecord) -> None:
-        packed = await self.prepare(record)
-        try:
-            await asyncio.wrap_future(self.loop.call(lambda: self.lora.pin(record.digest, packed)))
-        except SlotsExhausted as exc:
-            log.warning("cannot pin %s: %s", record.ref, exc)
 
     def new_request(
         self,

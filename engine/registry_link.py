@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -27,7 +27,8 @@ RPC_TIMEOUT_S = 10.0
 FETCH_TIMEOUT_S = 300.0
 RECONNECT_S = (0.2, 5.0)  # first and longest pause between reconnection attempts
 
-EventHandler = Callable[[str, AdapterRecord], None]  # (REGISTERED | DELETED | PINNED | UNPINNED, record)
+# (REGISTERED | DELETED | PINNED | UNPINNED, record), awaited in event order
+EventHandler = Callable[[str, AdapterRecord], Awaitable[None]]
 
 
 def unavailable(what: str, exc: grpc.aio.AioRpcError) -> RegistryError:
@@ -35,7 +36,7 @@ def unavailable(what: str, exc: grpc.aio.AioRpcError) -> RegistryError:
 
 
 def record_of(adapter: pb.Adapter) -> AdapterRecord:
-    return AdapterRecord(adapter.name, adapter.version, adapter.digest, None, adapter.rank)
+    return AdapterRecord(adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned)
 
 
 class RegistryLink:
@@ -53,6 +54,8 @@ class RegistryLink:
         self.channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = pb_grpc.RegistryStub(self.channel)
         self._resolved: dict[tuple[str, int], AdapterRecord] = {}
+        self._generation: dict[str, int] = {}  # bumped by every event of a name (and a fresh watch)
+        self._epoch = 0
         self._fetches: dict[str, asyncio.Task[bytes]] = {}
         self._watch: asyncio.Task | None = None
         self.last_event_id = 0
@@ -80,6 +83,7 @@ class RegistryLink:
         cached = self._resolved.get((name, version))
         if cached is not None:
             return cached
+        seen = (self._epoch, self._generation.get(name, 0))
         try:
             adapter = await self.stub.GetAdapter(pb.GetAdapterRequest(name=name, version=version), timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -91,7 +95,8 @@ class RegistryLink:
                 f"adapter {ref!r} is for base model {adapter.base_model!r}; this engine serves {self.base_model!r}"
             )
         record = record_of(adapter)
-        self._resolved[(name, version)] = self._resolved[(name, record.version)] = record
+        if seen == (self._epoch, self._generation.get(name, 0)):  # no event for it arrived meanwhile
+            self._resolved[(name, version)] = self._resolved[(name, record.version)] = record
         return record
 
     # ---- fetching ----------------------------------------------------------------------------
@@ -150,21 +155,47 @@ class RegistryLink:
             pause = min(pause * 2, RECONNECT_S[1])
 
     async def _watch_once(self) -> None:
-        if self.last_event_id == 0:
-            self._resolved.clear()  # events before this stream began are unknown: forget every answer
+        fresh = self.last_event_id == 0
         request = pb.WatchAdaptersRequest(base_model=self.base_model, after_event_id=self.last_event_id)
         stream = self.stub.WatchAdapters(request)
         await stream.initial_metadata()  # the registry sends headers once the watch is in place
+        if fresh:  # what happened before this stream is unknown: forget every answer, re-learn pins
+            self._epoch += 1
+            self._resolved.clear()
+            for record in await self._pinned_adapters():
+                await self._handle("PINNED", record)
         self.is_connected = True
         async for event in stream:
-            self.last_event_id = event.event_id
-            self._apply(pb.AdapterEvent.Kind.Name(event.kind), record_of(event.adapter))
+            await self._apply(pb.AdapterEvent.Kind.Name(event.kind), record_of(event.adapter))
+            self.last_event_id = event.event_id  # after applying: a reconnect replays what was cut off
 
-    def _apply(self, kind: str, record: AdapterRecord) -> None:
+    async def _apply(self, kind: str, record: AdapterRecord) -> None:
+        self._generation[record.name] = self._generation.get(record.name, 0) + 1
         self._resolved.pop((record.name, 0), None)  # "latest" may have changed
         if kind == "DELETED":
             self._resolved.pop((record.name, record.version), None)
+            if record.digest in {a.digest for a in await self._adapters()}:
+                return  # the same content lives on under another name or version
+        if kind == "REGISTERED" and record.pinned:
+            kind = "PINNED"
+        await self._handle(kind, record)
+
+    async def _handle(self, kind: str, record: AdapterRecord) -> None:
         try:
-            self.on_event(kind, record)
+            await self.on_event(kind, record)
         except Exception:
             log.exception("handling %s of %s failed", kind, record.ref)
+
+    async def _adapters(self) -> list[pb.Adapter]:
+        """Every registered adapter version of this engine's base model."""
+        adapters, token = [], ""
+        while True:
+            request = pb.ListAdaptersRequest(base_model=self.base_model, page_size=1000, page_token=token)
+            page = await self.stub.ListAdapters(request, timeout=RPC_TIMEOUT_S)
+            adapters += page.adapters
+            token = page.next_page_token
+            if not token:
+                return adapters
+
+    async def _pinned_adapters(self) -> list[AdapterRecord]:
+        return [record_of(a) for a in await self._adapters() if a.pinned]

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from sqlalchemy import Select, exists, func, select
+from sqlalchemy import Select, exists, func, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, aliased
@@ -293,7 +293,16 @@ def _info_from_json(text: str) -> AdapterInfo:
     return AdapterInfo(**data)
 
 
+# Event ids come from a sequence when the row is inserted, but transactions may commit in another
+# order; a watcher that has seen id 11 would then never see a later-committed id 10. One transaction-
+# scoped advisory lock around event writes makes ids commit in id order (SQLite's BEGIN IMMEDIATE
+# already serializes writers).
+_EVENT_LOCK_KEY = 0x6C6F7261  # "lora"
+
+
 def _log_event(s: Session, kind: str, info: AdapterInfo) -> None:
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _EVENT_LOCK_KEY})
     snapshot = json.dumps(dataclasses.asdict(info), sort_keys=True)
     s.add(
         AdapterEventRow(kind=kind, base_model=info.base_model, adapter_json=snapshot, created_at=time.time())

@@ -108,12 +108,14 @@ class LocalDirStore:
     def put_file(self, digest: str, path: Path) -> bool:
         final = self.path(digest)
         if final.exists():
+            os.utime(final)  # refreshed: gc's grace period now protects the row about to be committed
             return False
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = _write_temp_copy(path, final.parent)
         try:
             os.link(tmp, final)
         except FileExistsError:
+            os.utime(final)
             return False
         finally:
             tmp.unlink()
@@ -256,6 +258,7 @@ class S3Store:
     def put_file(self, digest: str, path: Path) -> bool:
         key = self.key(digest)
         if self.exists(digest):
+            self._touch(key)
             return False
         num_bytes = path.stat().st_size
         try:
@@ -270,6 +273,11 @@ class S3Store:
             raise
         self._check_stored_size(key, num_bytes)
         return True
+
+    def _touch(self, key: str) -> None:
+        """Refresh LastModified (a copy onto itself), so gc's grace period protects a re-registration."""
+        source = {"Bucket": self.bucket, "Key": key}
+        self._client.copy_object(Bucket=self.bucket, Key=key, CopySource=source, MetadataDirective="REPLACE")
 
     def _put_multipart(self, key: str, path: Path) -> None:
         upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]

@@ -132,9 +132,12 @@ async def test_pin_and_unpin_in_the_registry_reach_the_engine(stack, make_adapte
     await wait_for(lambda: _pinned(stub, "vip@1", False))
 
 
-async def _pinned(stub, ref: str, pinned: bool) -> bool:
+async def _pinned(stub, ref: str, pinned: bool, by_digest: bool = False) -> bool:
     listed = await stub.ListAdapters(epb.ListLoadedRequest())
-    return any(a.adapter == ref and a.pinned == pinned and (a.on_gpu or not pinned) for a in listed.adapters)
+    return any(
+        (a.digest if by_digest else a.adapter) == ref and a.pinned == pinned and (a.on_gpu or not pinned)
+        for a in listed.adapters
+    )
 
 
 async def test_load_and_unload_rpcs(stack, make_adapter):
@@ -227,3 +230,39 @@ async def test_a_slow_fetch_does_not_stall_other_streams(stack, make_adapter):
     release.set()
     _, _, slow = await waiting
     assert slow.adapter == "slow@1"
+
+
+async def test_pinned_at_registration_and_pins_learned_at_start(tmp_path, tiny_llama_dir, make_adapter):
+    async with running_registry(tmp_path / "registry") as registry:
+        await registry.register_base("tiny", tiny_llama_dir)
+        await registry.register("early", make_adapter("link-early", r=4, lora_alpha=8, seed=64), pinned=True)
+        config = EngineConfig(model_dir=str(tiny_llama_dir), port=0, registry=registry.server.address, base_model_name="tiny")
+        engine = await start_engine(config)  # the engine learns pins made before it started
+        channel = grpc.aio.insecure_channel(engine.address)
+        stub = epb_grpc.EngineStub(channel)
+        try:
+            await wait_for(lambda: _pinned(stub, "early@1", True))
+            await registry.register("late", make_adapter("link-late", r=4, lora_alpha=8, seed=65), pinned=True)
+            await wait_for(lambda: _pinned(stub, "late@1", True))  # registered with pinned=True
+        finally:
+            await channel.close()
+            await engine.stop(grace=0.5)
+
+
+async def test_deleting_one_name_keeps_content_another_name_uses(stack, make_adapter):
+    registry, engine, stub = stack
+    shared = make_adapter("link-shared", r=4, lora_alpha=8, seed=66)
+    a = await registry.register("alias-a", shared)
+    await registry.register("alias-b", shared, pinned=True)
+    await wait_for(lambda: _pinned(stub, a.digest, True, by_digest=True))
+    await registry.stub.DeleteAdapter(rpb.DeleteAdapterRequest(name="alias-a"))
+    last_event = registry.service.catalog.last_event_id()
+    await wait_for(lambda: _seen_event(engine, last_event))  # the link has applied the delete
+    _, _, done = await generate(stub, "alias-b")
+    assert done.adapter == "alias-b@1"
+    assert await _pinned(stub, a.digest, True, by_digest=True)
+    assert engine.core.lora.slots.slot_of(a.digest) is not None
+
+
+async def _seen_event(engine, event_id: int) -> bool:
+    return engine.core.link.last_event_id >= event_id

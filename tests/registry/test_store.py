@@ -76,6 +76,19 @@ def test_put_is_write_once(store: ObjectStore, tmp_path: Path):
     assert read_blob(store, digest) == data
 
 
+def test_putting_an_existing_blob_refreshes_its_age(store: ObjectStore, tmp_path: Path):
+    """gc removes orphans older than a grace period: a re-registration of the same content must make
+    the blob young again, or gc could delete it just before the new row commits."""
+    digest, path = write_blob(tmp_path / "src", b"shared content")
+    store.put_file(digest, path)
+    (before,) = [b.modified_at for b in store.list_blobs() if b.digest == digest]
+    time.sleep(1.1)  # S3 LastModified has a resolution of one second
+    assert store.put_file(digest, path) is False
+    (after,) = [b.modified_at for b in store.list_blobs() if b.digest == digest]
+    assert after >= before + 1
+    assert read_blob(store, digest) == b"shared content"
+
+
 def test_multipart_upload_round_trip(store: ObjectStore, tmp_path: Path):
     data = os.urandom(11 * MiB)  # parts of 5 + 5 + 1 MiB
     digest, path = write_blob(tmp_path / "src", data)
