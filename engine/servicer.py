@@ -15,7 +15,7 @@ from engine.request import Event, Finished, Request, TokenDelta
 from engine.sampling import InvalidSampling, SamplingParams
 from loramux.v1 import engine_pb2 as pb
 from loramux.v1 import engine_pb2_grpc as pb_grpc
-from registry.errors import RegistryError
+from registry.errors import Code, RegistryError
 
 
 def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
@@ -105,9 +105,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         except (InvalidPrompt, InvalidSampling) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RegistryError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
-        if self.core.loop.num_active >= self.core.config.max_queued_requests:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the engine queue is full ({self.core.config.max_queued_requests} requests)")
+            await _abort(context, exc)
         self.core.loop.submit(req)
         outcome, first_token_at, num_tokens = "CANCELLED", None, 0
         try:
@@ -145,9 +143,6 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     async def _new_request(self, request: pb.GenerateRequest, context, events: asyncio.Queue[Event]) -> Request:
         adapter = await self.core.resolve(request.adapter)  # an unknown adapter never means the base model
-        packed = None
-        if adapter is not None:
-            packed = await self.core.prepare(adapter)  # fetched here, so the engine loop never waits on it
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidPrompt("prompt: set text or token_ids")
@@ -159,6 +154,10 @@ class EngineServicer(pb_grpc.EngineServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         sink = _thread_safe_sink(loop, events)
-        return self.core.new_request(
-            prompt_ids, params, sink, rid=request.request_id, adapter=adapter, packed=packed, deadline=deadline
-        )
+        req = self.core.new_request(prompt_ids, params, sink, rid=request.request_id, adapter=adapter, deadline=deadline)
+        limit = self.core.config.max_queued_requests
+        if self.core.loop.num_active >= limit:
+            raise RegistryError(f"the engine queue is full ({limit} requests)", Code.RESOURCE_EXHAUSTED)
+        if adapter is not None:  # fetched here, after every cheap check, so the engine loop never waits on it
+            req.packed_adapter = await self.core.prepare(adapter)
+        return req

@@ -180,3 +180,24 @@ async def test_generate_with_local_adapters(tiny_llama_dir, make_adapter, tmp_pa
                 assert info.value.code() == code and ref.split("@")[0] in info.value.details()
     finally:
         await server.stop(grace=0.5)
+
+
+async def test_full_queue_is_resource_exhausted(tiny_llama_dir):
+    config = EngineConfig(model_dir=str(tiny_llama_dir), port=0, max_queued_requests=2)
+    server = await start_engine(config)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.EngineStub(channel)
+            busy = [stub.Generate(generate_request(f"busy {i}", max_new_tokens=300, ignore_eos=True)) for i in range(2)]
+            for call in busy:
+                await anext(aiter(call))  # both are running
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(stub, generate_request("one too many", max_new_tokens=2))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in info.value.details()
+            for call in busy:
+                call.cancel()
+            await asyncio.sleep(0.3)
+            _, _, done = await collect(stub, generate_request("room again", max_new_tokens=2))
+            assert done.usage.completion_tokens == 2
+    finally:
+        await server.stop(grace=0.5)
