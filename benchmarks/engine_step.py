@@ -63,7 +63,7 @@ def lora_manager(model, num_adapters: int, rank: int, device: torch.device) -> L
     return LoraManager(pool, AdapterSlots(pool), HostAdapterCache(num_adapters), adapters.__getitem__)
 
 
-def build(shape: str, device: torch.device, max_reqs: int, max_context: int, num_slots: int, attention: str, num_adapters: int, lora_backend: str):
+def build(shape: str, device: torch.device, max_reqs: int, max_context: int, num_slots: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool = False):
     model = random_model(shape, device=device)
     dtype = next(model.parameters()).dtype
     allocator = PageAllocator(num_slots, 1)
@@ -74,6 +74,8 @@ def build(shape: str, device: torch.device, max_reqs: int, max_context: int, num
     kv_buffers = KVBuffers.allocate(model.config, allocator.num_slots, dtype, device)
     pool = lora.pool if lora else None
     runner = ModelRunner(model, kv_buffers, req_pool.table, device, attention, pool, lora_backend)
+    if graphs:
+        runner.enable_cuda_graphs(max_reqs, buckets=(max_reqs,))
     return model, scheduler, runner
 
 
@@ -94,9 +96,9 @@ def step(scheduler: Scheduler, runner: ModelRunner) -> int:
     return sum(e.extend_len for e in entries)
 
 
-def measure(shape: str, device: torch.device, batch: int, prompt_len: int, num_decode: int, attention: str, num_adapters: int, lora_backend: str) -> dict:
+def measure(shape: str, device: torch.device, batch: int, prompt_len: int, num_decode: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool) -> dict:
     max_context = prompt_len + num_decode + 8
-    model, scheduler, runner = build(shape, device, batch, max_context, batch * max_context + 8, attention, num_adapters, lora_backend)
+    model, scheduler, runner = build(shape, device, batch, max_context, batch * max_context + 8, attention, num_adapters, lora_backend, graphs)
     vocab = model.config.vocab_size
     for i in range(batch):
         namespace = f"adapter-{i % num_adapters}" if num_adapters else ""
@@ -136,13 +138,16 @@ def main() -> None:
     parser.add_argument("--attention", choices=("ref", "sdpa"), default="sdpa")
     parser.add_argument("--adapters", type=int, nargs="+", default=[0], help="distinct rank-16 adapters (0 = base)")
     parser.add_argument("--lora-backend", default="triton", choices=("ref", "triton", "chunked"))
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth for the floor")
     args = parser.parse_args()
     device = torch.device(args.device)
     for batch in args.batch:
         base_ms = None
         for num_adapters in args.adapters:
-            row = measure(args.shape, device, batch, args.prompt_len, args.num_decode, args.attention, num_adapters, args.lora_backend)
+            graphs = device.type == "cuda" and not args.no_cuda_graphs
+            row = measure(args.shape, device, batch, args.prompt_len, args.num_decode, args.attention, num_adapters, args.lora_backend, graphs)
+            row["cuda_graphs"] = graphs
             row["floor_ms"] = row["param_gb"] / args.copy_gbps * 1e3
             base_ms = row["decode_step_ms"] if num_adapters == 0 else base_ms
             if base_ms is not None:

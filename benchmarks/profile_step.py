@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, scheduler, runner = build(args.shape, device, args.batch, 256, args.batch * 256 + 8, args.attention, args.adapters, "triton" if device.type == "cuda" else "ref")
+    model, scheduler, runner = build(args.shape, device, args.batch, 256, args.batch * 256 + 8, args.attention, args.adapters, "triton" if device.type == "cuda" else "ref", graphs=device.type == "cuda")
     for i in range(args.batch):
         scheduler.add(make_request(i, 64, model.config.vocab_size, 64, f"adapter-{i % args.adapters}" if args.adapters else ""))
     for _ in range(5):

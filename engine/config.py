@@ -34,3 +34,4 @@ class EngineConfig:
     lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked"
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
+    cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off

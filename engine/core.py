@@ -84,6 +84,8 @@ class EngineCore:
             model, kv_buffers, req_pool.table, device, _attention_backend(config, device), lora_pool, _lora_backend(config, device)
         )
         drain = StarvationDrain(config.lora_drain_wait_s) if lora is not None and config.lora_drain_wait_s > 0 else None
+        if device.type == "cuda" and config.cuda_graph_max_batch > 0:
+            runner.enable_cuda_graphs(min(config.cuda_graph_max_batch, config.max_running_requests))
         loop = EngineLoop(Scheduler(scheduler_config, kv, lora=lora, drain=drain), runner)
         log.info("engine: %s on %s, %d KV slots (page %d), context %d, %s attention", config.model_dir, device, allocator.num_slots, config.page_size, max_context, runner.attention_backend)
         shape = ModelShape.from_config(json.loads((Path(config.model_dir) / "config.json").read_text()))

@@ -9,6 +9,16 @@ from kernels.attention_sdpa import SdpaPlan
 
 
 @dataclass
+class DecodePlan:
+    """An all-decode step (one token per request) in static buffers: what a captured graph reads."""
+
+    req_rows: torch.Tensor  # [B] int64: each request's row of req_to_token
+    seq_lens: torch.Tensor  # [B] int32: tokens to attend to, the new one included; 0 = padding row
+    max_context: int  # host-known capacity (the width of req_to_token)
+    workspace: object  # kernels.decode_attention.DecodeAttentionWorkspace (Triton is imported only on CUDA)
+
+
+@dataclass
 class AttentionInputs:
     """Where this step's tokens write their K/V and which cached tokens each request attends to.
 
@@ -23,6 +33,7 @@ class AttentionInputs:
     prefix_lens: torch.Tensor  # [B] int: tokens already in the cache
     extend_lens: torch.Tensor  # [B] int: new tokens this step; 1 for decode
     sdpa_plan: SdpaPlan | None = None  # the same batch as index tensors for the batched SDPA backend
+    decode_plan: DecodePlan | None = None  # an all-decode batch for the graph-safe decode kernel
 
 
 @dataclass

@@ -83,6 +83,14 @@ def _attend(
     attn: AttentionInputs,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
+    if attn.decode_plan is not None:
+        from kernels.decode_attention import decode_attention  # Triton: only where graphs run (CUDA)
+
+        plan = attn.decode_plan
+        return decode_attention(
+            q, k_cache, v_cache, attn.req_to_token, plan.req_rows, plan.seq_lens, scale,
+            max_context=plan.max_context, workspace=plan.workspace,
+        )
     if attn.sdpa_plan is not None:
         return sdpa_extend_attention(q, k_cache, v_cache, attn.sdpa_plan, scale)
     return extend_attention_ref(

@@ -38,13 +38,23 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.lora_pool = lora_pool
         self.lora_ops = sgmv_ops(lora_backend)
+        self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.lora_meta = None
         if lora_pool is not None:  # one segment per request at most
             self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device)
 
+    def enable_cuda_graphs(self, max_batch: int, buckets: tuple[int, ...] | None = None) -> None:
+        """Capture decode steps of up to max_batch requests; later all-decode steps replay them."""
+        from engine.cuda_graphs import DecodeGraphs  # imports Triton kernels: CUDA only
+
+        self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, max_batch, self.lora_pool, self.lora_ops, buckets)
+        self.graphs.capture()
+
     @torch.inference_mode()
     def run(self, entries: list[BatchEntry]) -> list[int]:
         """Forward the step; returns one sampled token per entry whose `samples` is true, in order."""
+        if self.graphs is not None and self._is_decode(entries):
+            return self._run_graph(entries)
         input_ids, positions, out_cache_loc = [], [], []
         for e in entries:
             input_ids += e.req.all_ids[e.start : e.start + e.extend_len]
@@ -78,6 +88,24 @@ class ModelRunner:
             extend_lens=self._tensor(extend_lens),
             sdpa_plan=plan,
         )
+
+    def _is_decode(self, entries: list[BatchEntry]) -> bool:
+        return self.graphs.can_run(len(entries)) and all(e.extend_len == 1 and e.samples for e in entries)
+
+    def _run_graph(self, entries: list[BatchEntry]) -> list[int]:
+        pool = self.lora_pool
+        lora_slots = None
+        if pool is not None and any(e.req.lora_slot >= 0 for e in entries):
+            lora_slots = [e.req.lora_slot if e.req.lora_slot >= 0 else pool.base_slot for e in entries]
+        logits = self.graphs.run(
+            [e.req.all_ids[e.start] for e in entries],
+            [e.start for e in entries],
+            [e.req.kv_slots[e.start] for e in entries],
+            [e.req.req_row for e in entries],
+            lora_slots,
+        )
+        reqs = [e.req for e in entries]
+        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
 
     def _lora_inputs(self, entries: list[BatchEntry]) -> LoraInputs | None:
         """One segment per request (its tokens are contiguous); None when no request uses an adapter."""

@@ -129,6 +129,10 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument("--max-running-requests", type=int, default=int(env("--max-running-requests", 64)))
     p.add_argument("--max-batch-tokens", type=int, default=int(env("--max-batch-tokens", 2048)))
     p.add_argument("--max-queued-requests", type=int, default=int(env("--max-queued-requests", 1024)))
+    p.add_argument(
+        "--cuda-graph-max-batch", type=int, default=int(env("--cuda-graph-max-batch", 64)),
+        help="replay captured CUDA graphs for decode steps of up to N requests (0 = off)",
+    )
     p.add_argument("--attention-backend", default=env("--attention-backend", ""), help="ref or sdpa (default: sdpa on cuda)")
     p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")
     p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))

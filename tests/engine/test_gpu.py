@@ -52,7 +52,9 @@ def test_cuda_fp32_greedy_matches_cpu(tiny_llama_dir, page_size):
         config = EngineConfig(model_dir=str(tiny_llama_dir), device=device, dtype="float32", page_size=page_size, num_kv_slots=4096)
         return EngineCore.build(config)
 
-    assert generate_all(core("cuda"), 16) == generate_all(core("cpu"), 16)
+    cuda = core("cuda")
+    assert generate_all(cuda, 16) == generate_all(core("cpu"), 16)
+    assert cuda.loop.runner.graphs.num_replays > 0  # decode steps replayed captured graphs
 
 
 def test_cuda_bf16_generates(tiny_llama_dir):
@@ -79,3 +81,20 @@ def test_cuda_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, lora_back
         return generate_all(core, 12, records)
 
     assert run("cuda", lora_backend) == run("cpu", "ref")
+
+
+def test_cuda_graph_decode_matches_eager_decode(tiny_llama_dir, make_adapter, tmp_path):
+    """Replayed decode graphs (batch padding, LoRA segments refilled in place) give the eager tokens."""
+    adapters = (("qv", str(make_adapter("graph-qv", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=23))),)
+
+    def run(max_batch: int) -> list[list[int]]:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), device="cuda", dtype="float32", num_kv_slots=4096, adapters=adapters,
+            work_dir=str(tmp_path / str(max_batch)), cuda_graph_max_batch=max_batch, max_running_requests=16,
+        )
+        core = EngineCore.build(config)
+        tokens = generate_all(core, 12, [None, core.resolve_adapter("qv")])
+        assert (core.loop.runner.graphs is not None) == (max_batch > 0)
+        return tokens
+
+    assert run(16) == run(0)

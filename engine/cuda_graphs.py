@@ -1,0 +1,118 @@
+"""CUDA-graph replay of decode steps: one captured graph per padded batch size (and per LoRA on/off).
+
+Every input the graph reads lives in a static buffer allocated here once: token ids, positions, the
+KV slot of each new token, each request's table row and length, the LoRA segment metadata, and the
+decode-attention workspace. A step copies its values into the first n rows, pads the rest (length 0,
+KV slot 0 of the reserved page, the base LoRA slot) and replays; logits of the n real rows come out.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from engine.forward_inputs import AttentionInputs, DecodePlan, KVBuffers
+from engine.lora_inputs import LoraInputs, SgmvMetaBuffers
+from engine.lora_pool import LoraSlotPool
+from engine.model import LlamaModel
+from kernels.decode_attention import DecodeAttentionWorkspace, default_num_splits
+
+log = logging.getLogger(__name__)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVBuffers,
+        req_to_token: torch.Tensor,
+        max_batch: int,
+        lora_pool: LoraSlotPool | None,
+        lora_ops: tuple,
+        buckets: tuple[int, ...] | None = None,  # padded batch sizes to capture; default BATCH_BUCKETS
+    ):
+        self.model, self.kv, self.req_to_token = model, kv, req_to_token
+        self.lora_pool, self.lora_ops = lora_pool, lora_ops
+        self.device = req_to_token.device
+        self.max_context = req_to_token.shape[1]
+        self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
+        n = max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=self.device)  # padding -> slot 0
+        self.req_rows = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self._host = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)  # staging for the five above
+        self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device) if lora_pool else None
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
+        for batch in reversed(self.buckets):
+            for with_lora in (False, True) if self.lora_pool else (False,):
+                self.graphs[(batch, with_lora)] = self._capture(batch, with_lora)
+        log.info("captured %d decode graphs for batch sizes %s", len(self.graphs), self.buckets)
+
+    def can_run(self, num_requests: int) -> bool:
+        return 0 < num_requests <= self.buckets[-1]
+
+    def run(self, input_ids: list[int], positions: list[int], out_cache_loc: list[int], req_rows: list[int], lora_slots: list[int] | None) -> torch.Tensor:
+        """Replay the graph of the smallest bucket >= n; returns the logits of the n rows [n, vocab]."""
+        n = len(input_ids)
+        batch = self.buckets[bisect.bisect_left(self.buckets, n)]
+        host = self._host
+        host[:, n:batch] = 0
+        for row, values in enumerate((input_ids, positions, out_cache_loc, req_rows)):
+            host[row, :n] = torch.tensor(values, dtype=torch.int64)
+        host[4, :n] = torch.tensor(positions, dtype=torch.int64) + 1  # seq_len = position of the new token + 1
+        for row, buffer in enumerate((self.input_ids, self.positions, self.out_cache_loc, self.req_rows)):
+            buffer[:batch].copy_(host[row, :batch], non_blocking=True)
+        self.seq_lens[:batch].copy_(host[4, :batch], non_blocking=True)
+        with_lora = lora_slots is not None
+        if with_lora:
+            pool = self.lora_pool
+            pool.wait_for_loads()
+            slots = lora_slots + [pool.base_slot] * (batch - n)
+            self.lora_meta.fill([1] * batch, slots, pool.ranks, pool.scalings)
+        graph, logits = self.graphs[(batch, with_lora)]
+        graph.replay()
+        self.num_replays += 1
+        return logits[:n]
+
+    def _capture(self, batch: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        num_splits = default_num_splits(batch, self.model.config.num_kv_heads, self.max_context, self.device)
+        workspace = DecodeAttentionWorkspace.allocate(
+            batch, self.model.config.num_heads, self.model.config.head_dim, num_splits, self.device
+        )
+        attn = AttentionInputs(
+            out_cache_loc=self.out_cache_loc[:batch],
+            req_to_token=self.req_to_token,
+            req_pool_indices=self.req_rows[:batch],
+            prefix_lens=self.seq_lens[:batch],  # unused by the decode kernel
+            extend_lens=self.seq_lens[:batch],  # unused by the decode kernel
+            decode_plan=DecodePlan(self.req_rows[:batch], self.seq_lens[:batch], self.max_context, workspace),
+        )
+        lora = None
+        if with_lora:
+            pool = self.lora_pool
+            meta = self.lora_meta.fill([1] * batch, [pool.base_slot] * batch, pool.ranks, pool.scalings)
+            lora = LoraInputs(pool, meta, *self.lora_ops)
+
+        def step() -> torch.Tensor:
+            hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)
+            return self.model.compute_logits(hidden)  # [batch, vocab] fp32
+
+        with torch.inference_mode():
+            for _ in range(2):  # compile kernels and settle allocations outside the capture
+                step()
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = step()
+        self.pool = graph.pool()
+        return graph, logits
