@@ -47,7 +47,10 @@ class ModelRunner:
         """Capture decode steps of up to max_batch requests; later all-decode steps replay them."""
         from engine.cuda_graphs import DecodeGraphs  # imports Triton kernels: CUDA only
 
-        self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, max_batch, self.lora_pool, self.lora_ops, buckets)
+        # The chunked backend re-segments on the host per step, which a captured graph cannot follow;
+        # for decode (one token per segment) it computes what the plain Triton ops compute.
+        ops = sgmv_ops("triton") if self.lora_ops == sgmv_ops("chunked") else self.lora_ops
+        self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, max_batch, self.lora_pool, ops, buckets)
         self.graphs.capture()
 
     @torch.inference_mode()
