@@ -13,7 +13,7 @@ from pathlib import Path
 
 from registry.errors import FailedPrecondition, InvalidArgument, NotFound
 from registry.model_shapes import ModelShape
-from registry.peft_compile import compile_adapter, read_canonical
+from registry.peft_compile import CanonicalAdapter, compile_adapter, read_canonical
 from registry.peft_files import CONFIG_FILE, WEIGHTS_FILE
 from registry.types import check_name, parse_ref
 
@@ -44,9 +44,6 @@ class LocalAdapters:
         records = [_compile_one(check_name(name, "adapter"), Path(src), shape, base_model, max_rank, work_dir) for name, src in specs]
         return cls(records)
 
-    def records(self) -> list[AdapterRecord]:
-        return sorted(self._by_name.values(), key=lambda r: r.name)
-
     def resolve(self, ref: str) -> AdapterRecord:
         """'name' or 'name@1' -> the record; NOT_FOUND for unknown names and versions."""
         name, version = parse_ref(ref)
@@ -57,6 +54,14 @@ class LocalAdapters:
 
     def by_digest(self, digest: str) -> AdapterRecord:
         return self._by_digest[digest]
+
+
+def read_canonical_within(artifact: bytes, shape: ModelShape, max_rank: int, label: str) -> CanonicalAdapter:
+    """A canonical artifact checked against the base model and the engine's slot rank."""
+    adapter = read_canonical(artifact, shape)
+    if adapter.rank > max_rank:
+        raise FailedPrecondition(f"{label}: rank {adapter.rank} is over this engine's --max-lora-rank {max_rank}")
+    return adapter
 
 
 def parse_adapter_spec(spec: str) -> tuple[str, str]:
@@ -70,9 +75,7 @@ def parse_adapter_spec(spec: str) -> tuple[str, str]:
 def _compile_one(name: str, src: Path, shape: ModelShape, base_model: str, max_rank: int, work_dir: Path) -> AdapterRecord:
     if src.is_file():
         data = src.read_bytes()
-        adapter = read_canonical(data, shape)
-        if adapter.rank > max_rank:
-            raise FailedPrecondition(f"adapter {name!r}: rank {adapter.rank} is over --max-lora-rank {max_rank}")
+        adapter = read_canonical_within(data, shape, max_rank, f"adapter {name!r}")
         return AdapterRecord(name, 1, hashlib.sha256(data).hexdigest(), src, adapter.rank)
     if not (src / CONFIG_FILE).is_file():
         raise NotFound(f"adapter {name!r}: {src / CONFIG_FILE} does not exist")

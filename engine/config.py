@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_ENGINE_PORT = 50052
 
@@ -35,3 +36,8 @@ class EngineConfig:
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
+
+    @property
+    def resolved_base_model_name(self) -> str:
+        """The name the base model has in the registry: --base-model-name, else the model dir's name."""
+        return self.base_model_name or Path(self.model_dir).resolve().name

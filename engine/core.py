@@ -17,7 +17,7 @@ import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
-from engine.adapters import AdapterRecord, LocalAdapters
+from engine.adapters import AdapterRecord, LocalAdapters, read_canonical_within
 from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
@@ -36,7 +36,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
 from engine.weights import load_model
 from loramux.metrics import EngineMetrics
-from registry.errors import FailedPrecondition, NotFound
+from registry.errors import NotFound
 from registry.model_shapes import ModelShape
 from registry.peft_compile import read_canonical
 
@@ -93,7 +93,7 @@ class EngineCore:
 
     @property
     def base_model_name(self) -> str:
-        return self.config.base_model_name or Path(self.config.model_dir).resolve().name
+        return self.config.resolved_base_model_name
 
     def prompt_ids(self, text: str | None, token_ids: list[int] | None) -> list[int]:
         """Tokenize or check a prompt; raises InvalidPrompt naming the problem."""
@@ -159,9 +159,7 @@ class EngineCore:
         return packed
 
     def _pack(self, digest: str, artifact: bytes) -> PackedAdapter:
-        adapter = read_canonical(artifact, self.shape)
-        if adapter.rank > self.config.max_lora_rank:
-            raise FailedPrecondition(f"adapter rank {adapter.rank} is over this engine's --max-lora-rank {self.config.max_lora_rank}")
+        adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {digest[:12]}")
         pool = self.lora.pool
         return pack_adapter(digest, adapter, pool.targets, pool.a["qkv"].dtype, pool.device.type == "cuda")
 
@@ -217,7 +215,7 @@ def _local_adapters(config: EngineConfig) -> LocalAdapters:
     if not config.adapters:
         return LocalAdapters([])
     work_dir = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="loramux-adapters-"))
-    base_model = config.base_model_name or Path(config.model_dir).resolve().name
+    base_model = config.resolved_base_model_name
     specs = [(name, Path(path)) for name, path in config.adapters]
     return LocalAdapters.compile_all(specs, Path(config.model_dir), base_model, config.max_lora_rank, work_dir)
 

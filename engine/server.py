@@ -15,8 +15,8 @@ from engine.request import TokenDelta
 from engine.sampling import SamplingParams
 from engine.servicer import EngineServicer
 from engine.telemetry import StepSampler
-from loramux.grpc_server import ServiceHost, announce
-from loramux.metrics import EngineMetrics, start_metrics_server
+from loramux.grpc_server import ServiceHost, serve_until_stopped
+from loramux.metrics import EngineMetrics
 from loramux.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class EngineServer:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return self.host.address
 
     async def start(self) -> None:
         """Serve at once (health says NOT_SERVING), then SERVING once the loop has warmed up."""
@@ -88,14 +88,5 @@ async def start_engine(config: EngineConfig) -> EngineServer:
 
 
 async def serve(config: EngineConfig, stop: asyncio.Event, metrics_port: int | None = None) -> None:
-    """Run until `stop` is set; serve /metrics on config.host:metrics_port when given."""
-    server = await start_engine(config)
-    metrics_server = None
-    if metrics_port is not None:
-        metrics_server, _ = start_metrics_server(server.metrics, config.host, metrics_port)
-    announce("engine", config.host, server.port)
-    await stop.wait()
-    log.info("engine shutting down")
-    await server.stop()
-    if metrics_server is not None:
-        await asyncio.to_thread(metrics_server.shutdown)
+    """Run until `stop` is set, then stop gracefully; /metrics on config.host:metrics_port if given."""
+    await serve_until_stopped("engine", await start_engine(config), stop, metrics_port)

@@ -27,10 +27,6 @@ class Generation:
         return pb.FinishReason.Name(self.complete.finish_reason) if self.complete else ""
 
 
-def sampling(**fields) -> pb.SamplingParams:
-    return pb.SamplingParams(**fields)
-
-
 def generate_request(prompt: str | list[int], adapter: str = "", request_id: str = "", **sampling_fields) -> pb.GenerateRequest:
     request = pb.GenerateRequest(request_id=request_id, adapter=adapter, sampling=pb.SamplingParams(**sampling_fields))
     if isinstance(prompt, str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 # Chunks are <= 1 MiB of payload; leave room for framing and the first message's metadata.
+log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20
 SHUTDOWN_GRACE_S = 5.0
 
@@ -31,14 +33,20 @@ class ServiceHost:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
+        self.bound_host = ""
         self.port = 0
 
     def bind(self, host: str, port: int) -> int:
         """Bind host:port (0 = pick a free port); returns the bound port."""
+        self.bound_host = host
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         return self.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.bound_host}:{self.port}"
 
     async def start(self) -> None:
         await self.server.start()
@@ -66,3 +74,19 @@ def stop_event_on_signals(signals: Sequence[int] = (signal.SIGINT, signal.SIGTER
         if sys.platform != "win32":
             loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+async def serve_until_stopped(name: str, server, stop: asyncio.Event, metrics_port: int | None) -> None:
+    """For a started server (`.host`, `.metrics`, `.stop()`): serve /metrics on its host when a port is
+    given (0 = pick a free one), print the ready line, wait for `stop`, then stop gracefully."""
+    from loramux.metrics import start_metrics_server  # metrics imports `announce` from here
+
+    metrics_server = None
+    if metrics_port is not None:
+        metrics_server, _ = start_metrics_server(server.metrics, server.host.bound_host, metrics_port)
+    announce(name, server.host.bound_host, server.host.port)
+    await stop.wait()
+    log.info("%s shutting down", name)
+    await server.stop()
+    if metrics_server is not None:
+        await asyncio.to_thread(metrics_server.shutdown)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from loramux.grpc_server import ServiceHost, announce
-from loramux.metrics import RegistryMetrics, start_metrics_server
+from loramux.grpc_server import ServiceHost, serve_until_stopped
+from loramux.metrics import RegistryMetrics
 from loramux.v1 import registry_pb2, registry_pb2_grpc
 from registry.catalog import Catalog
 from registry.config import RegistryConfig
@@ -49,7 +49,7 @@ class RegistryServer:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return self.host.address
 
     async def start(self) -> None:
         await self.host.start()
@@ -61,16 +61,7 @@ class RegistryServer:
 
 
 async def serve(config: RegistryConfig, stop: asyncio.Event, metrics_port: int | None = None) -> None:
-    """Run until `stop` is set, then stop gracefully; serve /metrics on config.host:metrics_port
-    when a port is given (0 = pick a free one)."""
+    """Run until `stop` is set, then stop gracefully; /metrics on config.host:metrics_port if given."""
     server = RegistryServer(config, await asyncio.to_thread(build_service, config))
     await server.start()
-    announce("registry", config.host, server.port)
-    metrics_server = None
-    if metrics_port is not None:
-        metrics_server, _ = start_metrics_server(server.metrics, config.host, metrics_port)
-    await stop.wait()
-    log.info("registry shutting down")
-    if metrics_server is not None:
-        await asyncio.to_thread(metrics_server.shutdown)
-    await server.stop()
+    await serve_until_stopped("registry", server, stop, metrics_port)

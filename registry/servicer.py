@@ -65,44 +65,45 @@ async def _abort(exc: Exception, name: str, context: grpc.aio.ServicerContext) -
     await context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error (see the registry log)")
 
 
-def _statuses(method: Callable) -> Callable:
+@contextlib.asynccontextmanager
+async def _rpc_outcome(metrics: RegistryMetrics, name: str, context: grpc.aio.ServicerContext):
     """Map errors to statuses (see `_abort`) and count the RPC by method and status."""
+    code = grpc.StatusCode.OK
+    try:
+        yield
+    except BaseException as exc:
+        code = _status_of(exc, context)
+        if not isinstance(exc, Exception):
+            raise
+        await _abort(exc, name, context)
+    finally:
+        metrics.count_rpc(name, code.name)
+
+
+def _statuses(method: Callable) -> Callable:
+    """`_rpc_outcome` around a unary handler."""
     name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        code = grpc.StatusCode.OK
-        try:
+        async with _rpc_outcome(self.metrics, name, context):
             return await method(self, request, context)
-        except BaseException as exc:
-            code = _status_of(exc, context)
-            if not isinstance(exc, Exception):
-                raise
-            await _abort(exc, name, context)
-        finally:
-            self.metrics.count_rpc(name, code.name)
 
     return wrapper
 
 
 def _stream_statuses(method: Callable) -> Callable:
-    """`_statuses` for server-streaming handlers (async generators)."""
+    """`_rpc_outcome` around a server-streaming handler (an async generator)."""
     name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        code = grpc.StatusCode.OK
-        try:
-            async with contextlib.aclosing(method(self, request, context)) as responses:
-                async for response in responses:
-                    yield response
-        except BaseException as exc:
-            code = _status_of(exc, context)
-            if not isinstance(exc, Exception):
-                raise
-            await _abort(exc, name, context)
-        finally:
-            self.metrics.count_rpc(name, code.name)
+        async with (
+            _rpc_outcome(self.metrics, name, context),
+            contextlib.aclosing(method(self, request, context)) as responses,
+        ):
+            async for response in responses:
+                yield response
 
     return wrapper
 
