@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraformat.peft_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, is_pickle_weights, pickle_refusal
 from loramux.v1 import registry_pb2 as pb
 from registry.errors import InvalidArgument, ResourceExhausted, quote
-from registry.peft_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, is_pickle_weights, pickle_refusal
 from registry.types import AdapterFiles, AdapterSpecIn, make_spec
 
 MAX_CHUNK_BYTES = 1 << 20
