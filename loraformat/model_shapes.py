@@ -7,13 +7,26 @@ tree PEFT names its tensors and patterns after.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from loraformat.errors import FailedPrecondition, InvalidArgument
+from loraformat import bounded_json
+from loraformat.errors import FailedPrecondition, InvalidArgument, quote
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Plausibility bounds on a base model's config: several times the largest open models of these
+# families (405B: 126 layers, hidden 16384, intermediate 53248, 128 heads; vocabularies up to 256k),
+# so no real model is refused, while a config claiming 200000 layers cannot make a small adapter cost
+# seconds and hundreds of MB of module paths to validate.
+MAX_CONFIG_VALUES = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 19,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "vocab_size": 1 << 22,
+}
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The submodule of a decoder layer that owns each projection.
 MODULE_GROUPS = {
@@ -70,9 +83,11 @@ class ModelShape:
             raise InvalidArgument("config field 'model_type': missing or not a string")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise FailedPrecondition(
-                f"config field 'model_type': {model_type!r} is not supported "
+                f"config field 'model_type': {quote(model_type)} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        if "vocab_size" in cfg:
+            _positive_int(cfg, "vocab_size")
         hidden_size = _positive_int(cfg, "hidden_size")
         num_heads = _positive_int(cfg, "num_attention_heads")
         num_kv_heads = _positive_int(cfg, "num_key_value_heads", default=num_heads)
@@ -90,10 +105,9 @@ class ModelShape:
     @classmethod
     def from_json(cls, raw: str | bytes) -> ModelShape:
         """From the text of a config.json (the wire's `BaseModel.config_json`)."""
-        try:
-            cfg = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise InvalidArgument(f"config_json: not valid JSON ({err})") from None
+        cfg = bounded_json.loads(raw, "config_json")
+        if not isinstance(cfg, dict):
+            raise InvalidArgument("config_json must be a JSON object")
         return cls.from_config(cfg)
 
     def module_dims(self, module: str) -> tuple[int, int]:
@@ -132,9 +146,10 @@ def _positive_int(cfg: dict[str, Any], field: str, default: int | None = None) -
     value = cfg.get(field, default)
     # bool is an int subclass; `true` is never a valid size.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgument(f"config field {field!r}: expected a positive integer, got {value!r}")
-    if value <= 0:
-        raise InvalidArgument(f"config field {field!r}: expected a positive integer, got {value}")
+        raise InvalidArgument(f"config field {field!r}: expected a positive integer, got {quote(value)}")
+    limit = MAX_CONFIG_VALUES.get(field, 1 << 31)
+    if not 0 < value <= limit:
+        raise InvalidArgument(f"config field {field!r}: {value} is outside 1..{limit}")
     return value
 
 
