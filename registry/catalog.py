@@ -299,11 +299,14 @@ def _info_from_json(text: str) -> AdapterInfo:
 # scoped advisory lock around event writes makes ids commit in id order (SQLite's BEGIN IMMEDIATE
 # already serializes writers).
 _EVENT_LOCK_KEY = 0x6C6F7261  # "lora"
+NOTIFY_CHANNEL = "loramux_events"
 
 
 def _log_event(s: Session, kind: str, info: AdapterInfo) -> None:
     if s.get_bind().dialect.name == "postgresql":
         s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _EVENT_LOCK_KEY})
+        # delivered at commit to every replica's LISTEN connection (registry/event_feed.py)
+        s.execute(text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
     snapshot = json.dumps(dataclasses.asdict(info), sort_keys=True)
     s.add(
         AdapterEventRow(kind=kind, base_model=info.base_model, adapter_json=snapshot, created_at=time.time())
