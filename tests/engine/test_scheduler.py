@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import pytest
 
+from engine.errors import Code
 from engine.kv_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool, num_pages_for
 from engine.radix_cache import RadixCache
 from engine.request import Failed, Finished, FinishReason, Request
@@ -327,7 +328,7 @@ def test_request_too_large_for_the_pool_fails_and_others_run(tokenizer, page_siz
     alone = sim.add("alone", prompt_of(60, 1))
     sim.run()
     alone_event = sim.final("alone")
-    assert isinstance(alone_event, Failed) and alone_event.code == "RESOURCE_EXHAUSTED"
+    assert isinstance(alone_event, Failed) and alone_event.code is Code.RESOURCE_EXHAUSTED
     assert "more KV" in alone_event.message
     assert alone.req_row == -1
 
@@ -336,7 +337,7 @@ def test_request_too_large_for_the_pool_fails_and_others_run(tokenizer, page_siz
     small2 = sim.add("small2", prompt_of(7, 4), max_new_tokens=6)
     sim.run()
     event = sim.final("big")
-    assert isinstance(event, Failed) and event.code == "RESOURCE_EXHAUSTED"
+    assert isinstance(event, Failed) and event.code is Code.RESOURCE_EXHAUSTED
     assert big.output_ids == [] and big.req_row == -1
     assert_finished(sim, small1, 6)
     assert_finished(sim, small2, 6)
@@ -367,8 +368,8 @@ def test_cancel_and_deadline_free_every_page(tokenizer, page_size):
     cancel.is_cancelled = waiting_cancel.is_cancelled = True
     sim.step()
     late_event = sim.final("deadline-running")
-    assert isinstance(late_event, Failed) and late_event.code == "DEADLINE_EXCEEDED" and "deadline" in late_event.message
-    assert sim.final("deadline-waiting").code == "DEADLINE_EXCEEDED"
+    assert isinstance(late_event, Failed) and late_event.code is Code.DEADLINE_EXCEEDED and "deadline" in late_event.message
+    assert sim.final("deadline-waiting").code is Code.DEADLINE_EXCEEDED
     cancelled = sim.final("cancel-running")
     assert (cancelled.reason, cancelled.completion_tokens) == (FinishReason.CANCELLED, 4)
     assert sim.final("cancel-waiting") == Finished(FinishReason.CANCELLED, "", 6, 0, 0)
