@@ -42,6 +42,14 @@ def record_of(adapter: pb.Adapter) -> AdapterRecord:
     return AdapterRecord(adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned)
 
 
+# Answers to RegisterBaseModel that no retry changes (e.g. the name taken by another config).
+_REFUSALS = (
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+
+
 class RegistryLink:
     def __init__(self, address: str, base_model: str, config_json: str, on_event: EventHandler):
         self.address = address
@@ -74,6 +82,12 @@ class RegistryLink:
         try:
             await self._register_base_model()
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _REFUSALS:  # retrying cannot help: say so once and stop
+                raise RegistryError(
+                    f"the registry at {self.address} refuses base model {self.base_model!r}: {exc.details()}"
+                    " (start the engine with another --base-model-name)",
+                    Code.FAILED_PRECONDITION,
+                ) from None
             log.warning("registry %s: %s; serving cached adapters until it answers", self.address, exc.details())
         self._watch = asyncio.create_task(self._watch_forever())
 
