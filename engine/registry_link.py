@@ -99,6 +99,20 @@ class RegistryLink:
             self._resolved[(name, version)] = self._resolved[(name, record.version)] = record
         return record
 
+    async def list_latest(self) -> list[AdapterRecord]:
+        """The latest version of every adapter of this engine's base model, by name."""
+        records, token = [], ""
+        while True:
+            request = pb.ListAdaptersRequest(base_model=self.base_model, latest_only=True, page_size=1000, page_token=token)
+            try:
+                page = await self.stub.ListAdapters(request, timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                raise unavailable("adapters", exc) from None
+            records += [record_of(a) for a in page.adapters]
+            token = page.next_page_token
+            if not token:
+                return sorted(records, key=lambda r: r.name)
+
     # ---- fetching ----------------------------------------------------------------------------
 
     async def fetch(self, record: AdapterRecord, attempts: int = 3) -> bytes:
