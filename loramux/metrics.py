@@ -209,8 +209,8 @@ class ModelServerMetrics:
     (and llm-d's) scores loramux pods by queue, KV use and LoRA affinity with no custom plugin:
 
     - `vllm:num_requests_waiting`, `vllm:num_requests_running`: gauges;
-    - `vllm:kv_cache_usage_perc`: KV pages held by requests over usable pages, 0-1 (pages the prefix
-      cache could evict count as free, as in vLLM);
+    - `vllm:kv_cache_usage_perc` (and its older name `vllm:gpu_cache_usage_perc`): KV pages held by
+      requests over usable pages, 0-1 (pages the prefix cache could evict count as free, as in vLLM);
     - `vllm:cache_config_info{block_size, num_gpu_blocks}`: value 1;
     - `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}`: the adapter
       names (as clients write them in `model`, without a version) of running and waiting requests,
@@ -224,6 +224,8 @@ class ModelServerMetrics:
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", model, registry=registry)
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", model, registry=registry)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every page is held.", model, registry=registry)
+        # The name the protocol's table and older endpoint pickers read by default; the same value.
+        self.kv_usage_legacy = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (older name).", model, registry=registry)
         self.cache_config = Gauge(
             "vllm:cache_config_info", "KV-cache configuration.", ("block_size", "num_gpu_blocks"), registry=registry
         )
@@ -240,6 +242,7 @@ class ModelServerMetrics:
 
     def set_kv_usage(self, fraction: float) -> None:
         self.kv_usage.labels(self.model_name).set(fraction)
+        self.kv_usage_legacy.labels(self.model_name).set(fraction)
 
     def set_cache_config(self, block_size: int, num_blocks: int) -> None:
         self.cache_config.labels(str(block_size), str(num_blocks)).set(1)
