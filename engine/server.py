@@ -74,7 +74,12 @@ class EngineServer:
         if self.config.registry:
             config_json = (Path(self.config.model_dir) / "config.json").read_text()
             self.core.link = RegistryLink(self.config.registry, self.core.base_model_name, config_json, self.core.on_registry_event)
-            await self.core.link.start()
+            try:
+                await self.core.link.start()
+            except BaseException:
+                await self.host.stop(0)
+                await self.core.link.close()
+                raise
         self.core.loop.start()
         await asyncio.to_thread(warm_up, self.core)
         self.admission.is_open = True

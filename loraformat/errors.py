@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import enum
 
+# gRPC carries the message in a trailer (8 KiB by default); a message built from a huge input must
+# neither break that nor flood a terminal, so every message is capped and inputs are quoted short.
+MAX_MESSAGE_CHARS = 600
+QUOTE_CHARS = 80
+
 
 class Code(enum.Enum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
@@ -25,9 +30,23 @@ class StatusError(Exception):
     code: Code = Code.INVALID_ARGUMENT
 
     def __init__(self, message: str, code: Code | None = None):
-        super().__init__(message)
+        super().__init__(cap_message(message))
         if code is not None:
             self.code = code
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """repr() of at most `limit` characters of an input, saying how much was left out."""
+    text = str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def cap_message(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[:MAX_MESSAGE_CHARS] + f"... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
 
 
 class InvalidArgument(StatusError):

@@ -6,7 +6,14 @@ always names the offending field, file or tensor.
 
 from __future__ import annotations
 
-from loraformat.errors import Code, FailedPrecondition, InvalidArgument, ResourceExhausted, StatusError
+from loraformat.errors import (
+    Code,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    StatusError,
+    quote,
+)
 
 # The registry raises and catches the shared base under its own name: an adapter-format error met while
 # registering is a registry error like any other.
@@ -20,6 +27,7 @@ __all__ = [
     "NotFound",
     "RegistryError",
     "ResourceExhausted",
+    "quote",
 ]
 
 

@@ -20,7 +20,6 @@ from loraformat.peft_compile import compile_adapter
 from loraformat.peft_files import CONFIG_FILE, WEIGHTS_FILE
 from registry.catalog import Catalog, NewVersion
 from registry.config import RegistryConfig
-from registry.errors import InvalidArgument
 from registry.sources import fetch_source
 from registry.store import BlobInfo, ObjectStore, S3Store, make_s3_client
 from registry.types import AdapterFiles, AdapterInfo, AdapterSpecIn, BaseModelInfo, check_name
@@ -45,13 +44,7 @@ class RegistryService:
 
     def register_base_model(self, name: str, config_json: str) -> BaseModelInfo:
         check_name(name, "name")
-        try:
-            parsed = json.loads(config_json)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"config_json is not JSON: {exc}") from exc
-        if not isinstance(parsed, dict):
-            raise InvalidArgument("config_json must be a JSON object")
-        ModelShape.from_config(parsed)  # refuses models the engine cannot serve
+        ModelShape.from_json(config_json)  # refuses deep JSON and models the engine cannot serve
         return self.catalog.register_base_model(name, config_json)
 
     def register_adapter(self, spec: AdapterSpecIn, files: AdapterFiles) -> AdapterInfo:

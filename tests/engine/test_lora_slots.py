@@ -8,7 +8,7 @@ import torch
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
-from engine.model_config import NAMED_SHAPES
+from engine.named_shapes import NAMED_SHAPES
 from loraformat.peft_compile import CanonicalAdapter
 
 CONFIG = NAMED_SHAPES["tiny"]
