@@ -21,6 +21,7 @@ from engine.adapters import AdapterRecord, LocalAdapters, read_canonical_within
 from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
+from engine.errors import NotFound
 from engine.forward_inputs import KVBuffers
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
@@ -38,7 +39,6 @@ from engine.weights import load_model
 from loraformat.model_shapes import ModelShape
 from loraformat.peft_compile import read_canonical
 from loramux.metrics import EngineMetrics
-from registry.errors import NotFound
 
 log = logging.getLogger(__name__)
 CPU_KV_SLOTS = 16384

@@ -30,6 +30,7 @@ from engine.adapter_admin import AdapterAdmin
 from engine.admission import Admission, AdmissionError, GenerateInput, admission_errors
 from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.request import Failed, Finished, TokenDelta
+from loraformat.errors import Code
 from loramux.grpc_server import announce
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class HttpFront:
                     return web.json_response(api.full_reply(req, "".join(parts), event))
                 elif isinstance(event, Failed):
                     raise AdmissionError(event.code, event.message)
-        raise AdmissionError("UNAVAILABLE", "the request ended without a result")
+        raise AdmissionError(Code.UNAVAILABLE, "the request ended without a result")
 
     async def _stream(self, request: web.Request, req: api.OpenAIRequest, events) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
@@ -188,7 +189,7 @@ class HttpFront:
         if not isinstance(name, str) or not name:
             raise api.bad_request("lora_name: the adapter's name")
         if self.core.lora is None:
-            raise AdmissionError("FAILED_PRECONDITION", "this engine serves no adapters (--max-loras-per-batch 0)")
+            raise AdmissionError(Code.FAILED_PRECONDITION, "this engine serves no adapters (--max-loras-per-batch 0)")
         ref = body.get("lora_path") or name
         if not isinstance(ref, str) or ref.partition("@")[0] != name:
             raise api.bad_request(
@@ -201,7 +202,7 @@ class HttpFront:
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.admission.is_open:
-            return _error(AdmissionError("UNAVAILABLE", "the engine is starting or shutting down"))
+            return _error(AdmissionError(Code.UNAVAILABLE, "the engine is starting or shutting down"))
         return web.Response(text="")
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from engine.admission import AdmissionError
 from engine.request import Finished, FinishReason
 from engine.sampling import SamplingParams
+from loraformat.errors import Code
 
 COMPLETIONS_MAX_TOKENS = 16
 _FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop"}
@@ -25,26 +26,27 @@ _FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", Fini
 _UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "tools", "response_format")
 _PENALTIES = ("presence_penalty", "frequency_penalty")
 
-# Status names of the engine -> HTTP status and OpenAI error type.
+# The engine's error kinds -> HTTP status and OpenAI error type (the one place they map).
 HTTP_STATUS = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "FAILED_PRECONDITION": (400, "invalid_request_error"),
-    "NOT_FOUND": (404, "not_found_error"),
-    "ALREADY_EXISTS": (409, "invalid_request_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "UNAVAILABLE": (503, "service_unavailable_error"),
-    "DEADLINE_EXCEEDED": (504, "timeout_error"),
+    Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    Code.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    Code.NOT_FOUND: (404, "not_found_error"),
+    Code.ALREADY_EXISTS: (409, "invalid_request_error"),
+    Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Code.UNAVAILABLE: (503, "service_unavailable_error"),
+    Code.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    Code.INTERNAL: (500, "internal_error"),
 }
 
 
-def error_body(code: str, message: str) -> tuple[int, dict]:
-    """(HTTP status, OpenAI error body) for an engine status name."""
+def error_body(code: Code, message: str) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) for an engine error kind."""
     status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
     return status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 def bad_request(message: str) -> AdmissionError:
-    return AdmissionError("INVALID_ARGUMENT", message)
+    return AdmissionError(Code.INVALID_ARGUMENT, message)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 import grpc
 
 from engine.config import DEFAULT_ENGINE_PORT, DEFAULT_HTTP_PORT
+from loraformat.errors import StatusError
 from loramux import commands
 from registry.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_REGISTRY_PORT
-from registry.errors import RegistryError
 
 DEFAULT_DATA_DIR = "~/.loramux"
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-    except RegistryError as exc:
+    except StatusError as exc:
         print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

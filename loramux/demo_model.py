@@ -25,7 +25,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from engine.named_shapes import LLAMA3_8B_CONFIG, TINY_LLAMA_CONFIG
 from loraformat.architectures import Biases, spec_for_config
 
-__all__ = ["LLAMA3_8B_CONFIG", "TINY_LLAMA_CONFIG", "build_tokenizer", "write_demo_adapter", "write_llama_checkpoint"]
+__all__ = [
+    "LLAMA3_8B_CONFIG",
+    "TINY_LLAMA_CONFIG",
+    "build_tokenizer",
+    "write_demo_adapter",
+    "write_demo_tokenizer",
+    "write_llama_checkpoint",
+]
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID = 0, 1, 2
@@ -277,6 +284,12 @@ def _write_weights(out_dir: Path, weights: dict[str, torch.Tensor], num_shards: 
 def _generation_config(config: dict) -> dict:
     """No sampling settings: transformers' generate() is greedy by default, as the oracle tests need."""
     return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def write_demo_tokenizer(out_dir: str | Path, model_max_length: int, vocab_size: int = 512) -> None:
+    """The demo tokenizer's files into `out_dir`: for checkpoints written by other means (transformers'
+    own classes in tests) that need a tokenizer the engine and transformers both read."""
+    _write_tokenizer(Path(out_dir), build_tokenizer(vocab_size), model_max_length)
 
 
 def _write_tokenizer(out_dir: Path, tokenizer: Tokenizer, model_max_length: int) -> None:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import pytest
 
+from engine.errors import Code
 from engine.kv_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool, num_pages_for
 from engine.radix_cache import RadixCache
 from engine.request import Failed, Finished, FinishReason, Request
@@ -281,7 +282,7 @@ def test_request_too_large_for_the_pool_fails_and_others_run(tokenizer, page_siz
     sim = Sim(tokenizer, page_size=page_size, num_pages=num_pages, max_batch_tokens=max_batch_tokens)
     alone = sim.add("alone", prompt_of(60, 1))
     sim.run()
-    assert sim.final("alone") == Failed("RESOURCE_EXHAUSTED", sim.final("alone").message)
+    assert sim.final("alone") == Failed(Code.RESOURCE_EXHAUSTED, sim.final("alone").message)
     assert alone.req_row == -1
 
     small1 = sim.add("small1", prompt_of(5, 2), max_new_tokens=6)
@@ -289,7 +290,7 @@ def test_request_too_large_for_the_pool_fails_and_others_run(tokenizer, page_siz
     small2 = sim.add("small2", prompt_of(7, 4), max_new_tokens=6)
     sim.run()
     event = sim.final("big")
-    assert isinstance(event, Failed) and event.code == "RESOURCE_EXHAUSTED"
+    assert isinstance(event, Failed) and event.code is Code.RESOURCE_EXHAUSTED
     assert big.output_ids == [] and big.req_row == -1
     assert_finished(sim, small1, 6)
     assert_finished(sim, small2, 6)
@@ -319,8 +320,8 @@ def test_cancel_and_deadline_free_every_page(tokenizer, page_size):
     now[0] = 5.5
     cancel.is_cancelled = waiting_cancel.is_cancelled = True
     sim.step()
-    assert sim.final("deadline-running") == Failed("DEADLINE_EXCEEDED", sim.final("deadline-running").message)
-    assert sim.final("deadline-waiting").code == "DEADLINE_EXCEEDED"
+    assert sim.final("deadline-running") == Failed(Code.DEADLINE_EXCEEDED, sim.final("deadline-running").message)
+    assert sim.final("deadline-waiting").code is Code.DEADLINE_EXCEEDED
     cancelled = sim.final("cancel-running")
     assert (cancelled.reason, cancelled.completion_tokens) == (FinishReason.CANCELLED, 4)
     assert sim.final("cancel-waiting") == Finished(FinishReason.CANCELLED, "", 6, 0, 0)
