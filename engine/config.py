@@ -8,6 +8,7 @@ from pathlib import Path
 from loramux.security import TlsFiles
 
 DEFAULT_ENGINE_PORT = 50052
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible front of `loramux up` (vLLM's port)
 
 
 @dataclass(frozen=True)
