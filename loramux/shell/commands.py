@@ -10,7 +10,7 @@ from pathlib import Path
 from loramux.engine_client import EngineClient, generate_request
 from loramux.grpc_server import stop_event_on_signals
 from loramux.registry_client import RegistryClient, adapter_json
-from loramux.shell.settings import engine_config, registry_config
+from loramux.shell.settings import engine_config, http_port, registry_config
 from loramux.v1 import engine_pb2
 from loramux.v1 import registry_pb2 as pb
 from registry.types import parse_ref
@@ -55,7 +55,8 @@ def engine_serve(args) -> int:
     _setup_logging()
 
     async def main() -> None:
-        await serve(engine_config(args, args.model, args.port), stop_event_on_signals(), metrics_port=args.metrics_port)
+        config = engine_config(args, args.model, args.port)
+        await serve(config, stop_event_on_signals(), metrics_port=args.metrics_port, http_port=http_port(args))
 
     asyncio.run(main())
     return 0

@@ -24,6 +24,12 @@ def registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryCon
     )
 
 
+def http_port(args) -> int | None:
+    """--http-port: None (or negative) = no HTTP front."""
+    port = getattr(args, "http_port", None)
+    return None if port is None or port < 0 else port
+
+
 def engine_config(args, model_dir: str, port: int, registry: str = "") -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
