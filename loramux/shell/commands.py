@@ -7,15 +7,12 @@ import logging
 import sys
 from pathlib import Path
 
-from engine.adapters import parse_adapter_spec
-from engine.config import EngineConfig
 from loramux.engine_client import EngineClient, generate_request
 from loramux.grpc_server import stop_event_on_signals
 from loramux.registry_client import RegistryClient, adapter_json
-from loramux.security import TlsFiles
+from loramux.shell.settings import engine_config, http_port, registry_config, tls_files
 from loramux.v1 import engine_pb2
 from loramux.v1 import registry_pb2 as pb
-from registry.config import RegistryConfig
 from registry.types import parse_ref
 
 REMOTE_SCHEMES = ("s3://", "file://")
@@ -23,29 +20,6 @@ REMOTE_SCHEMES = ("s3://", "file://")
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
-def _registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryConfig:
-    return RegistryConfig(
-        data_dir=Path(args.data_dir).expanduser(),
-        host=getattr(args, "host", host),
-        port=getattr(args, "port", port),
-        database_url=args.database_url,
-        object_store=args.object_store,
-        max_lora_rank=getattr(args, "max_lora_rank", RegistryConfig.max_lora_rank),
-        max_upload_bytes=getattr(args, "max_upload_bytes", RegistryConfig.max_upload_bytes),
-        import_allow_dirs=tuple(Path(d).resolve() for d in getattr(args, "import_allow_dir", [])),
-        import_s3_endpoint_url=getattr(args, "import_s3_endpoint_url", ""),
-        import_allow_s3=tuple(getattr(args, "import_allow_s3", [])),
-        auth=getattr(args, "auth", False),
-        admin_key_file=Path(args.admin_key_file).expanduser() if getattr(args, "admin_key_file", "") else None,
-        allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
-        tls=tls_files(args),
-    )
-
-
-def tls_files(args) -> TlsFiles:
-    return TlsFiles(getattr(args, "tls_cert", ""), getattr(args, "tls_key", ""), getattr(args, "tls_ca", ""))
 
 
 def _registry_client(args) -> RegistryClient:
@@ -61,7 +35,7 @@ def registry_serve(args) -> int:
     _setup_logging()
 
     async def main() -> None:
-        await serve(_registry_config(args), stop_event_on_signals(), metrics_port=args.metrics_port)
+        await serve(registry_config(args), stop_event_on_signals(), metrics_port=args.metrics_port)
 
     asyncio.run(main())
     return 0
@@ -70,50 +44,13 @@ def registry_serve(args) -> int:
 def registry_gc(args) -> int:
     from registry.server import build_service
 
-    service = build_service(_registry_config(args))
+    service = build_service(registry_config(args))
     result = service.collect_garbage(args.grace_s, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for blob in result.removed:
         print(f"{verb} {blob.digest} ({blob.size} bytes)")
     print(f"{verb} {len(result.removed)} blobs; kept {result.kept_young} younger than {args.grace_s:g}s")
     return 0
-
-
-def http_port(args) -> int | None:
-    """--http-port: None (or negative) = no HTTP front."""
-    port = getattr(args, "http_port", None)
-    return None if port is None or port < 0 else port
-
-
-def engine_config(args, model_dir: str, port: int, registry: str = "") -> EngineConfig:
-    return EngineConfig(
-        model_dir=model_dir,
-        base_model_name=getattr(args, "base_model_name", ""),
-        host=getattr(args, "host", "127.0.0.1"),
-        port=port,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        num_kv_slots=args.num_kv_slots,
-        max_context=args.max_context,
-        max_running_requests=args.max_running_requests,
-        max_batch_tokens=args.max_batch_tokens,
-        max_queued_requests=args.max_queued_requests,
-        attention_backend=args.attention_backend,
-        cuda_graph_max_batch=args.cuda_graph_max_batch,
-        adapters=tuple(parse_adapter_spec(spec) for spec in getattr(args, "adapter", [])),
-        max_loras_per_batch=args.max_loras_per_batch,
-        max_lora_rank=args.max_lora_rank,
-        max_host_adapters=args.max_host_adapters,
-        lora_eviction_policy=args.lora_eviction_policy,
-        lora_drain_wait_s=args.lora_drain_wait_s,
-        lora_backend=args.lora_backend,
-        registry=registry or getattr(args, "registry", ""),
-        auth=getattr(args, "auth", False),
-        api_key=getattr(args, "api_key", ""),
-        allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
-        tls=tls_files(args),
-    )
 
 
 def engine_serve(args) -> int:
@@ -154,7 +91,7 @@ def generate(args) -> int:
 
 
 def up(args) -> int:
-    from loramux.up import run_up
+    from loramux.shell.up import run_up
 
     _setup_logging()
     asyncio.run(run_up(args))

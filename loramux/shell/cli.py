@@ -11,7 +11,7 @@ import grpc
 
 from engine.config import DEFAULT_ENGINE_PORT, DEFAULT_HTTP_PORT
 from loraformat.errors import StatusError
-from loramux import commands
+from loramux.shell import commands
 from registry.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_REGISTRY_PORT
 
 DEFAULT_DATA_DIR = "~/.loramux"
