@@ -52,6 +52,17 @@ class AdapterAdmin:
         lora.host_cache.discard(record.digest)
         return await self.state(record.digest)
 
+    async def available(self) -> list[AdapterRecord]:
+        """Every adapter this engine can serve, latest versions: its local ones, then the registry's
+        for its base model (UNAVAILABLE while the registry is down)."""
+        if self.core.lora is None:
+            return []
+        records = self.core.adapters.records()
+        if self.core.link is not None:
+            local = {r.name for r in records}
+            records += [r for r in await self.core.link.list_latest() if r.name not in local]
+        return records
+
     async def states(self) -> list[AdapterResidency]:
         return await self._on_loop(self._snapshot)
 

@@ -52,6 +52,9 @@ class LocalAdapters:
             raise NotFound(f"adapter {ref!r} is not available on this engine")
         return record
 
+    def records(self) -> list[AdapterRecord]:
+        return sorted(self._by_name.values(), key=lambda r: r.name)
+
     def by_digest(self, digest: str) -> AdapterRecord:
         return self._by_digest[digest]
 

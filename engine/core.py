@@ -146,16 +146,18 @@ class EngineCore:
         return await asyncio.shield(task)
 
     async def _load(self, record: AdapterRecord) -> PackedAdapter:
+        started = time.monotonic()
         if record.path is not None:
             packed = await asyncio.to_thread(self.lora.fetch, record.digest)
         else:
-            started = time.monotonic()
             data = await self.link.fetch(record)
             if self.metrics is not None:
                 self.metrics.adapter_fetch_bytes.inc(len(data))
                 self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
             packed = await asyncio.to_thread(self._pack, record.digest, data)
         self.lora.host_cache.put(packed)
+        if self.metrics is not None:
+            self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)
         return packed
 
     def _pack(self, digest: str, artifact: bytes) -> PackedAdapter:

@@ -133,6 +133,20 @@ class RegistryLink:
             self._resolved[key] = self._resolved[(name, record.version)] = record
         return record
 
+    async def list_latest(self) -> list[AdapterRecord]:
+        """The latest version of every adapter of this engine's base model, by name."""
+        records, token = [], ""
+        while True:
+            request = pb.ListAdaptersRequest(base_model=self.base_model, latest_only=True, page_size=1000, page_token=token)
+            try:
+                page = await self.stub.ListAdapters(request, timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                raise unavailable("adapters", exc) from None
+            records += [record_of(a) for a in page.adapters]
+            token = page.next_page_token
+            if not token:
+                return sorted(records, key=lambda r: r.name)
+
     async def _apply_pin_state(self, record: AdapterRecord) -> None:
         """A pin or unpin the lookup shows before its event arrived is applied now, before admission."""
         known = self._pins.get(record.ref)

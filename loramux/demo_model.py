@@ -37,6 +37,17 @@ __all__ = [
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID = 0, 1, 2
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids are the positions in this tuple
+# A small chat template in the Zephyr style, so chat requests work on the demo model; it uses what real
+# templates use (special tokens by name, raise_exception, whitespace control by trim/lstrip_blocks).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}\n"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant, not ' + message['role']) }}{% endif %}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 # TINY_LLAMA_CONFIG (engine.named_shapes) names these ids as its bos/eos/pad.
 
 _ARCHITECTURES = {
@@ -291,6 +302,7 @@ def _write_tokenizer(out_dir: Path, tokenizer: Tokenizer, model_max_length: int)
         "model_max_length": model_max_length,
         # Decoding must give back the exact text; HF's cleanup would turn "a ." into "a.".
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     _write_json(out_dir / "special_tokens_map.json", special)
