@@ -26,7 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from loramux.cli import build_parser
+from loramux.shell.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 KUSTOMIZE_DIR = ROOT / "deploy" / "kubernetes"
