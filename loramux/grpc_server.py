@@ -39,10 +39,14 @@ class ServiceHost:
         self.bound_host = ""
         self.port = 0
 
-    def bind(self, host: str, port: int) -> int:
-        """Bind host:port (0 = pick a free port); returns the bound port."""
+    def bind(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Bind host:port (0 = pick a free port), with TLS when credentials are given; returns the port."""
         self.bound_host = host
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         return self.port

@@ -11,7 +11,7 @@ from loraformat.names import parse_ref
 from loramux.engine_client import EngineClient, generate_request
 from loramux.grpc_server import stop_event_on_signals
 from loramux.registry_client import RegistryClient, adapter_json
-from loramux.shell.settings import engine_config, http_port, registry_config
+from loramux.shell.settings import engine_config, http_port, registry_config, tls_files
 from loramux.v1 import engine_pb2
 from loramux.v1 import registry_pb2 as pb
 
@@ -20,6 +20,10 @@ REMOTE_SCHEMES = ("s3://", "file://")
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _registry_client(args) -> RegistryClient:
+    return RegistryClient(args.registry, api_key=args.api_key, tls=tls_files(args))
 
 
 # ---- servers -------------------------------------------------------------------------------------
@@ -73,7 +77,7 @@ def generate(args) -> int:
         stop=args.stop,
         **({"seed": args.seed} if args.seed is not None else {}),
     )
-    with EngineClient(args.engine) as client:
+    with EngineClient(args.engine, api_key=args.api_key, tls=tls_files(args)) as client:
         if args.wait:
             client.wait_ready(args.wait)
         for response in client.stream(request):
@@ -100,14 +104,14 @@ def up(args) -> int:
 def base_models_register(args) -> int:
     model_dir = Path(args.dir)
     name = args.name or model_dir.resolve().name
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         model = client.register_base_model(name, model_dir)
     print(f"registered base model {model.name}")
     return 0
 
 
 def base_models_list(args) -> int:
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         for model in client.list_base_models():
             print(model.name)
     return 0
@@ -125,7 +129,7 @@ def adapters_register(args) -> int:
         adapter_dir = Path(args.dir)
         if not adapter_dir.is_dir():
             raise ValueError(f"{args.dir} is not a directory")
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         adapter = client.register_adapter(spec, adapter_dir, progress=_progress_printer("uploading"))
     _clear_progress()
     if args.json:
@@ -136,7 +140,7 @@ def adapters_register(args) -> int:
 
 
 def adapters_list(args) -> int:
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         adapters = list(client.list(args.base_model, args.prefix, latest_only=not args.all_versions))
     if args.json:
         print("[" + ",\n".join(adapter_json(a) for a in adapters) + "]")
@@ -149,14 +153,14 @@ def adapters_list(args) -> int:
 
 def adapters_show(args) -> int:
     name, version = parse_ref(args.adapter)
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         print(adapter_json(client.get(name, version)))
     return 0
 
 
 def adapters_delete(args) -> int:
     name, version = parse_ref(args.adapter)
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         for adapter in client.delete(name, version):
             print(f"deleted {adapter.name}@{adapter.version}")
     return 0
@@ -164,7 +168,7 @@ def adapters_delete(args) -> int:
 
 def adapters_pin(args) -> int:
     name, version = parse_ref(args.adapter)
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         adapter = client.set_pinned(name, version, args.pinned)
     print(f"{adapter.name}@{adapter.version} pinned={str(adapter.pinned).lower()}")
     return 0
@@ -190,3 +194,44 @@ def _progress_printer(verb: str):
 def _clear_progress() -> None:
     if sys.stderr.isatty():
         print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+# ---- keys and audit --------------------------------------------------------------------------
+
+
+def keys_create(args) -> int:
+    with _registry_client(args) as client:
+        created = client.create_key(args.tenant, args.role, args.description)
+    k = created.key
+    print(f"created key {k.key_id} for tenant {k.tenant} with role {k.role}; it is shown only now:", file=sys.stderr)
+    print(created.secret)  # the last line of stdout: scripts take it with `| tail -n 1`
+    return 0
+
+
+def keys_list(args) -> int:
+    with _registry_client(args) as client:
+        keys = client.list_keys()
+    print(f"{'KEY ID':<14} {'TENANT':<24} {'ROLE':<10} {'STATE':<8} DESCRIPTION")
+    for k in keys:
+        state = "revoked" if k.revoked_at else "valid"
+        print(f"{k.key_id:<14} {k.tenant:<24} {k.role:<10} {state:<8} {k.description}")
+    return 0
+
+
+def keys_revoke(args) -> int:
+    with _registry_client(args) as client:
+        key = client.revoke_key(args.key_id)
+    print(f"revoked key {key.key_id} (tenant {key.tenant}, role {key.role})")
+    return 0
+
+
+def audit_list(args) -> int:
+    import datetime
+
+    with _registry_client(args) as client:
+        entries = client.audit(args.limit)
+    print(f"{'TIME (UTC)':<20} {'KEY ID':<14} {'TENANT':<16} {'ACTION':<20} {'OUTCOME':<18} TARGET")
+    for e in entries:
+        at = datetime.datetime.fromtimestamp(e.at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{at:<20} {e.key_id or '-':<14} {e.tenant or '-':<16} {e.action:<20} {e.outcome:<18} {e.target}")
+    return 0

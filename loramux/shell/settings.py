@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engine.adapters import parse_adapter_spec
 from engine.config import EngineConfig
+from loramux.security import TlsFiles
 from registry.config import RegistryConfig
 
 
@@ -21,7 +22,16 @@ def registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryCon
         max_upload_bytes=getattr(args, "max_upload_bytes", RegistryConfig.max_upload_bytes),
         import_allow_dirs=tuple(Path(d).resolve() for d in getattr(args, "import_allow_dir", [])),
         import_s3_endpoint_url=getattr(args, "import_s3_endpoint_url", ""),
+        import_allow_s3=tuple(getattr(args, "import_allow_s3", [])),
+        auth=getattr(args, "auth", False),
+        admin_key_file=Path(args.admin_key_file).expanduser() if getattr(args, "admin_key_file", "") else None,
+        allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
+        tls=tls_files(args),
     )
+
+
+def tls_files(args) -> TlsFiles:
+    return TlsFiles(getattr(args, "tls_cert", ""), getattr(args, "tls_key", ""), getattr(args, "tls_ca", ""))
 
 
 def http_port(args) -> int | None:
@@ -54,4 +64,8 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_drain_wait_s=args.lora_drain_wait_s,
         lora_backend=args.lora_backend,
         registry=registry or getattr(args, "registry", ""),
+        auth=getattr(args, "auth", False),
+        api_key=getattr(args, "api_key", ""),
+        allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
+        tls=tls_files(args),
     )

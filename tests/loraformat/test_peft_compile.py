@@ -21,13 +21,13 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from loraformat.errors import FailedPrecondition, InvalidArgument, StatusError
 from loraformat.model_shapes import SUPPORTED_MODULES, ModelShape, module_path
 from loraformat.peft_compile import CompiledAdapter, compile_adapter, read_canonical
 from loraformat.peft_config import parse_peft_config
 from loraformat.safetensors_io import write_safetensors
 from loramux.demo_model import write_llama_checkpoint
 from loramux.testing.peft_adapters import make_peft_adapter
-from registry.errors import FailedPrecondition, InvalidArgument, RegistryError
 
 ALL = SUPPORTED_MODULES
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -239,9 +239,13 @@ def test_targeted_module_missing_from_weights_contributes_zero(adapter, shape: M
 
 @pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
 def test_inits_that_keep_base_weights_are_accepted(init, adapter, shape: ModelShape, tmp_path: Path):
+    """init_lora_weights only says how training started: the trained weights compile to the very artifact
+    of the plain adapter (same digest), neither refused nor altered."""
     config, weights = variant(adapter("compile-plain"), tmp_path, config={"init_lora_weights": init})
-    compile_adapter(config, weights, shape, base_model="t", max_rank=64, out_path=tmp_path / "a")
-    assert (tmp_path / "a").exists()
+    compiled = compile_adapter(config, weights, shape, base_model="t", max_rank=64, out_path=tmp_path / "a")
+    plain = compile_dir(adapter("compile-plain"), shape, tmp_path / "plain", base_model="t")
+    assert compiled.digest == plain.digest
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "plain").read_bytes()
 
 
 # ---- (c) determinism ----
@@ -295,7 +299,7 @@ DELETE = object()
 
 @dataclass(frozen=True)
 class Bad:
-    error: type[RegistryError]
+    error: type[StatusError]
     offender: str  # must appear in the message
     config: dict = field(default_factory=dict)
     tensors: Callable[[dict], dict] | None = None
@@ -475,7 +479,7 @@ def test_compile_rejects(case: str, adapter, shape: ModelShape, tmp_path: Path):
     )
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    with pytest.raises(RegistryError) as info:
+    with pytest.raises(StatusError) as info:
         compile_adapter(
             bad.config_raw or config,
             weights,
