@@ -1,6 +1,6 @@
 """One admission path for every protocol front (the gRPC servicer, the OpenAI-compatible HTTP front).
 
-`start_generation` runs the checks in one order, cheapest first: ready, adapter reference, prompt,
+`Admission.start` runs the checks in one order, cheapest first: ready, adapter reference, prompt,
 sampling values, queue room; only then does it fetch the adapter (so a bad request never waits on the
 registry) and submit. `Generation.events` streams the request's events and, when the caller stops
 listening before the end (a client that went away, a deadline), cancels it so its KV pages and adapter

@@ -120,10 +120,11 @@ class HttpFront:
         with admission_errors():
             params = api.sampling_params("chat", body)
         messages = api.chat_messages(body)
+        add_generation_prompt = body.get("add_generation_prompt", True) is not False  # vLLM's extra field
         if self.chat_template is None:
             raise api.bad_request(f"model {req.model!r} has no chat template (tokenizer_config.json chat_template); use /v1/completions")
         try:
-            prompt = self.chat_template.render(messages)
+            prompt = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as exc:
             raise api.bad_request(str(exc)) from None
         # The template wrote the special tokens itself: encode without adding any (as transformers does).

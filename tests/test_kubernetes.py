@@ -263,6 +263,7 @@ def test_registry_replicas_share_postgres_and_s3_from_the_secret(objects):
     args = _parse(container, _secret_env(objects))
     assert args.database_url.startswith("postgresql+psycopg://") and args.object_store.startswith("s3://")
     assert args.host == "0.0.0.0" and container["readinessProbe"]["grpc"] == {"port": args.port, "service": "loramux.v1.Registry"}
+    assert args.auth or args.allow_unauthenticated  # beyond loopback a service refuses to start otherwise
     service = _one(objects, "Service", "loramux-registry")
     assert {"name": "grpc", "port": args.port, "targetPort": "grpc", "appProtocol": "grpc"} in service["spec"]["ports"]
 
@@ -272,6 +273,7 @@ def test_engines_request_a_gpu_and_are_probed_over_grpc_and_http(objects):
     [container] = engine["spec"]["template"]["spec"]["containers"]
     args = _parse(container, {})
     assert args.device == "cuda" and args.host == "0.0.0.0" and args.http_port == 8000
+    assert args.auth or args.allow_unauthenticated
     for section in ("requests", "limits"):
         assert container["resources"][section]["nvidia.com/gpu"] == "1"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}

@@ -130,6 +130,12 @@ def test_errors_are_openai_errors(client):
         client.chat.completions.create(model=BASE, messages=[{"role": "tool", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="prompt"):
         client.completions.create(model=BASE, prompt="")
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.completions.create(model=BASE, prompt=PROMPT, extra_body={"stop_token_ids": ["x"]})
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="demo", prompt=PROMPT, logprobs=2)
 
 
 def test_concurrent_streams_with_mixed_adapters(stack, client):

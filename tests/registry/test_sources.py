@@ -165,7 +165,10 @@ def test_fetch_at_the_limit_passes_and_one_byte_over_fails(allowed: Path, tmp_pa
     source = make_adapter_dir(allowed / "a1")
     total = len(CONFIG_BYTES) + 5000
 
-    fetch_source(str(source), tmp_path / "ok", allowed_dirs=[allowed], max_bytes=total)
+    ok = tmp_path / "ok"
+    files = fetch_source(str(source), ok, allowed_dirs=[allowed], max_bytes=total)
+    assert files == {CONFIG_FILE: ok / CONFIG_FILE, WEIGHTS_FILE: ok / WEIGHTS_FILE}
+    assert files[CONFIG_FILE].read_bytes() == CONFIG_BYTES and files[WEIGHTS_FILE].read_bytes() == b"W" * 5000
     with pytest.raises(ResourceExhausted, match=f"limit of {total - 1} bytes"):
         fetch_source(str(source), tmp_path / "over", allowed_dirs=[allowed], max_bytes=total - 1)
     assert_nothing_copied(tmp_path / "over")
