@@ -13,9 +13,9 @@ from pathlib import Path
 
 from engine.errors import FailedPrecondition, InvalidArgument, NotFound
 from loraformat.model_shapes import ModelShape
+from loraformat.names import check_name, parse_ref
 from loraformat.peft_compile import CanonicalAdapter, compile_adapter, read_canonical
 from loraformat.peft_files import CONFIG_FILE, WEIGHTS_FILE
-from registry.types import check_name, parse_ref
 
 
 @dataclass(frozen=True)

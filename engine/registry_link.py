@@ -21,10 +21,10 @@ import grpc
 from engine.adapters import AdapterRecord
 from engine.coalesce import CoalescedCalls
 from engine.errors import EngineError, FailedPrecondition, NotFound, Unavailable
+from loraformat.names import parse_ref
 from loramux.security import Principal, Role, TlsFiles, auth_metadata, open_channel
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
-from registry.types import parse_ref
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 10.0
