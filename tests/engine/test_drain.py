@@ -196,8 +196,48 @@ def test_one_drain_at_a_time_for_the_oldest_starving_adapter():
 
 
 def test_wait_must_be_positive():
-    with pytest.raises(ValueError, match="drain wait must be > 0"):
+    with pytest.raises(ValueError, match=r"^drain wait must be > 0 seconds, not 0.0$"):
         StarvationDrain(0.0)
+    assert StarvationDrain(0.3).wait_s == 0.3  # sub-second waits are fine
+
+
+def test_waiting_exactly_the_threshold_is_not_starving():
+    w = World(num_slots=1)
+    w.run("a", remaining=5)
+    w.wait("b")
+    w.update(after_s=WAIT_S)
+    assert w.drain.draining is None
+    w.update(after_s=0.001)
+    assert w.drain.draining == "a"
+
+
+def test_finished_requests_count_no_remaining_tokens():
+    """A running request with nothing left to generate counts 0, not 1: a (two such requests) frees its
+    slot before c (one token left)."""
+    w = World(num_slots=2)
+    w.run("a", remaining=0)
+    w.run("a", remaining=0)
+    w.run("c", remaining=1)
+    w.wait("b")
+    w.update(after_s=WAIT_S + 1)
+    assert w.drain.draining == "a"
+
+
+def test_drain_lifts_when_the_starving_request_left_while_others_wait():
+    w = World(num_slots=1)
+    w.run("a", remaining=2)
+    b = w.wait("b")
+    w.update(after_s=WAIT_S + 1)
+    w.wait("a")  # held back by the drain
+    w.waiting.remove(b)  # cancelled
+    w.update()
+    assert w.drain.draining is None and w.drain.num_drains == 1
+
+
+def test_a_fresh_drain_blocks_nothing():
+    drain = StarvationDrain(WAIT_S)
+    assert (drain.draining, drain.starving, drain.num_drains) == (None, None, 0)
+    assert not drain.blocks(FakeReq("", 0.0)) and not drain.blocks(FakeReq("a", 0.0))
 
 
 def test_remaining_tokens_count_what_was_already_generated():
