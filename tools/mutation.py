@@ -69,8 +69,8 @@ def mutants(tree: ast.Module) -> Iterator[tuple[Mutant, ast.Module]]:
         node = _candidates(mutated)[index]
         before = _show(node)
         line = getattr(node, "lineno", 0)
-        _mutate(mutated, node)
-        yield Mutant(index, line, f"{before} -> {_show(node)}"), ast.fix_missing_locations(mutated)
+        after = _mutate(mutated, node)
+        yield Mutant(index, line, f"{before} -> {_show(after)}"), ast.fix_missing_locations(mutated)
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -107,13 +107,15 @@ def _in_function(tree: ast.Module, target: ast.AST) -> bool:
     return any(target in ast.walk(f) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef))
 
 
-def _mutate(tree: ast.Module, node: ast.AST) -> None:
+def _mutate(tree: ast.Module, node: ast.AST) -> ast.AST:
+    """Applies the one change of node's kind; returns what now stands where node stood."""
     if isinstance(node, ast.BinOp | ast.BoolOp):
         node.op = SWAPS[type(node.op)]()
     elif isinstance(node, ast.Compare):
         node.ops[0] = SWAPS[type(node.ops[0])]()
     elif isinstance(node, ast.UnaryOp):
         _replace(tree, node, node.operand)
+        return node.operand
     elif isinstance(node, ast.Constant):
         node.value = (not node.value) if isinstance(node.value, bool) else node.value + 1
     elif isinstance(node, ast.Call):
@@ -122,6 +124,8 @@ def _mutate(tree: ast.Module, node: ast.AST) -> None:
         node.value = ast.Constant(None)
     else:
         _replace(tree, node, ast.Pass())
+        return ast.Pass()
+    return node
 
 
 def _replace(tree: ast.Module, old: ast.AST, new: ast.AST) -> None:

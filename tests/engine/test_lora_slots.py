@@ -173,3 +173,41 @@ def test_host_cache_is_lru_by_digest():
     assert "b" not in cache and "a" in cache and "c" in cache
     assert cache.get("b") is None
     assert (cache.num_hits, cache.num_misses) == (1, 1)
+
+
+def test_slots_load_the_adapter_into_the_pool_and_clear_it_on_eviction():
+    slots = make_slots(2)
+    index = slots.acquire("a", loader("a"))
+    assert slots.pool.ranks[index] == 4 and slots.pool.scalings[index] == 2.0  # loaded into the GPU slot
+    slots.acquire("b", loader("b"))
+    slots.release("a")
+    slots.release("b")
+    assert slots.acquire("c", loader("c")) == index and slots.num_evictions == 1  # a's slot, reloaded
+    assert slots.evict("c") is False  # in use
+    slots.release("c")
+    assert slots.evict("c") is True
+    assert slots.slot_of("c") is None and slots.pool.ranks[index] == 0  # emptied, and the pool knows it
+    assert slots.evict("never-loaded") is True  # nothing to drop: gone already
+    assert slots.num_evictions == 1  # an explicit evict is not an eviction for room
+
+
+def test_unknown_eviction_policy_is_refused():
+    pool = LoraSlotPool(CONFIG, num_slots=1, max_rank=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"eviction policy 'mru' is not one of \['fifo', 'lru'\]"):
+        AdapterSlots(pool, "mru")
+
+
+def test_fifo_goes_by_load_time_not_by_slot_order():
+    """The oldest load sits in the higher slot: b reuses slot 0 after x left it, so y (slot 1) is older."""
+    slots = make_slots(2, "fifo")
+    x = slots.acquire("x", loader("x"))
+    y = slots.acquire("y", loader("y"))
+    slots.release("x")
+    slots.release("y")
+    assert slots.evict("x") is True
+    assert slots.acquire("b", loader("b")) == x  # the empty slot first, no eviction
+    slots.release("b")
+    assert slots.num_evictions == 0
+    assert slots.acquire("c", loader("c")) == y
+    assert [s.digest for s in slots.slots] == ["b", "c"]
+    assert len(slots.recent_load_seconds) == slots.num_loads == 4  # each load timed for the metrics
