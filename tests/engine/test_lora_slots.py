@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import pytest
@@ -146,10 +147,11 @@ def test_pinning_is_capped_at_slots_minus_one():
 
 def test_release_without_acquire_is_an_error():
     slots = make_slots(1)
-    slots.acquire("a", loader("a"))
-    slots.release("a")
-    with pytest.raises(ValueError, match="released more often than acquired"):
-        slots.release("a")
+    digest = "0123456789abcdef" * 4
+    slots.acquire(digest, loader("a"))
+    slots.release(digest)
+    with pytest.raises(ValueError, match=r"^adapter 0123456789ab released more often than acquired$"):
+        slots.release(digest)
 
 
 def test_lru_counts_a_release_as_a_use():
@@ -211,3 +213,4 @@ def test_fifo_goes_by_load_time_not_by_slot_order():
     assert slots.acquire("c", loader("c")) == y
     assert [s.digest for s in slots.slots] == ["b", "c"]
     assert len(slots.recent_load_seconds) == slots.num_loads == 4  # each load timed for the metrics
+    assert all(0 <= s < time.perf_counter() for s in slots.recent_load_seconds)  # durations, not instants

@@ -6,11 +6,15 @@ including it)` into a fake KV map at its slot, and every step first checks that 
 function of the whole history, so a lost or duplicated token changes every later one.
 """
 
+import dataclasses
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
 
+from engine.drain import StarvationDrain
 from engine.errors import Code
 from engine.kv_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool, num_pages_for
 from engine.radix_cache import RadixCache
@@ -58,18 +62,19 @@ class Sim:
     """A Scheduler over real KV owners, stepped by a fake model that checks KV reads and writes."""
 
     def __init__(self, tokenizer: Tokenizer, *, page_size: int, num_pages: int, max_running: int = 8,
-                 max_batch_tokens: int = 64, clock=None, lora=None):
+                 max_batch_tokens: int = 64, clock=None, lora=None, drain=None):
         self.tokenizer = tokenizer
         self.allocator = PageAllocator(num_pages, page_size)
         self.req_pool = ReqToTokenPool(max_running, MAX_CONTEXT)
         self.radix = RadixCache(page_size, self.allocator)
         kv = RequestKV(self.allocator, self.req_pool, self.radix)
         config = SchedulerConfig(max_running, max_batch_tokens)
-        self.sched = Scheduler(config, kv, clock=clock, lora=lora) if clock else Scheduler(config, kv, lora=lora)
+        self.sched = Scheduler(config, kv, clock=clock or time.monotonic, lora=lora, drain=drain)
         self.kv_content: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.events: dict[str, list] = {}
         self.num_samples: dict[str, int] = {}
         self.admission_order: list[str] = []
+        self.requests: dict[str, Request] = {}
         self.steps: list[list[Step]] = []
 
     def add(self, rid: str, prompt: list[int], max_new_tokens: int = 4, namespace: str = "",
@@ -83,6 +88,7 @@ class Sim:
             generator=None, eos_token_ids=frozenset(), deadline=deadline,
         )
         self.num_samples[rid] = 0
+        self.requests[rid] = req
         self.sched.add(req)
         return req
 
@@ -149,7 +155,7 @@ class Sim:
 
 def assert_finished(sim: Sim, req: Request, num_tokens: int, cached: int | None = None) -> Finished:
     event = sim.final(req.rid)
-    assert isinstance(event, Finished) and event.reason is FinishReason.LENGTH
+    assert isinstance(event, Finished) and event.reason is FinishReason.LENGTH and req.is_finished
     assert req.output_ids == expected_output(req.prompt_ids, num_tokens)
     assert sim.num_samples[req.rid] == num_tokens
     assert (event.prompt_tokens, event.completion_tokens) == (len(req.prompt_ids), num_tokens)
@@ -180,6 +186,11 @@ def test_fcfs_admission_under_the_running_cap(tokenizer, page_size):
 def test_config_refuses_a_budget_below_the_running_cap():
     with pytest.raises(ValueError, match="max_batch_tokens"):
         SchedulerConfig(max_running_requests=8, max_batch_tokens=4)
+    config = SchedulerConfig(max_running_requests=8, max_batch_tokens=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_batch_tokens = 4  # frozen: nothing changes the budget behind the scheduler's back
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BatchEntry(None, 0, 1, True).extend_len = 2
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -192,6 +203,16 @@ def test_chunked_prefill_samples_only_on_the_last_chunk(tokenizer, page_size):
     assert req.output_ids == expected_output(req.prompt_ids, 1)  # one token after three steps
     sim.run()
     assert_finished(sim, req, 3)
+    sim.assert_all_freed()
+
+
+def test_the_last_token_of_the_budget_still_admits_a_prefill_chunk(tokenizer):
+    sim = Sim(tokenizer, page_size=1, num_pages=64, max_running=2, max_batch_tokens=2)
+    sim.add("a", prompt_of(2, 1), max_new_tokens=6)
+    assert [(e.req.rid, e.extend_len) for e in sim.step()] == [("a", 2)]
+    sim.add("b", prompt_of(3, 2), max_new_tokens=2)
+    assert [(e.req.rid, e.extend_len) for e in sim.step()] == [("a", 1), ("b", 1)]
+    sim.run()
     sim.assert_all_freed()
 
 
@@ -225,6 +246,13 @@ class FakeSlots:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self.users: dict[str, int] = {}
+        self.slots = self  # the drain reads lora.slots.slot_of(d) and lora.slots.slots[i].is_pinned: both here
+
+    def slot_of(self, digest: str) -> int | None:
+        return list(self.users).index(digest) if digest in self.users else None
+
+    def __getitem__(self, index: int):
+        return SimpleNamespace(is_pinned=False)
 
     def can_acquire(self, digest: str) -> bool:
         return digest in self.users or len(self.users) < self.num_slots
@@ -256,7 +284,28 @@ def test_slot_blocked_requests_keep_their_arrival_order(tokenizer, page_size):
     assert [r.rid for r in sim.sched.running] == ["p", "base"]
     sim.run()
     assert sim.admission_order == ["p", "base", "x1", "y1", "z1"]
-    assert not sim.sched.lora.users
+    assert not sim.sched.lora.users and all(r.lora_slot == -1 for r in sim.requests.values())
+    sim.assert_all_freed()
+
+
+def test_drain_holds_back_the_drained_adapter_until_the_starving_one_ran(tokenizer):
+    """The scheduler consults the starvation drain before admission: once x1 has waited past the threshold
+    for P's only slot, p2 (P's newer request, which could share P's slot) waits too, so the slot frees and
+    x1 runs before p2. Without the drain p2 would join p1 at once."""
+    offset = [0.0]  # Request.arrival is time.monotonic(); the drain's clock runs ahead of it on demand
+    drain = StarvationDrain(1.0, clock=lambda: time.monotonic() + offset[0])
+    sim = Sim(tokenizer, page_size=1, num_pages=256, lora=FakeSlots(1), drain=drain)
+    sim.add("p1", prompt_of(4, 1), max_new_tokens=4, namespace="P")
+    sim.step()
+    sim.add("x1", prompt_of(5, 2), max_new_tokens=2, namespace="X")
+    sim.step()
+    offset[0] = 5.0
+    p2 = sim.add("p2", prompt_of(6, 3), max_new_tokens=2, namespace="P")
+    sim.step()
+    assert (drain.draining, drain.starving) == ("P", "X") and drain.blocks(p2)
+    assert [r.rid for r in sim.sched.running] == ["p1"] and [r.rid for r in sim.sched.waiting] == ["x1", "p2"]
+    sim.run()
+    assert sim.admission_order == ["p1", "x1", "p2"]
     sim.assert_all_freed()
 
 
@@ -301,7 +350,7 @@ def test_retraction_takes_the_latest_arrival_and_loses_no_token(tokenizer, page_
         sim.step()
     assert sim.sched.num_retractions == 1
     assert [r.rid for r in sim.sched.running] == ["a", "b"]
-    assert list(sim.sched.waiting) == [c] and c.req_row == -1 and c.kv_slots == []
+    assert list(sim.sched.waiting) == [c] and c.req_row == -1 and c.kv_slots == [] and c.cached_len == 0
     num_before = len(c.output_ids)
     assert 0 < num_before < max_new
     assert c.output_ids == expected_output(c.prompt_ids, num_before)  # kept across the retraction
@@ -330,7 +379,7 @@ def test_request_too_large_for_the_pool_fails_and_others_run(tokenizer, page_siz
     alone_event = sim.final("alone")
     assert isinstance(alone_event, Failed) and alone_event.code is Code.RESOURCE_EXHAUSTED
     assert "more KV" in alone_event.message
-    assert alone.req_row == -1
+    assert alone.req_row == -1 and sim.sched.num_retractions == 0  # failed at once, not retracted first
 
     small1 = sim.add("small1", prompt_of(5, 2), max_new_tokens=6)
     big = sim.add("big", prompt_of(60, 3), max_new_tokens=2)
@@ -382,4 +431,72 @@ def test_cancel_and_deadline_free_every_page(tokenizer, page_size):
 
     sim.run()
     assert_finished(sim, keep, 30)
+    sim.assert_all_freed()
+
+
+# -------------------------------------------------------------------------------------------- truncation
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_truncate_frees_the_pages_past_the_kept_tokens(tokenizer, page_size):
+    """RequestKV.truncate (a failed step's KV was never written): the pages wholly past `length` go back
+    to the allocator, the rest stays the request's; truncating below the cached prefix is refused."""
+    sim = Sim(tokenizer, page_size=page_size, num_pages=64)
+    kv = sim.sched.kv
+    req = sim.add("t", prompt_of(10, 1), max_new_tokens=5)
+    sim.step()
+    slots, owned, free = list(req.kv_slots), list(req.owned_pages), sim.allocator.num_free_pages
+    kv.truncate(req, 10)  # nothing past the KV: unchanged
+    assert (req.kv_slots, sim.allocator.num_free_pages) == (slots, free)
+    kv.truncate(req, 3)
+    kept = num_pages_for(3, page_size)
+    assert req.kv_slots == slots[:3] and req.owned_pages == owned[:kept]
+    assert sim.allocator.num_free_pages == free + len(owned) - kept
+    sim.sched.finish(req, sim.sched.finished_event(req, FinishReason.CANCELLED))
+    sim.assert_all_freed()
+
+    sim.add("first", prompt_of(9, 2))
+    sim.run()
+    again = sim.add("again", prompt_of(9, 2))
+    sim.step()
+    assert again.cached_len > 0
+    with pytest.raises(ValueError, match=rf"below the cached prefix \({again.cached_len} tokens\)"):
+        kv.truncate(again, again.cached_len - 1)
+    assert again.kv_len == 9
+    sim.run()
+    sim.assert_all_freed()
+
+
+class FailingSlots(FakeSlots):
+    def acquire(self, digest: str, packed=None) -> int:
+        raise RuntimeError("the adapter could not be loaded")
+
+
+def test_a_failed_slot_load_leaves_the_request_waiting_with_no_kv(tokenizer):
+    """The loop's failure path must find the request in `waiting` and nothing of it held: no table row,
+    no page, no lock, no slot."""
+    sim = Sim(tokenizer, page_size=1, num_pages=64, lora=FailingSlots(1))
+    req = sim.add("x", prompt_of(6, 1), namespace="X")
+    free = sim.allocator.num_free_pages
+    with pytest.raises(RuntimeError, match="could not be loaded"):
+        sim.sched.schedule()
+    assert list(sim.sched.waiting) == [req] and not sim.sched.running
+    assert (req.req_row, req.kv_slots, req.lora_slot) == (-1, [], -1)
+    assert sim.allocator.num_free_pages == free and sim.radix.protected_size() == 0
+    assert sim.req_pool.num_free_rows == sim.req_pool.max_reqs
+
+
+def test_growth_evicts_only_the_cached_prefixes_it_needs(tokenizer):
+    """Short of pages, a request evicts least recently used cached prefixes until it fits, no more."""
+    sim = Sim(tokenizer, page_size=1, num_pages=31)  # 30 usable slots
+    for i in range(3):  # three cached prefixes of 6 tokens each (5 prompt + 1 computed output)
+        sim.add(f"r{i}", prompt_of(5, 10 + i), max_new_tokens=2)
+        sim.run()
+    assert (sim.radix.total_size(), sim.allocator.num_free_pages) == (18, 12)
+    sim.add("big", prompt_of(14, 20), max_new_tokens=2)  # 14 slots: 2 more than free
+    sim.step()
+    assert sim.radix.total_size() == 12  # only r0's prefix (the oldest) went
+    again = sim.add("r2-again", prompt_of(5, 12), max_new_tokens=1)
+    sim.run()
+    assert again.first_cached_len == 4
     sim.assert_all_freed()

@@ -1,5 +1,6 @@
 """Tokenizer against transformers, the incremental detokenizer's invariant, and stop-string matching."""
 
+import dataclasses
 import json
 import random
 import shutil
@@ -233,3 +234,18 @@ def test_result_does_not_depend_on_how_text_is_split():
         # Nothing from a stop string leaks out: what was emitted is exactly the text before the match.
         if matched is not None:
             assert matched not in emitted
+
+
+def test_tokenizer_reads_a_directory_given_as_text(tiny_llama_dir: Path, tokenizer: Tokenizer):
+    from_text = Tokenizer.from_dir(str(tiny_llama_dir))  # the CLI hands over plain strings
+    assert from_text.encode("Hello world") == tokenizer.encode("Hello world")
+    assert (from_text.bos_token_id, from_text.eos_token_ids) == (tokenizer.bos_token_id, tokenizer.eos_token_ids)
+
+
+def test_a_match_leaves_nothing_held_back(tokenizer: Tokenizer):
+    matcher = StopMatcher(["bc"])
+    assert matcher.push("ab") == ("a", None)  # "b" may start "bc": held back
+    assert matcher.push("cd") == ("", "bc")
+    assert matcher.flush() == ""  # the held "b" was part of the match, not text to send
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tokenizer.bos_token_id = 5
