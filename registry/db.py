@@ -86,7 +86,8 @@ class AdapterEventRow(Base):
 def make_engine(url: str) -> Engine:
     """Create the SQLAlchemy engine; SQLite gets WAL, a busy timeout and immediate transactions."""
     if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True, future=True)
+        # A bounded connect: an unreachable server must fail a request (UNAVAILABLE), not hang it.
+        return create_engine(url, pool_pre_ping=True, future=True, connect_args={"connect_timeout": 5})
     path = url.split("///", 1)[-1]
     if path and path != ":memory:":
         Path(path).parent.mkdir(parents=True, exist_ok=True)
