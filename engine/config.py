@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_ENGINE_PORT = 50052
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible front of `loramux up` (vLLM's port)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 
 import grpc
 
-from engine.config import DEFAULT_ENGINE_PORT
+from engine.config import DEFAULT_ENGINE_PORT, DEFAULT_HTTP_PORT
+from loraformat.errors import StatusError
 from loramux import commands
 from registry.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_REGISTRY_PORT
-from registry.errors import RegistryError
 
 DEFAULT_DATA_DIR = "~/.loramux"
 
@@ -38,6 +38,15 @@ def _metrics_flag(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument(
         "--metrics-port", type=int, default=None if default is None else int(default),
         help="serve Prometheus metrics at http://HOST:N/metrics (0 = pick a free port; default: off)",
+    )
+
+
+def _http_flag(p: argparse.ArgumentParser, env: _EnvDefaults, default: int | None) -> None:
+    value = env("--http-port", default)
+    p.add_argument(
+        "--http-port", type=int, default=None if value is None else int(value),
+        help="serve the OpenAI-compatible HTTP API on HOST:N (0 = pick a free port; a negative port = off; "
+        f"default: {'off' if default is None else default})",
     )
 
 
@@ -115,6 +124,7 @@ def _add_engine_commands(sub, env: _EnvDefaults) -> None:
     serve.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="serve a PEFT adapter dir (repeatable)")
     serve.add_argument("--registry", default=env("--registry", ""), help="HOST:PORT of the registry (adapters by name)")
     _metrics_flag(serve, env)
+    _http_flag(serve, env, None)
     serve.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(serve, env)
     serve.set_defaults(func=commands.engine_serve)
@@ -169,6 +179,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument("--registry-port", type=int, default=int(env("--registry-port", DEFAULT_REGISTRY_PORT)))
     up.add_argument("--engine-port", type=int, default=int(env("--engine-port", DEFAULT_ENGINE_PORT)))
     _metrics_flag(up, env)
+    _http_flag(up, env, DEFAULT_HTTP_PORT)
     up.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(up, env)
     up.set_defaults(func=commands.up)
@@ -186,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-    except RegistryError as exc:
+    except StatusError as exc:
         print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -70,6 +70,12 @@ def registry_gc(args) -> int:
     return 0
 
 
+def http_port(args) -> int | None:
+    """--http-port: None (or negative) = no HTTP front."""
+    port = getattr(args, "http_port", None)
+    return None if port is None or port < 0 else port
+
+
 def engine_config(args, model_dir: str, port: int, registry: str = "") -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
@@ -103,7 +109,8 @@ def engine_serve(args) -> int:
     _setup_logging()
 
     async def main() -> None:
-        await serve(engine_config(args, args.model, args.port), stop_event_on_signals(), metrics_port=args.metrics_port)
+        config = engine_config(args, args.model, args.port)
+        await serve(config, stop_event_on_signals(), metrics_port=args.metrics_port, http_port=http_port(args))
 
     asyncio.run(main())
     return 0

@@ -191,8 +191,39 @@ def test_one_drain_at_a_time_for_the_oldest_starving_adapter():
 
 
 def test_wait_must_be_positive():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="drain wait must be > 0"):
         StarvationDrain(0.0)
+
+
+def test_remaining_tokens_count_what_was_already_generated():
+    """Guards: remaining = max_new_tokens - tokens already generated. a asked for more tokens than c but
+    has generated most of them (2 left against c's 5): a frees its slot sooner. Counting max_new_tokens
+    alone would drain c."""
+    w = World(num_slots=2)
+    for namespace, max_new, generated in (("a", 10, 8), ("c", 5, 0)):
+        w.lora.acquire(namespace)
+        w.running.append(FakeReq(namespace, w.now, max_new_tokens=max_new, output_ids=[0] * generated))
+    w.wait("b")
+    w.update(after_s=WAIT_S + 1)
+    assert (w.drain.draining, w.drain.starving) == ("a", "b")
+
+
+def test_drain_ends_when_the_drained_adapter_lost_its_slot():
+    """Guards: the end condition "the drained adapter lost its slot". a is drained for b, then a's freed
+    slot goes to c before b takes it: draining a frees nothing any more, so the drain must move on to c
+    (a new drain), not keep holding a's requests back."""
+    w = World(num_slots=1)
+    a1 = w.run("a", remaining=2)
+    w.wait("b")
+    w.update(after_s=WAIT_S + 1)
+    assert (w.drain.draining, w.drain.num_drains) == ("a", 1)
+    w.finish(a1)
+    c = w.wait("c")
+    w.admit(c)  # c takes the slot, evicting a
+    assert w.lora.slots.slot_of("a") is None
+    w.update()
+    assert (w.drain.draining, w.drain.starving, w.drain.num_drains) == ("c", "b", 2)
+    assert not w.drain.blocks(FakeReq("a", w.now))
 
 
 # ---- the engine ------------------------------------------------------------------------------------

@@ -160,10 +160,16 @@ def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_
     from transformers import AutoTokenizer
 
     core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=len(ADAPTERS))
-    model, pool = core.loop.runner.model, core.lora.pool
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     names = ["", "attn", "patterns", "rslora", "mlp", "all"]
     prompts = [tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(len(names))]
+    assert_mixed_batch_logits_match(core, peft_model, names, prompts)
+
+
+def assert_mixed_batch_logits_match(core: EngineCore, peft_model, names: list[str], prompts: list[list[int]]) -> None:
+    """One prefill forward of `prompts` (row i under adapter names[i], '' = base) through the engine's
+    model and slots; each row's logits equal peft's for that adapter alone."""
+    model, pool = core.loop.runner.model, core.lora.pool
     slots = [core.lora.acquire(core.adapters.resolve(n).digest) if n else pool.base_slot for n in names]
     lens = [len(p) for p in prompts]
     kv = KVBuffers.allocate(model.config, sum(lens) + 1, torch.float32, "cpu")
