@@ -31,7 +31,7 @@ from engine.admission import Admission, AdmissionError, GenerateInput, admission
 from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.request import Failed, Finished, TokenDelta
 from loraformat.errors import Code
-from loramux.grpc_server import announce
+from loramux.ready import announce
 
 log = logging.getLogger(__name__)
 UNLOAD_TIMEOUT_S = 60.0

@@ -22,6 +22,8 @@ class Code(enum.StrEnum):  # a str: a kind compares equal to its name
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     # Past a deadline (a running request, or a registration's client) / a failed engine step.
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     INTERNAL = "INTERNAL"

@@ -15,7 +15,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from loramux.grpc_server import announce
+from loramux.ready import announce
 
 DEFAULT_MAX_ADAPTER_LABELS = 64
 BASE_LABEL = "base"

@@ -18,6 +18,8 @@ from pathlib import Path
 from loraformat.model_shapes import ModelShape
 from loraformat.peft_compile import compile_adapter
 from loraformat.peft_files import CONFIG_FILE, WEIGHTS_FILE
+from loramux.security import ANONYMOUS, PermissionDenied, Principal, Role
+from registry.access import AccessStore
 from registry.catalog import Catalog, NewVersion
 from registry.config import RegistryConfig
 from registry.sources import fetch_source
@@ -62,6 +64,7 @@ CommitCheck = Callable[[], None]  # raises when the registration must not commit
 class RegistryService:
     def __init__(self, catalog: Catalog, store: ObjectStore, config: RegistryConfig):
         self.catalog = catalog
+        self.access = AccessStore(catalog.engine)
         self.store = store
         self.config = config
         self.spool = Spool(config.spool_dir)
@@ -75,13 +78,19 @@ class RegistryService:
         temp_blobs, temp_bytes = self.store.remove_leftovers(older_than=spool.oldest_live_start)
         return Leftovers(spool.num_entries, spool.num_bytes, temp_blobs, temp_bytes)
 
-    def register_base_model(self, name: str, config_json: str) -> BaseModelInfo:
+    def register_base_model(self, name: str, config_json: str, caller: Principal = ANONYMOUS) -> BaseModelInfo:
+        if caller.role not in (Role.ADMIN, Role.ENGINE):
+            raise PermissionDenied("registering a base model needs an admin or engine key")
         check_name(name, "name")
         ModelShape.from_json(config_json)  # refuses deep JSON and models the engine cannot serve
         return self.catalog.register_base_model(name, config_json)
 
     def register_adapter(
-        self, spec: AdapterSpecIn, files: AdapterFiles, may_commit: CommitCheck = lambda: None
+        self,
+        spec: AdapterSpecIn,
+        files: AdapterFiles,
+        caller: Principal = ANONYMOUS,
+        may_commit: CommitCheck = lambda: None,
     ) -> AdapterInfo:
         """Validate, compile, store the blob, then commit the row; returns the (new or equal) version.
 
@@ -117,11 +126,14 @@ class RegistryService:
             pinned=spec.pinned,
             description=spec.description,
             labels=spec.labels,
+            public=spec.public,
         )
         may_commit()
-        return self.catalog.add_version(spec.name, base.name, new)
+        return self.catalog.add_version(spec.name, base.name, new, caller)
 
-    def import_adapter(self, spec: AdapterSpecIn, may_commit: CommitCheck = lambda: None) -> AdapterInfo:
+    def import_adapter(
+        self, spec: AdapterSpecIn, caller: Principal = ANONYMOUS, may_commit: CommitCheck = lambda: None
+    ) -> AdapterInfo:
         """Register from spec.source_uri (s3://bucket/prefix or an allow-listed local directory)."""
         with tempfile.TemporaryDirectory(dir=self.spool.path) as tmp:
             paths = fetch_source(
@@ -130,9 +142,10 @@ class RegistryService:
                 allowed_dirs=self.config.import_allow_dirs,
                 max_bytes=self.config.max_upload_bytes,
                 s3_client_factory=self._import_s3_client,
+                allowed_s3=self.config.import_s3_allow_list,
             )
             files = AdapterFiles(paths[CONFIG_FILE], paths[WEIGHTS_FILE])
-            return self.register_adapter(spec, files, may_commit)
+            return self.register_adapter(spec, files, caller, may_commit)
 
     def iter_artifact(self, digest: str, offset: int = 0) -> Iterator[bytes]:
         return self.store.iter_chunks(digest, ARTIFACT_CHUNK_BYTES, offset)

@@ -82,7 +82,7 @@ async def _with_idle_timeout(requests: AsyncIterator[T], idle_timeout_s: float) 
 
 
 def spec_from_pb(s: pb.AdapterSpec) -> AdapterSpecIn:
-    return make_spec(s.name, s.base_model, s.pinned, s.description, dict(s.labels), s.source_uri)
+    return make_spec(s.name, s.base_model, s.pinned, s.description, dict(s.labels), s.source_uri, s.public)
 
 
 def _check_chunk(

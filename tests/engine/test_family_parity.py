@@ -12,7 +12,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from loraformat.errors import FailedPrecondition
-from loramux.cli import main
+from loramux.shell.cli import main
 from tests.engine.test_lora_parity import (
     ADAPTERS,
     NUM_TOKENS,

@@ -133,13 +133,26 @@ def test_fewer_slots_than_adapters_evicts_and_reuses_slots(tiny_llama_dir, adapt
 
 
 def test_one_slot_reused_by_adapters_with_fewer_modules(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
-    """The residue bug: a tenant lacking modules its slot's previous tenant had must see zeros there."""
+    """The residue bug: a tenant lacking modules or rank its slot's previous tenant had must see zeros
+    there. The reference backend reads only each slot's own rank, so the tokens alone cannot see residue
+    past it; the slot buffers are read whole too, as a kernel that reads the full rank capacity would."""
     core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=1)
     running(core)
     core.loop.start()
     for adapter in ("all", "mlp", "attn", "patterns"):
         [(tokens, _)] = run_all(core, [(PROMPTS[0], adapter)], start=False)
         assert tokens == oracle(PROMPTS[0], adapter), adapter
+        assert_no_rows_past_rank(core.lora.pool, slot=0)
+
+
+def assert_no_rows_past_rank(pool, slot: int) -> None:
+    rank, capacity = pool.ranks[slot], pool.max_rank
+    assert rank > 0
+    for name, target in pool.targets.items():
+        a, b = pool.a[name][:, slot], pool.b[name][:, slot]  # a: [L, stack * R, in]; b: [L, out, R]
+        for k in range(target.num_stack):
+            assert not a[:, k * capacity + rank : (k + 1) * capacity].any(), (name, k)
+        assert not b[:, :, rank:].any(), name
 
 
 def test_prefix_cache_never_shares_kv_across_adapters(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):

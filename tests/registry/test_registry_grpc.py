@@ -241,7 +241,7 @@ async def test_import_from_allow_listed_dir_only(tmp_path, tiny_llama_dir, qv_ad
         await harness.register_base("tiny", tiny_llama_dir)
         adapter = await harness.register("imported", source_uri=f"file://{qv_adapter.resolve()}")
         assert adapter.rank == 8
-        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, harness.register("evil", source_uri=str(tmp_path)), "allow")
+        await expect_status(grpc.StatusCode.NOT_FOUND, harness.register("evil", source_uri=str(tmp_path)), "not an allowed import source")
         await expect_status(
             grpc.StatusCode.INVALID_ARGUMENT,
             harness.register_files("both", {"adapter_config.json": b"{}"}, source_uri=str(qv_adapter)),

@@ -13,9 +13,10 @@ import logging
 from pathlib import Path
 
 from engine.server import start_engine
-from loramux.commands import engine_config, http_port
-from loramux.grpc_server import announce, stop_event_on_signals
+from loramux.grpc_server import stop_event_on_signals
 from loramux.metrics import start_metrics_server
+from loramux.ready import announce
+from loramux.shell.settings import engine_config, http_port
 from registry.config import RegistryConfig
 from registry.server import RegistryServer, build_service
 
