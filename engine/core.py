@@ -35,10 +35,10 @@ from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
 from engine.weights import load_model
+from loraformat.model_shapes import ModelShape
+from loraformat.peft_compile import read_canonical
 from loramux.metrics import EngineMetrics
 from registry.errors import NotFound
-from registry.model_shapes import ModelShape
-from registry.peft_compile import read_canonical
 
 log = logging.getLogger(__name__)
 CPU_KV_SLOTS = 16384

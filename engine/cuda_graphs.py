@@ -16,7 +16,7 @@ import torch
 from engine.forward_inputs import AttentionInputs, DecodePlan, KVBuffers
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers
 from engine.lora_pool import LoraSlotPool
-from engine.model import LlamaModel
+from engine.models.blocks import DecoderModel
 from kernels.decode_attention import DecodeAttentionWorkspace, default_num_splits
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 1
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv: KVBuffers,
         req_to_token: torch.Tensor,
         max_batch: int,

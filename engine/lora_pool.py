@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_config import ModelConfig
+from loraformat.architectures import FusedTarget as FusedTargetSpec
+from loraformat.architectures import Split
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class FusedTarget:
     modules: tuple[str, ...]  # the PEFT projections stacked in this target, in order
     in_dim: int
     output_slices: tuple[tuple[int, int], ...]  # (offset, size) of each projection in the fused output
+    split: Split  # how tensor parallelism shards it (column: by output, row: by input)
 
     @property
     def num_stack(self) -> int:
@@ -39,13 +42,15 @@ class FusedTarget:
 
 
 def fused_targets(config: ModelConfig) -> tuple[FusedTarget, ...]:
-    q, kv, hidden, inter = config.q_size, config.kv_size, config.hidden_size, config.intermediate_size
-    return (
-        FusedTarget("qkv", ("q_proj", "k_proj", "v_proj"), hidden, ((0, q), (q, kv), (q + kv, kv))),
-        FusedTarget("o", ("o_proj",), q, ((0, hidden),)),
-        FusedTarget("gate_up", ("gate_proj", "up_proj"), hidden, ((0, inter), (inter, inter))),
-        FusedTarget("down", ("down_proj",), inter, ((0, hidden),)),
-    )
+    """The family spec's fused targets with this model's widths."""
+    return tuple(_sized(target, config) for target in config.arch.fused)
+
+
+def _sized(target: FusedTargetSpec, config: ModelConfig) -> FusedTarget:
+    dims = [config.arch.projection(m).dims(config) for m in target.modules]  # (in, out) per projection
+    offsets = [sum(out for _, out in dims[:k]) for k in range(len(dims))]
+    slices = tuple((offset, out) for offset, (_, out) in zip(offsets, dims, strict=True))
+    return FusedTarget(target.name, target.modules, dims[0][0], slices, target.split)
 
 
 @dataclass

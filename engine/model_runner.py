@@ -12,7 +12,7 @@ import torch
 from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, sgmv_ops
 from engine.lora_pool import LoraSlotPool
-from engine.model import LlamaModel
+from engine.models.blocks import DecoderModel
 from engine.sampling import sample
 from engine.scheduler import BatchEntry
 from kernels.attention_sdpa import SdpaPlan
@@ -21,7 +21,7 @@ from kernels.attention_sdpa import SdpaPlan
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv: KVBuffers,
         req_to_token: torch.Tensor,
         device: torch.device | str,

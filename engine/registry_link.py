@@ -1,8 +1,10 @@
 """The engine's link to the registry service (over gRPC, never its database or store).
 
 - registers the engine's base model at start (and again after the registry comes back);
-- resolves "name" / "name@N" to (version, digest), caching answers and keeping them fresh with
-  WatchAdapters (resumed from the last event id after a reconnect);
+- resolves "name" / "name@N" to (version, digest) by asking the registry at admission (one coalesced
+  lookup per name), so a change that returned is seen by the next request; WatchAdapters events
+  (resumed from the last event id after a reconnect) keep a fallback cache for when the registry is
+  unreachable and drive deletes and pins;
 - fetches canonical artifacts with FetchAdapter, checks their sha256 against the digest (a
   mismatch is refused, logged and retried, never served), one fetch per digest at a time.
 """
@@ -17,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from engine.adapters import AdapterRecord
+from engine.coalesce import CoalescedCalls
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
 from registry.errors import Code, FailedPrecondition, NotFound, RegistryError
@@ -57,10 +60,13 @@ class RegistryLink:
         self._generation: dict[str, int] = {}  # bumped by every event of a name (and a fresh watch)
         self._epoch = 0
         self._fetches: dict[str, asyncio.Task[bytes]] = {}
+        self._lookups = CoalescedCalls(self._lookup)
+        self._pins: dict[str, bool] = {}  # "name@N" -> pinned, as last applied to the engine
         self._watch: asyncio.Task | None = None
         self.last_event_id = 0
         self.is_connected = False
         self.num_fetches = 0
+        self.num_lookups = 0
         self.num_digest_mismatches = 0
 
     async def start(self) -> None:
@@ -79,15 +85,30 @@ class RegistryLink:
     # ---- resolution --------------------------------------------------------------------------
 
     async def resolve(self, ref: str) -> AdapterRecord:
+        """The registry's answer for `ref` now: "name" is the latest version committed before this
+        call, and a deleted version is NotFound (read-after-write). Concurrent callers for one ref
+        share one lookup. Only while the registry is unreachable does the watch-fed cache answer."""
         name, version = parse_ref(ref)
-        cached = self._resolved.get((name, version))
-        if cached is not None:
+        try:
+            record = await self._lookups.get((name, version))
+        except RegistryError as exc:
+            cached = self._resolved.get((name, version))
+            if exc.code != Code.UNAVAILABLE or cached is None:
+                raise
             return cached
+        await self._apply_pin_state(record)
+        return record
+
+    async def _lookup(self, key: tuple[str, int]) -> AdapterRecord:
+        name, version = key
+        ref = f"{name}@{version}" if version else name
         seen = (self._epoch, self._generation.get(name, 0))
+        self.num_lookups += 1
         try:
             adapter = await self.stub.GetAdapter(pb.GetAdapterRequest(name=name, version=version), timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
+                self._resolved.pop(key, None)
                 raise NotFound(f"adapter {ref!r} is not registered") from None
             raise unavailable(f"adapter {ref!r}", exc) from None
         if adapter.base_model != self.base_model:
@@ -96,8 +117,16 @@ class RegistryLink:
             )
         record = record_of(adapter)
         if seen == (self._epoch, self._generation.get(name, 0)):  # no event for it arrived meanwhile
-            self._resolved[(name, version)] = self._resolved[(name, record.version)] = record
+            self._resolved[key] = self._resolved[(name, record.version)] = record
         return record
+
+    async def _apply_pin_state(self, record: AdapterRecord) -> None:
+        """A pin or unpin the lookup shows before its event arrived is applied now, before admission."""
+        known = self._pins.get(record.ref)
+        if known == record.pinned or (known is None and not record.pinned):
+            return
+        self._pins[record.ref] = record.pinned
+        await self._handle("PINNED" if record.pinned else "UNPINNED", record)
 
     # ---- fetching ----------------------------------------------------------------------------
 
@@ -181,6 +210,8 @@ class RegistryLink:
         await self._handle(kind, record)
 
     async def _handle(self, kind: str, record: AdapterRecord) -> None:
+        if kind in ("PINNED", "UNPINNED"):
+            self._pins[record.ref] = kind == "PINNED"
         try:
             await self.on_event(kind, record)
         except Exception:

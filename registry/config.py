@@ -21,6 +21,7 @@ class RegistryConfig:
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     import_allow_dirs: tuple[Path, ...] = ()
     import_s3_endpoint_url: str = ""  # "" = the object store's endpoint when it is S3
+    watch_poll_s: float = 1.0  # events reach watchers at once; this poll only covers a lost notification
 
     @property
     def resolved_database_url(self) -> str:

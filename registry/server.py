@@ -52,11 +52,13 @@ class RegistryServer:
         return self.host.address
 
     async def start(self) -> None:
+        await self.servicer.feed.start()
         await self.host.start()
         await self.host.set_serving(True)
 
     async def stop(self, grace: float | None = None) -> None:
         await (self.host.stop() if grace is None else self.host.stop(grace))
+        await self.servicer.feed.stop()
         await asyncio.to_thread(self.service.catalog.engine.dispose)
 
 

@@ -21,26 +21,15 @@ import grpc
 from loramux.metrics import RegistryMetrics
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
-from registry.errors import RegistryError
+from registry.errors import InvalidArgument, RegistryError
+from registry.event_feed import EventFeed
 from registry.service import RegistryService
-from registry.types import AdapterEventInfo, AdapterInfo, check_name, make_spec
+from registry.types import MAX_EVENT_ID, AdapterEventInfo, AdapterInfo, check_name, check_version
 from registry.upload import receive_upload
 
 log = logging.getLogger(__name__)
 
-WATCH_POLL_S = 1.0
-FETCH_CHUNKS_PER_READ = 8  # other registry processes' events are seen within this delay
-
-
-class EventHub:
-    """Wakes watchers in this process as soon as a change commits."""
-
-    def __init__(self) -> None:
-        self.current = asyncio.Event()
-
-    def notify(self) -> None:
-        self.current.set()
-        self.current = asyncio.Event()
+FETCH_CHUNKS_PER_READ = 8
 
 
 def _status_of(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
@@ -112,7 +101,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     def __init__(self, service: RegistryService, metrics: RegistryMetrics | None = None):
         self.service = service
         self.catalog = service.catalog
-        self.hub = EventHub()
+        self.feed = EventFeed(self.catalog, service.config.watch_poll_s)
         self.metrics = metrics or RegistryMetrics()
 
     @_statuses
@@ -135,15 +124,14 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=config.spool_dir) as tmp:
             upload = await receive_upload(request_iterator, Path(tmp), config.max_upload_bytes)
-            s = upload.spec
-            spec = make_spec(s.name, s.base_model, s.pinned, s.description, dict(s.labels), s.source_uri)
+            spec = upload.spec
             if upload.files is None:
                 info = await asyncio.to_thread(self.service.import_adapter, spec)
             else:
                 files = upload.files
                 self.metrics.uploaded_bytes.inc(files.config_path.stat().st_size + files.weights_path.stat().st_size)
                 info = await asyncio.to_thread(self.service.register_adapter, spec, files)
-        self.hub.notify()
+        self.feed.wake()
         self.metrics.adapters_registered.inc()
         self.metrics.registration_latency.observe(time.perf_counter() - started)
         return adapter_to_pb(info)
@@ -151,6 +139,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     @_statuses
     async def GetAdapter(self, request: pb.GetAdapterRequest, context) -> pb.Adapter:
         check_name(request.name)
+        check_version(request.version)
         return adapter_to_pb(await asyncio.to_thread(self.catalog.get, request.name, request.version))
 
     @_statuses
@@ -168,21 +157,24 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     @_statuses
     async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, context) -> pb.DeleteAdapterResponse:
         check_name(request.name)
+        check_version(request.version)
         deleted = await asyncio.to_thread(self.catalog.delete, request.name, request.version)
-        self.hub.notify()
+        self.feed.wake()
         self.metrics.adapters_deleted.inc(len(deleted))
         return pb.DeleteAdapterResponse(deleted=[adapter_to_pb(i) for i in deleted])
 
     @_statuses
     async def SetPinned(self, request: pb.SetPinnedRequest, context) -> pb.Adapter:
         check_name(request.name)
+        check_version(request.version)
         info = await asyncio.to_thread(self.catalog.set_pinned, request.name, request.version, request.pinned)
-        self.hub.notify()
+        self.feed.wake()
         return adapter_to_pb(info)
 
     @_stream_statuses
     async def FetchAdapter(self, request: pb.FetchAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
         check_name(request.name)
+        check_version(request.version)
         info = await asyncio.to_thread(self.catalog.get, request.name, request.version)
         yield pb.AdapterChunk(adapter=adapter_to_pb(info))
         chunks = self.service.iter_artifact(info.digest)
@@ -199,18 +191,15 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         self, request: pb.WatchAdaptersRequest, context
     ) -> AsyncIterator[pb.AdapterEvent]:
         with self.metrics.watchers.track_inprogress():
+            if request.after_event_id > MAX_EVENT_ID:
+                raise InvalidArgument(f"after_event_id {request.after_event_id} is over {MAX_EVENT_ID}")
             after = request.after_event_id or await asyncio.to_thread(self.catalog.last_event_id)
             # Headers now: the client knows the watch is in place before the first event arrives.
             await context.send_initial_metadata(())
-            while True:
-                woken = self.hub.current
-                events = await asyncio.to_thread(self.catalog.events_after, after, request.base_model)
+            async for events in self.feed.watch(after):
                 for event in events:
-                    yield event_to_pb(event)
-                    after = event.event_id
-                if not events:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(woken.wait(), WATCH_POLL_S)
+                    if not request.base_model or event.adapter.base_model == request.base_model:
+                        yield event_to_pb(event)
 
 
 def adapter_to_pb(info: AdapterInfo) -> pb.Adapter:

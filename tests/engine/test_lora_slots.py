@@ -8,8 +8,8 @@ import torch
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
-from engine.model_config import NAMED_SHAPES
-from registry.peft_compile import CanonicalAdapter
+from engine.named_shapes import NAMED_SHAPES
+from loraformat.peft_compile import CanonicalAdapter
 
 CONFIG = NAMED_SHAPES["tiny"]
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
