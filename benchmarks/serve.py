@@ -9,8 +9,8 @@ What runs, in one process and one run:
   projections; random safetensors in PEFT's layout, uploaded once, reused by later runs of the same
   --work-dir);
 - the engine **in process** (`start_engine`: the core, its registry link and loop thread, warmed up),
-  driven through EngineCore's request interface exactly as the gRPC servicer drives it (resolve,
-  new_request with a thread-safe sink, prepare = registry fetch + host cache, loop.submit, events);
+  driven through the admission path the gRPC and HTTP fronts call (engine/admission.py: resolve,
+  checks, registry fetch into the host cache, submit, the request's event stream);
 - the engine as a **process** (`loramux engine serve --registry ...`), driven over gRPC streams;
 - HF transformers + peft on the same prompts and token counts: one batched greedy `generate` per
   adapter group (at most --max-running requests a batch), `set_adapter` between groups.
@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from engine.admission import GenerateInput
 from engine.config import EngineConfig
 from engine.request import Finished, TokenDelta
 from engine.sampling import SamplingParams
@@ -205,30 +206,21 @@ def register_adapters(
 
 
 class InProcessClient:
-    """EngineCore's request interface, used as engine/servicer.py's Generate uses it."""
+    """The engine's admission path (engine/admission.py), called as the gRPC and HTTP fronts call it."""
 
     def __init__(self, server):
         self.server = server
         self.core = server.core
 
     async def stream(self, prompt: list[int], adapter: str, max_new: int) -> AsyncIterator[int]:
-        core, loop = self.core, asyncio.get_running_loop()
-        record = await core.resolve(adapter)
-        events: asyncio.Queue = asyncio.Queue()
         params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-        req = core.new_request(
-            prompt, params, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), adapter=record
+        generation = await self.server.admission.start(
+            GenerateInput(adapter, params, token_ids=tuple(prompt))
         )
-        if record is not None:
-            req.packed_adapter = await core.prepare(record)
-        core.loop.submit(req)
-        while True:
-            event = await events.get()
+        async for event in generation.events():
             if isinstance(event, TokenDelta):
                 yield len(event.token_ids)
-            elif isinstance(event, Finished):
-                return
-            else:
+            elif not isinstance(event, Finished):
                 raise RuntimeError(f"request failed: {event}")
 
     async def counters(self) -> dict[str, int]:
