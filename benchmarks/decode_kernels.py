@@ -5,7 +5,7 @@ against `sgmv_shrink`, at Llama-3-8B shapes in bf16, every op timed inside a rep
 
 One JSON line per case: microseconds per call (triton.testing.do_bench_cudagraph, median) of the fused
 kernel and of the PyTorch ops (the model's CPU path), or of both shrinks; for the shrinks also the
-bandwidth of the decode shrink as a fraction of --copy-gbps (bytes: x, the used adapters' A rows up to
+time with one segment per program (segs=1), and the bandwidth of the decode shrink as a fraction of --copy-gbps (bytes: x, the used adapters' A rows up to
 their rank, v). Decode batches are laid out as the engine's graphs lay them out: one segment per
 request, request i on adapter i mod N, rank-16 adapters in slots of capacity --max-rank.
 """
@@ -88,10 +88,12 @@ def shrink_case(proj: str, batch: int, num_adapters: int, max_rank: int, rank: i
     max_err = (v.float() - v_ref.float()).abs().max().item()
     current = graph_us(lambda: sgmv_shrink(x, A, meta, num_stack=num_stack, out=v_ref))
     decode = graph_us(lambda: sgmv_shrink_decode(x, A, meta, num_stack=num_stack, out=v))
+    decode_1 = graph_us(lambda: sgmv_shrink_decode(x, A, meta, num_stack=num_stack, out=v, segs=1))
     nbytes = 2 * (batch * in_dim + num_adapters * num_stack * rank * in_dim + batch * num_stack * rank)
     return {
         "proj": proj, "batch": batch, "adapters": num_adapters, "rank": rank, "max_rank": max_rank,
         "sgmv_shrink_us": round(current, 2), "decode_shrink_us": round(decode, 2),
+        "decode_segs1_us": round(decode_1, 2),
         "speedup": round(current / decode, 2),
         "decode_bw_frac": round(nbytes / (decode * 1e-6) / (copy_gbps * 1e9), 3),
         "max_abs_diff": max_err,

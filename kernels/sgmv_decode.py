@@ -20,7 +20,8 @@ one program that walks all of in_dim (the 14336-wide down projection: 112 serial
         Neighbouring segments of one adapter (identical or popular adapters) re-read their A chunk
         from L1 inside the program.
     stage 2, grid (num_segments, num_stack): v[row, k*R + n] = round(sum_s partial[s, row, k*R + n])
-        for the rows and ranks stage 1 wrote, in split order (deterministic; no atomics).
+        for the rows and ranks stage 1 wrote, all splits in one [splits, R] load and a tree sum
+        (deterministic; no atomics).
 
 Both grids are fixed by host ints (num_segments, in_dim, the device's SM count), so launching never
 syncs and a captured CUDA graph serves every step of its batch size. Rows are visited one at a time, so
@@ -40,6 +41,8 @@ from kernels.sgmv import MAX_GRID_YZ, MAX_STACK, _check_meta, sgmv_shrink
 from kernels.sgmv_ref import SgmvMeta
 
 DECODE_MAX_SEG_LEN = 4
+DEFAULT_SEGS = 4
+MAX_SPLITS = 128
 BLOCK_R = 16
 PROGRAMS_PER_SM = 4  # enough resident programs to keep each SM's loads in flight
 
@@ -119,21 +122,22 @@ def _shrink_reduce_kernel(
     stride_ps, stride_pm, stride_pn,
     stride_vm, stride_vn,
     # meta-parameters
+    BLOCK_S: tl.constexpr,  # >= num_splits: every split's partial in one load
     BLOCK_RR: tl.constexpr,  # >= R
 ):  # fmt: skip
     seg = tl.program_id(0)
     pid_k = tl.program_id(1)
     rank = tl.load(lora_ranks_ptr + tl.load(weight_indices_ptr + seg))
+    offs_s = tl.arange(0, BLOCK_S)
     offs_r = tl.arange(0, BLOCK_RR)
-    mask_r = offs_r < rank
+    mask = (offs_s[:, None] < num_splits) & (offs_r[None, :] < rank)
     cols = pid_k * max_rank + offs_r
     for row in range(tl.load(seg_indptr_ptr + seg), tl.load(seg_indptr_ptr + seg + 1)):
-        acc = tl.zeros((BLOCK_RR,), dtype=tl.float32)
-        for s in range(0, num_splits):
-            acc += tl.load(
-                partial_ptr + s * stride_ps + row * stride_pm + cols * stride_pn, mask=mask_r, other=0.0
-            )
-        tl.store(v_ptr + row * stride_vm + cols * stride_vn, acc.to(v_ptr.dtype.element_ty), mask=mask_r)
+        p_ptrs = partial_ptr + offs_s[:, None] * stride_ps + row * stride_pm + cols[None, :] * stride_pn
+        acc = tl.sum(tl.load(p_ptrs, mask=mask, other=0.0), axis=0)  # [BLOCK_RR]
+        tl.store(
+            v_ptr + row * stride_vm + cols * stride_vn, acc.to(v_ptr.dtype.element_ty), mask=offs_r < rank
+        )
 
 
 @functools.cache
@@ -143,18 +147,22 @@ def _num_sms(device: torch.device) -> int:
     return 32  # the interpreter: enough to exercise several splits on small test shapes
 
 
-def decode_config(in_dim: int, num_segments: int, num_stack: int, device: torch.device) -> dict:
+def decode_config(
+    in_dim: int, num_segments: int, num_stack: int, device: torch.device, segs: int | None = None
+) -> dict:
     """Segments per program, split length and split count: about PROGRAMS_PER_SM programs per SM.
 
-    Example (H200, 132 SMs; down projection in_dim 14336, 32 segments, one target): SEGS 4 -> 8 groups;
+    Example (H200, 132 SMs; down projection in_dim 14336, 32 segments, one target, SEGS 4): 8 groups;
     528 / 8 = 66 splits wanted -> SPLIT_K 256 (a power-of-two number of BLOCK_K tiles) -> 56 splits.
+    A program walks its SEGS segments one after another, each behind a chain of dependent loads (slot,
+    rank, rows, then x and A), so SEGS trades that latency against fewer, fuller programs.
     """
     block_k = 128 if in_dim <= 2048 else 256
-    segs = 1 if num_segments <= 8 else 2 if num_segments <= 16 else 4
+    segs = segs or DEFAULT_SEGS
     groups = triton.cdiv(num_segments, segs)
     wanted = max(1, PROGRAMS_PER_SM * _num_sms(device) // (groups * num_stack))
     tiles = triton.next_power_of_2(triton.cdiv(triton.cdiv(in_dim, wanted), block_k))
-    split_k = tiles * block_k
+    split_k = max(tiles * block_k, triton.next_power_of_2(triton.cdiv(in_dim, MAX_SPLITS)))
     return {"SEGS": segs, "SPLIT_K": split_k, "BLOCK_K": block_k, "num_splits": triton.cdiv(in_dim, split_k)}
 
 
@@ -165,6 +173,7 @@ def sgmv_shrink_decode(
     *,
     num_stack: int,
     out: torch.Tensor | None = None,  # [T, num_stack * R], x.dtype
+    segs: int | None = None,  # segments per program (default DEFAULT_SEGS; benchmarks compare others)
 ) -> torch.Tensor:  # v [T, num_stack * R], x.dtype; entries outside the LoRA rows/ranks left as they were
     """v[seg, k*R : k*R + r] = x[seg] @ A[w, k*R : k*R + r, :]^T, split over in_dim; see the module doc."""
     if x.dim() != 2 or A.dim() != 3 or A.shape[2] != x.shape[1]:
@@ -185,7 +194,7 @@ def sgmv_shrink_decode(
         )
     if meta.num_segments == 0 or num_tokens == 0 or in_dim == 0:
         return out
-    config = decode_config(in_dim, meta.num_segments, num_stack, x.device)
+    config = decode_config(in_dim, meta.num_segments, num_stack, x.device, segs)
     num_splits = config.pop("num_splits")
     groups = triton.cdiv(meta.num_segments, config["SEGS"])
     if groups > MAX_GRID_YZ:
@@ -204,7 +213,8 @@ def sgmv_shrink_decode(
         max_rank, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2),
         out.stride(0), out.stride(1),
-        BLOCK_RR=max(triton.next_power_of_2(max_rank), 16), num_warps=1,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_RR=max(triton.next_power_of_2(max_rank), 16),
+        num_warps=1 if num_splits * max_rank <= 1024 else 4,
     )  # fmt: skip
     return out
 

@@ -15,6 +15,8 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import functools  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -94,11 +96,13 @@ def test_decode_batches_match_fp64(popularity, dtype, num_stack, in_dim):
     assert check_shrink(sgmv_shrink_decode, dtype, in_dim, num_stack, seg_lens, slots, ranks) > 0
 
 
+@pytest.mark.parametrize("segs", [1, 3, 4])
 @pytest.mark.parametrize("batch", [1, 2, 9, 33, 64])
-def test_batch_sizes(batch):
+def test_batch_sizes(batch, segs):
     """Group counts that do and do not divide the batch; one segment alone; a graph-sized batch."""
     seg_lens, slots, ranks = decode_batch("uniform", batch, num_adapters=min(batch, 8), seed=batch)
-    check_shrink(sgmv_shrink_decode, torch.bfloat16, 300, 3, seg_lens, slots, ranks, seed=batch)
+    shrink = functools.partial(sgmv_shrink_decode, segs=segs)
+    check_shrink(shrink, torch.bfloat16, 300, 3, seg_lens, slots, ranks, seed=batch)
 
 
 def test_padding_rows_of_a_graph_and_multi_token_segments():
