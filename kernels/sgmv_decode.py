@@ -17,8 +17,8 @@ one program that walks all of in_dim (the 14336-wide down projection: 112 serial
         (a loop bounded by the slot's rank: a rank-16 adapter in a rank-64 slot costs 16 rows of A),
         the dot products over in_dim columns s*SPLIT_K .. (s+1)*SPLIT_K as vector multiply-adds:
             partial[s, row, k*R + n] = x[row, chunk s] . A[w, k*R + n, chunk s]     (fp32)
-        Neighbouring segments of one adapter (identical or popular adapters) re-read their A chunk
-        from L1 inside the program.
+        With SEGS > 1, neighbouring segments of one adapter re-read their A chunk from L1; the default
+        is SEGS = 1, faster on an H200 (BENCHMARKS.md): a program's segments run one after another.
     stage 2, grid (num_segments, num_stack): v[row, k*R + n] = round(sum_s partial[s, row, k*R + n])
         for the rows and ranks stage 1 wrote, all splits in one [splits, R] load and a tree sum
         (deterministic; no atomics).
@@ -41,7 +41,7 @@ from kernels.sgmv import MAX_GRID_YZ, MAX_STACK, _check_meta, sgmv_shrink
 from kernels.sgmv_ref import SgmvMeta
 
 DECODE_MAX_SEG_LEN = 4
-DEFAULT_SEGS = 4
+DEFAULT_SEGS = 1  # measured on an H200: 1 beats 4 by up to 1.6x (o, gate_up), ties on down
 MAX_SPLITS = 128
 BLOCK_R = 16
 PROGRAMS_PER_SM = 4  # enough resident programs to keep each SM's loads in flight

@@ -81,7 +81,7 @@ def test_add_rmsnorm_handles_strided_rows_and_empty_batches():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_add_rmsnorm_ref_is_the_model_layer_residual_and_norm(dtype):
     """The reference (the CPU path) rounds as `x = x + sublayer; norm(x)` in engine/model.py does."""
-    from engine.model import RMSNorm
+    from engine.models.blocks import RMSNorm
 
     norm = RMSNorm(96, 1e-5, dtype=dtype)
     with torch.no_grad():

@@ -91,9 +91,10 @@ def check_shrink(shrink, dtype, in_dim, num_stack, seg_lens, slots, ranks, seed=
 @pytest.mark.parametrize("num_stack, in_dim", [(3, 200), (1, 700)])
 def test_decode_batches_match_fp64(popularity, dtype, num_stack, in_dim):
     seg_lens, slots, ranks = decode_batch(popularity, batch=24, num_adapters=6, seed=len(popularity))
-    config = decode_config(in_dim, len(seg_lens), num_stack, torch.device(DEVICE))
-    assert config["num_splits"] > 1 and config["SEGS"] > 1  # split-K and grouped segments both run
-    assert check_shrink(sgmv_shrink_decode, dtype, in_dim, num_stack, seg_lens, slots, ranks) > 0
+    config = decode_config(in_dim, len(seg_lens), num_stack, torch.device(DEVICE), segs=2)
+    assert config["num_splits"] > 1 and config["SEGS"] == 2  # split-K and grouped segments both run
+    shrink = functools.partial(sgmv_shrink_decode, segs=2)
+    assert check_shrink(shrink, dtype, in_dim, num_stack, seg_lens, slots, ranks) > 0
 
 
 @pytest.mark.parametrize("segs", [1, 3, 4])
