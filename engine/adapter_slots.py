@@ -8,6 +8,8 @@ eviction policy is a named function over the evictable slots (LRU by default, FI
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ class SlotState:
     is_pinned: bool = False
     last_used: float = 0.0
     loaded_at: float = 0.0
+    rank: int = 0  # the loaded adapter's rank (metrics read it here, not from the GPU tables)
 
     @property
     def is_evictable(self) -> bool:
@@ -53,6 +56,9 @@ class AdapterSlots:
         self.slots = [SlotState(i) for i in range(pool.num_slots)]
         self._by_digest: dict[str, SlotState] = {}
         self.num_loads = 0
+        # Seconds of each slot load (host copy and issuing the device copy; on CUDA the copy itself
+        # runs on a side stream), drained by the metrics sampler on the loop thread.
+        self.recent_load_seconds: deque[float] = deque(maxlen=1024)
         self.num_evictions = 0
 
     def slot_of(self, digest: str) -> int | None:
@@ -115,8 +121,11 @@ class AdapterSlots:
         if state.digest is not None:
             self._empty(state)
             self.num_evictions += 1
-        self.pool.load(state.index, load())
-        state.digest = digest
+        started = time.perf_counter()
+        packed = load()
+        self.pool.load(state.index, packed)
+        self.recent_load_seconds.append(time.perf_counter() - started)
+        state.digest, state.rank = digest, packed.rank
         state.loaded_at = state.last_used = self.clock()
         self._by_digest[digest] = state
         self.num_loads += 1

@@ -21,6 +21,7 @@ from engine.adapters import AdapterRecord, LocalAdapters, read_canonical_within
 from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
+from engine.errors import NotFound
 from engine.forward_inputs import KVBuffers
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
@@ -38,7 +39,6 @@ from engine.weights import load_model
 from loraformat.model_shapes import ModelShape
 from loraformat.peft_compile import read_canonical
 from loramux.metrics import EngineMetrics
-from registry.errors import NotFound
 
 log = logging.getLogger(__name__)
 CPU_KV_SLOTS = 16384
@@ -146,16 +146,18 @@ class EngineCore:
         return await asyncio.shield(task)
 
     async def _load(self, record: AdapterRecord) -> PackedAdapter:
+        started = time.monotonic()
         if record.path is not None:
             packed = await asyncio.to_thread(self.lora.fetch, record.digest)
         else:
-            started = time.monotonic()
             data = await self.link.fetch(record)
             if self.metrics is not None:
                 self.metrics.adapter_fetch_bytes.inc(len(data))
                 self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
             packed = await asyncio.to_thread(self._pack, record.digest, data)
         self.lora.host_cache.put(packed)
+        if self.metrics is not None:
+            self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)
         return packed
 
     def _pack(self, digest: str, artifact: bytes) -> PackedAdapter:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from engine.errors import Code
 from engine.model_runner import ModelRunner
 from engine.request import Failed, FinishReason, Request, TokenDelta
 from engine.scheduler import BatchEntry, Scheduler
@@ -91,11 +92,11 @@ class EngineLoop:
                     self.after_step()
             except Exception:  # a bug must not leave every stream hanging: fail them, keep serving
                 log.exception("engine step failed outside the forward")
-                self._fail_all("INTERNAL", "the engine failed this request (see the engine log)", keep_kv=False)
+                self._fail_all(Code.INTERNAL, "the engine failed this request (see the engine log)", keep_kv=False)
                 entries = []
             if not entries:
                 self._wake.wait(IDLE_WAIT_S)
-        self._fail_all("UNAVAILABLE", "the engine is shutting down")
+        self._fail_all(Code.UNAVAILABLE, "the engine is shutting down")
         self._run_calls()
 
     def _run_calls(self) -> None:
@@ -114,7 +115,7 @@ class EngineLoop:
             log.exception("forward step failed")
             for entry in entries:  # this step's KV was never (fully) written: it must not be cached
                 self.scheduler.kv.truncate(entry.req, entry.start)
-                self.scheduler.finish(entry.req, Failed("INTERNAL", "the forward step failed (see the engine log)"))
+                self.scheduler.finish(entry.req, Failed(Code.INTERNAL, "the forward step failed (see the engine log)"))
             return
         self.num_steps += 1
         sampled = (e.req for e in entries if e.samples)
@@ -143,7 +144,7 @@ class EngineLoop:
             return FinishReason.LENGTH
         return None
 
-    def _fail_all(self, code: str, message: str, keep_kv: bool = True) -> None:
+    def _fail_all(self, code: Code, message: str, keep_kv: bool = True) -> None:
         """Fail every live request; keep_kv=False caches none of their KV (its state is unknown)."""
         while not self._inbox.empty():
             self.scheduler.add(self._inbox.get())

@@ -20,9 +20,9 @@ import grpc
 
 from engine.adapters import AdapterRecord
 from engine.coalesce import CoalescedCalls
+from engine.errors import EngineError, FailedPrecondition, NotFound, Unavailable
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
-from registry.errors import Code, FailedPrecondition, NotFound, RegistryError
 from registry.types import parse_ref
 
 log = logging.getLogger(__name__)
@@ -34,12 +34,20 @@ RECONNECT_S = (0.2, 5.0)  # first and longest pause between reconnection attempt
 EventHandler = Callable[[str, AdapterRecord], Awaitable[None]]
 
 
-def unavailable(what: str, exc: grpc.aio.AioRpcError) -> RegistryError:
-    return RegistryError(f"{what}: the registry is unavailable ({exc.code().name}: {exc.details()})", Code.UNAVAILABLE)
+def unavailable(what: str, exc: grpc.aio.AioRpcError) -> Unavailable:
+    return Unavailable(f"{what}: the registry is unavailable ({exc.code().name}: {exc.details()})")
 
 
 def record_of(adapter: pb.Adapter) -> AdapterRecord:
     return AdapterRecord(adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned)
+
+
+# Answers to RegisterBaseModel that no retry changes (e.g. the name taken by another config).
+_REFUSALS = (
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
 
 
 class RegistryLink:
@@ -74,6 +82,11 @@ class RegistryLink:
         try:
             await self._register_base_model()
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _REFUSALS:  # retrying cannot help: say so once and stop
+                raise FailedPrecondition(
+                    f"the registry at {self.address} refuses base model {self.base_model!r}: {exc.details()}"
+                    " (start the engine with another --base-model-name)"
+                ) from None
             log.warning("registry %s: %s; serving cached adapters until it answers", self.address, exc.details())
         self._watch = asyncio.create_task(self._watch_forever())
 
@@ -91,9 +104,9 @@ class RegistryLink:
         name, version = parse_ref(ref)
         try:
             record = await self._lookups.get((name, version))
-        except RegistryError as exc:
+        except EngineError as exc:
             cached = self._resolved.get((name, version))
-            if exc.code != Code.UNAVAILABLE or cached is None:
+            if not isinstance(exc, Unavailable) or cached is None:
                 raise
             return cached
         await self._apply_pin_state(record)
@@ -119,6 +132,20 @@ class RegistryLink:
         if seen == (self._epoch, self._generation.get(name, 0)):  # no event for it arrived meanwhile
             self._resolved[key] = self._resolved[(name, record.version)] = record
         return record
+
+    async def list_latest(self) -> list[AdapterRecord]:
+        """The latest version of every adapter of this engine's base model, by name."""
+        records, token = [], ""
+        while True:
+            request = pb.ListAdaptersRequest(base_model=self.base_model, latest_only=True, page_size=1000, page_token=token)
+            try:
+                page = await self.stub.ListAdapters(request, timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                raise unavailable("adapters", exc) from None
+            records += [record_of(a) for a in page.adapters]
+            token = page.next_page_token
+            if not token:
+                return sorted(records, key=lambda r: r.name)
 
     async def _apply_pin_state(self, record: AdapterRecord) -> None:
         """A pin or unpin the lookup shows before its event arrived is applied now, before admission."""
@@ -147,7 +174,7 @@ class RegistryLink:
                 return data
             self.num_digest_mismatches += 1
             log.error("artifact of %s failed its sha256 check (attempt %d of %d)", record.ref, attempt, attempts)
-        raise RegistryError(f"adapter {record.ref!r}: the fetched artifact does not match its digest", Code.UNAVAILABLE)
+        raise Unavailable(f"adapter {record.ref!r}: the fetched artifact does not match its digest")
 
     async def _fetch_once(self, record: AdapterRecord) -> bytes:
         parts: list[bytes] = []

@@ -13,7 +13,7 @@ A new dense family is one spec here plus one small model file in `engine/models/
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loraformat.errors import FailedPrecondition, InvalidArgument
@@ -118,8 +118,8 @@ class ArchSpec:
     qk_norm: bool = False
     # config.json's `sliding_window` applies only when `use_sliding_window` is true (Qwen2/Qwen3).
     window_needs_flag: bool = False
-    projections: tuple[Projection, ...] = DENSE_PROJECTIONS
-    fused: tuple[FusedTarget, ...] = DENSE_FUSED
+    projections: tuple[Projection, ...] = field(default=DENSE_PROJECTIONS, repr=False)
+    fused: tuple[FusedTarget, ...] = field(default=DENSE_FUSED, repr=False)
 
     @property
     def lora_modules(self) -> tuple[str, ...]:

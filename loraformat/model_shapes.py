@@ -8,12 +8,26 @@ come from the family's `ArchSpec` (loraformat.architectures).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from loraformat import bounded_json
 from loraformat.architectures import DENSE_PROJECTIONS, ArchSpec, spec_for_config
-from loraformat.errors import InvalidArgument
+from loraformat.errors import InvalidArgument, quote
+
+# Plausibility bounds on a base model's config: several times the largest open models of these
+# families (405B: 126 layers, hidden 16384, intermediate 53248, 128 heads; vocabularies up to 256k),
+# so no real model is refused, while a config claiming 200000 layers cannot make a small adapter cost
+# seconds and hundreds of MB of module paths to validate.
+MAX_CONFIG_VALUES = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 19,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "vocab_size": 1 << 22,
+}
 
 # Every supported family has the dense projection set; a family with another set reads its spec's.
 SUPPORTED_MODULES = tuple(p.name for p in DENSE_PROJECTIONS)
@@ -48,6 +62,8 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
         arch = spec_for_config(cfg)  # refuses unsupported architectures with one line naming them
+        if "vocab_size" in cfg:
+            _positive_int(cfg, "vocab_size")
         hidden_size = _positive_int(cfg, "hidden_size")
         num_heads = _positive_int(cfg, "num_attention_heads")
         num_kv_heads = _positive_int(cfg, "num_key_value_heads", default=num_heads)
@@ -66,10 +82,9 @@ class ModelShape:
     @classmethod
     def from_json(cls, raw: str | bytes) -> ModelShape:
         """From the text of a config.json (the wire's `BaseModel.config_json`)."""
-        try:
-            cfg = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise InvalidArgument(f"config_json: not valid JSON ({err})") from None
+        cfg = bounded_json.loads(raw, "config_json")
+        if not isinstance(cfg, dict):
+            raise InvalidArgument("config_json must be a JSON object")
         return cls.from_config(cfg)
 
     @property
@@ -102,9 +117,10 @@ def _positive_int(cfg: dict[str, Any], field: str, default: int | None = None) -
     value = cfg.get(field, default)
     # bool is an int subclass; `true` is never a valid size.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgument(f"config field {field!r}: expected a positive integer, got {value!r}")
-    if value <= 0:
-        raise InvalidArgument(f"config field {field!r}: expected a positive integer, got {value}")
+        raise InvalidArgument(f"config field {field!r}: expected a positive integer, got {quote(value)}")
+    limit = MAX_CONFIG_VALUES.get(field, 1 << 31)
+    if not 0 < value <= limit:
+        raise InvalidArgument(f"config field {field!r}: {value} is outside 1..{limit}")
     return value
 
 

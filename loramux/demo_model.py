@@ -25,11 +25,29 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from engine.named_shapes import LLAMA3_8B_CONFIG, TINY_LLAMA_CONFIG
 from loraformat.architectures import Biases, spec_for_config
 
-__all__ = ["LLAMA3_8B_CONFIG", "TINY_LLAMA_CONFIG", "build_tokenizer", "write_demo_adapter", "write_llama_checkpoint"]
+__all__ = [
+    "LLAMA3_8B_CONFIG",
+    "TINY_LLAMA_CONFIG",
+    "build_tokenizer",
+    "write_demo_adapter",
+    "write_demo_tokenizer",
+    "write_llama_checkpoint",
+]
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID = 0, 1, 2
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids are the positions in this tuple
+# A small chat template in the Zephyr style, so chat requests work on the demo model; it uses what real
+# templates use (special tokens by name, raise_exception, whitespace control by trim/lstrip_blocks).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}\n"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant, not ' + message['role']) }}{% endif %}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 # TINY_LLAMA_CONFIG (engine.named_shapes) names these ids as its bos/eos/pad.
 
 _ARCHITECTURES = {
@@ -268,6 +286,12 @@ def _generation_config(config: dict) -> dict:
     return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
+def write_demo_tokenizer(out_dir: str | Path, model_max_length: int, vocab_size: int = 512) -> None:
+    """The demo tokenizer's files into `out_dir`: for checkpoints written by other means (transformers'
+    own classes in tests) that need a tokenizer the engine and transformers both read."""
+    _write_tokenizer(Path(out_dir), build_tokenizer(vocab_size), model_max_length)
+
+
 def _write_tokenizer(out_dir: Path, tokenizer: Tokenizer, model_max_length: int) -> None:
     """tokenizer.json plus the two small files transformers reads to name the special tokens."""
     tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -278,6 +302,7 @@ def _write_tokenizer(out_dir: Path, tokenizer: Tokenizer, model_max_length: int)
         "model_max_length": model_max_length,
         # Decoding must give back the exact text; HF's cleanup would turn "a ." into "a.".
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     _write_json(out_dir / "special_tokens_map.json", special)

@@ -340,6 +340,13 @@ def test_extend_attention_ref_keeps_dtype_and_checks_shapes():
         extend_attention_ref(q[:2], cache, cache, *args)
 
 
-def test_named_shapes_json_roundtrip():
-    # NAMED_SHAPES come from the demo dicts; a config.json written from them reads back equal.
-    assert ModelConfig.from_hf(json.loads(json.dumps(LLAMA3_8B_CONFIG))) == NAMED_SHAPES["llama3-8b"]
+def test_llama3_8b_shape_reads_as_published():
+    """The benchmark shape read from its config.json has Llama 3 8B's published dimensions (an outside
+    oracle: a reader that dropped or mixed up a field would not reproduce them)."""
+    shape = NAMED_SHAPES["llama3-8b"]
+    assert (shape.vocab_size, shape.hidden_size, shape.intermediate_size, shape.num_layers) == (128256, 4096, 14336, 32)
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim) == (32, 8, 128)
+    assert (shape.q_size, shape.kv_size) == (4096, 1024)
+    assert (shape.rope_theta, shape.max_position_embeddings, shape.rms_norm_eps) == (500000.0, 8192, 1e-5)
+    assert (shape.bos_token_id, shape.eos_token_ids, shape.tie_word_embeddings) == (128000, (128001,), False)
+    assert ModelConfig.from_hf(json.loads(json.dumps(LLAMA3_8B_CONFIG))) == shape
