@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sgmv import MAX_GRID_YZ, MAX_STACK, _check_meta, sgmv_shrink
+from kernels.sgmv import MAX_GRID_YZ, sgmv_shrink, shrink_output
 from kernels.sgmv_ref import SgmvMeta
 
 DECODE_MAX_SEG_LEN = 4
@@ -176,22 +176,8 @@ def sgmv_shrink_decode(
     segs: int | None = None,  # segments per program (default DEFAULT_SEGS; benchmarks compare others)
 ) -> torch.Tensor:  # v [T, num_stack * R], x.dtype; entries outside the LoRA rows/ranks left as they were
     """v[seg, k*R : k*R + r] = x[seg] @ A[w, k*R : k*R + r, :]^T, split over in_dim; see the module doc."""
-    if x.dim() != 2 or A.dim() != 3 or A.shape[2] != x.shape[1]:
-        raise ValueError(
-            f"want x [T, in_dim], A [slots, stack*R, in_dim]; got {tuple(x.shape)}, {tuple(A.shape)}"
-        )
-    if not 1 <= num_stack <= MAX_STACK or A.shape[1] % num_stack:
-        raise ValueError(f"A rows {A.shape[1]} are not num_stack={num_stack} (1..{MAX_STACK}) blocks")
-    if x.dtype != A.dtype:
-        raise ValueError(f"x is {x.dtype}, A is {A.dtype}")
-    _check_meta(meta, x.device)
+    out = shrink_output(x, A, meta, num_stack, out)
     num_tokens, in_dim, max_rank = x.shape[0], x.shape[1], A.shape[1] // num_stack
-    if out is None:
-        out = torch.empty(num_tokens, A.shape[1], dtype=x.dtype, device=x.device)
-    elif out.shape != (num_tokens, A.shape[1]) or out.dtype != x.dtype:
-        raise ValueError(
-            f"out must be [{num_tokens}, {A.shape[1]}] {x.dtype}, got {tuple(out.shape)} {out.dtype}"
-        )
     if meta.num_segments == 0 or num_tokens == 0 or in_dim == 0:
         return out
     config = decode_config(in_dim, meta.num_segments, num_stack, x.device, segs)
