@@ -26,6 +26,8 @@ class AdapterRecord:
     path: Path | None  # the canonical artifact on local disk; None when it comes from the registry
     rank: int
     pinned: bool = False  # as the registry last said
+    tenant: str = ""  # the owner, from the registry ("" for local adapters and without authentication)
+    public: bool = True  # local adapters are served to every caller; the registry says for its own
 
     @property
     def ref(self) -> str:

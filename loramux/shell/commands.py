@@ -120,7 +120,7 @@ def base_models_list(args) -> int:
 def adapters_register(args) -> int:
     labels = dict(_parse_label(item) for item in args.label)
     spec = pb.AdapterSpec(
-        name=args.name, base_model=args.base_model, pinned=args.pinned, description=args.description, labels=labels
+        name=args.name, base_model=args.base_model, pinned=args.pinned, public=args.public, description=args.description, labels=labels
     )
     adapter_dir = None
     if args.dir.startswith(REMOTE_SCHEMES):
