@@ -23,7 +23,7 @@ from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
 from engine.errors import NotFound
 from engine.forward_inputs import KVBuffers
-from engine.kv_pool import PageAllocator, ReqToTokenPool
+from engine.kv_pool import PageAllocator, ReqToTokenPool, num_slots_for_memory
 from engine.lora_manager import LoraManager
 from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.model_config import ModelConfig
@@ -244,8 +244,8 @@ def _auto_kv_slots(model_config: ModelConfig, device: torch.device, dtype: torch
     if device.type != "cuda":
         return CPU_KV_SLOTS
     free, _ = torch.cuda.mem_get_info(device)
-    bytes_per_slot = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * dtype.itemsize
-    return int(free * config.kv_memory_fraction) // bytes_per_slot
+    c = model_config
+    return num_slots_for_memory(free, config.kv_memory_fraction, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
 
 
 def _attention_backend(config: EngineConfig, device: torch.device) -> str:

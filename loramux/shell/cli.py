@@ -142,6 +142,7 @@ def _add_adapter_commands(sub, env: _EnvDefaults) -> None:
     register.add_argument("--name", required=True)
     register.add_argument("--base-model", default="")
     register.add_argument("--pinned", action="store_true")
+    register.add_argument("--public", action="store_true", help="visible to every tenant (default: your tenant only)")
     register.add_argument("--description", default="")
     register.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     register.add_argument("--json", action="store_true")
