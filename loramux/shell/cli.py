@@ -205,7 +205,7 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="drain a running adapter when another adapter's requests waited this long for a slot (0 = off)",
     )
     p.add_argument("--lora-eviction-policy", default=env("--lora-eviction-policy", "lru"), choices=("lru", "fifo"))
-    p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton or chunked (default: triton on cuda)")
+    p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton, chunked or splitk (default: triton on cuda)")
 
 
 def _add_generate_command(sub, env: _EnvDefaults) -> None:
