@@ -97,7 +97,10 @@ class Admission:
         token_ids = None if inp.token_ids is None else list(inp.token_ids)
         prompt_ids = await asyncio.to_thread(core.prompt_ids, inp.text, token_ids)
         sink = _thread_safe_sink(asyncio.get_running_loop(), events)
-        req = core.new_request(prompt_ids, inp.params, sink, rid=inp.request_id, adapter=adapter, deadline=inp.deadline)
+        req = core.new_request(
+            prompt_ids, inp.params, sink, rid=inp.request_id, adapter=adapter, deadline=inp.deadline,
+            tenant=inp.caller.tenant,
+        )
         limit = core.config.max_queued_requests
         if core.loop.num_active >= limit:
             raise AdmissionError(Code.RESOURCE_EXHAUSTED, f"the engine queue is full ({limit} requests)")

@@ -170,9 +170,13 @@ def test_a_running_adapter_request_is_listed_in_lora_requests_info(stack, client
     up, _ = stack
     stream = client.completions.create(model="other", prompt=PROMPT, stream=True, max_tokens=400, extra_body={"ignore_eos": True})
     try:
-        next(iter(stream))  # the request runs now
-        metrics = urllib.request.urlopen(f"http://{up.addresses['http']}/metrics", timeout=30).read().decode()
-        info = parse_lora_info(metrics)
+        chunks = iter(stream)
+        next(chunks)  # the request runs now; the gauges are sampled after each step, so read on
+        for _ in range(400):  # until a sample saw it (each chunk is one more step), not by time
+            info = parse_lora_info(urllib.request.urlopen(f"http://{up.addresses['http']}/metrics", timeout=30).read().decode())
+            if info and "other" in info["running"]:
+                break
+            next(chunks)
         assert "other" in info["running"] and info["max_lora"] == 8
     finally:
         stream.close()  # the client goes away mid-stream
