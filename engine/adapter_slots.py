@@ -24,7 +24,6 @@ class SlotState:
     is_pinned: bool = False
     last_used: float = 0.0
     loaded_at: float = 0.0
-    rank: int = 0  # the loaded adapter's rank (metrics read it here, not from the GPU tables)
 
     @property
     def is_evictable(self) -> bool:
@@ -122,10 +121,9 @@ class AdapterSlots:
             self._empty(state)
             self.num_evictions += 1
         started = time.perf_counter()
-        packed = load()
-        self.pool.load(state.index, packed)
+        self.pool.load(state.index, load())
         self.recent_load_seconds.append(time.perf_counter() - started)
-        state.digest, state.rank = digest, packed.rank
+        state.digest = digest
         state.loaded_at = state.last_used = self.clock()
         self._by_digest[digest] = state
         self.num_loads += 1

@@ -23,7 +23,7 @@ from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
 from engine.errors import NotFound
 from engine.forward_inputs import KVBuffers
-from engine.kv_pool import PageAllocator, ReqToTokenPool
+from engine.kv_pool import PageAllocator, ReqToTokenPool, num_slots_for_memory
 from engine.lora_manager import LoraManager
 from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.model_config import ModelConfig
@@ -194,6 +194,7 @@ class EngineCore:
         adapter: AdapterRecord | None = None,
         packed: PackedAdapter | None = None,
         deadline: float | None = None,
+        tenant: str = "",
     ) -> Request:
         params = params.resolve(len(prompt_ids), self.max_context)
         params.validate(self.model_config.vocab_size, self.max_context, len(prompt_ids))
@@ -210,6 +211,7 @@ class EngineCore:
             generator=None if params.is_greedy else make_generator(params.seed, self.config.device),
             eos_token_ids=frozenset(itertools.chain(self.tokenizer.eos_token_ids, self.model_config.eos_token_ids)),
             deadline=deadline,
+            tenant=tenant,
         )
 
 
@@ -244,8 +246,8 @@ def _auto_kv_slots(model_config: ModelConfig, device: torch.device, dtype: torch
     if device.type != "cuda":
         return CPU_KV_SLOTS
     free, _ = torch.cuda.mem_get_info(device)
-    bytes_per_slot = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * dtype.itemsize
-    return int(free * config.kv_memory_fraction) // bytes_per_slot
+    c = model_config
+    return num_slots_for_memory(free, config.kv_memory_fraction, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
 
 
 def _attention_backend(config: EngineConfig, device: torch.device) -> str:

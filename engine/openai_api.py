@@ -36,12 +36,16 @@ HTTP_STATUS = {
     Code.UNAVAILABLE: (503, "service_unavailable_error"),
     Code.DEADLINE_EXCEEDED: (504, "timeout_error"),
     Code.INTERNAL: (500, "internal_error"),
+    Code.UNAUTHENTICATED: (401, "authentication_error"),
+    Code.PERMISSION_DENIED: (403, "permission_error"),
 }
 
 
 def error_body(code: Code, message: str) -> tuple[int, dict]:
-    """(HTTP status, OpenAI error body) for an engine error kind."""
+    """(HTTP status, OpenAI error body) for an engine error kind; the engine's sampling field names
+    ("sampling.max_new_tokens") become the request's ("max_tokens")."""
     status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
+    message = message.replace("sampling.max_new_tokens", "max_tokens").replace("sampling.", "")
     return status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
@@ -66,7 +70,7 @@ def parse_request(kind: str, body: object, base_model: str) -> tuple[OpenAIReque
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model: name the base model or an adapter (name or name@N)")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise bad_request(f"n: only 1 is supported, got {body.get('n')!r}")
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, False, 0, [], {}):
@@ -109,7 +113,7 @@ def sampling_params(kind: str, body: dict) -> SamplingParams:
         seed=seed,
         max_new_tokens=max_tokens,
         stop=tuple(stop),
-        stop_token_ids=tuple(_typed(body, "stop_token_ids", list, None) or ()),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
         ignore_eos=_typed(body, "ignore_eos", bool, False),
     )
 
@@ -214,6 +218,13 @@ def _typed(body: dict, name: str, kind: type, default):
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise bad_request(f"{name}: must be of type {kind.__name__}, got {value!r}")
     return value
+
+
+def _token_ids(body: dict, name: str) -> tuple[int, ...]:
+    ids = _typed(body, name, list, None) or []
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request(f"{name}: a list of token ids")
+    return tuple(ids)
 
 
 def _number(body: dict, name: str, default: float) -> float:

@@ -214,8 +214,9 @@ async def test_watch_streams_every_change_in_order(registry, qv_adapter):
             if len(events) == 4:
                 return
 
+    # The watch starts after the latest event at the time it opens; its headers say it is in place.
+    await asyncio.wait_for(stream.initial_metadata(), 10)
     task = asyncio.create_task(collect())
-    await asyncio.sleep(0.3)  # the watch starts after the latest event at the time it opens
     await registry.register("bot", qv_adapter)
     await registry.stub.SetPinned(pb.SetPinnedRequest(name="bot", pinned=True))
     await registry.stub.SetPinned(pb.SetPinnedRequest(name="bot", pinned=False))
