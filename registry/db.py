@@ -9,6 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from sqlalchemy import (
@@ -150,6 +151,9 @@ def migrate(engine: Engine) -> None:
     from alembic import command
     from alembic.config import Config
 
+    # Alembic logs every step at INFO ("Context impl", "Will assume transactional DDL", each upgrade):
+    # seven lines at every start say nothing to an operator. Warnings still show.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
     with engine.begin() as connection:

@@ -69,7 +69,7 @@ class RegistryServer:
         self.metrics = metrics or RegistryMetrics()
         self.servicer = RegistryServicer(self.service, self.metrics)
         self.host = ServiceHost([SERVICE_NAME])
-        registry_pb2_grpc.add_RegistryServicer_to_server(self.servicer, self.host.server)
+        self.host.add_servicer(registry_pb2_grpc.add_RegistryServicer_to_server, self.servicer)
         credentials = config.tls.server_credentials() if config.tls.is_on else None
         self.port = self.host.bind(config.host, config.port, credentials)
         self._probe: asyncio.Task | None = None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from loraformat.peft_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, is_pickle_weights, pickle_refusal
+from loramux.grpc_server import Malformed
 from loramux.v1 import registry_pb2 as pb
 from registry.errors import Code, InvalidArgument, RegistryError, ResourceExhausted, quote
 from registry.types import AdapterFiles, AdapterSpecIn, make_spec
@@ -36,6 +37,8 @@ async def receive_upload(
     the client sends nothing for idle_timeout_s."""
     requests = _with_idle_timeout(requests, idle_timeout_s)
     first = await anext(requests, None)
+    if isinstance(first, Malformed):
+        raise InvalidArgument("RegisterAdapter: a message of the stream is not a valid protobuf message")
     if first is None or first.WhichOneof("item") != "spec":
         raise InvalidArgument("the first RegisterAdapter message must be a spec")
     spec = first.spec
@@ -88,6 +91,8 @@ def spec_from_pb(s: pb.AdapterSpec) -> AdapterSpecIn:
 def _check_chunk(
     request: pb.RegisterAdapterRequest, spec: pb.AdapterSpec, sizes: dict[str, int]
 ) -> pb.FileChunk:
+    if isinstance(request, Malformed):
+        raise InvalidArgument("RegisterAdapter: a message of the stream is not a valid protobuf message")
     if request.WhichOneof("item") != "chunk":
         raise InvalidArgument("only the first RegisterAdapter message may be a spec")
     if spec.source_uri:
