@@ -49,8 +49,11 @@ class EngineServer:
 
     def __init__(self, config: EngineConfig, core: EngineCore):
         check_exposure(config.host, config.auth, config.allow_unauthenticated, "engine")
-        if config.auth and not config.registry:
-            raise ValueError("engine: --auth needs --registry (keys are checked through the registry)")
+        if config.auth and not (config.registry and config.api_key):
+            raise ValueError(
+                "engine: --auth needs --registry and the engine's own key (--api-key or --api-key-file, role"
+                " engine): clients' keys are checked through the registry"
+            )
         self.config = config
         self.core = core
         self.admin = AdapterAdmin(core)

@@ -208,6 +208,13 @@ def keys_create(args) -> int:
     return 0
 
 
+def keys_generate(args) -> int:
+    from loramux.security import new_key
+
+    print(new_key()[0])
+    return 0
+
+
 def keys_list(args) -> int:
     with _registry_client(args) as client:
         keys = client.list_keys()
