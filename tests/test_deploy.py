@@ -37,6 +37,7 @@ DEPLOY_README = ROOT / "deploy" / "README.md"
 LORAMUX_SERVICES = ("registry", "engine", "engine-cpu")
 ENGINES = {"engine": ("gpu", "cuda", "Dockerfile.cuda"), "engine-cpu": ("cpu", "cpu", "Dockerfile")}
 PORTS = {"registry": (50051, 9101), "engine": (50052, 9102), "engine-cpu": (50052, 9102)}
+HTTP_PORTS = {"engine": 8000, "engine-cpu": 8000}  # the engines' OpenAI-compatible HTTP API
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +228,10 @@ def test_ports_published_match_the_commands(services):
         assert int(_flag(args, "--port")) == grpc_port
         assert int(_flag(args, "--metrics-port")) == metrics_port
         assert _flag(args, "--host") == "0.0.0.0"
-        assert _published(services[name]) == {grpc_port: grpc_port, metrics_port: metrics_port}
+        http = {HTTP_PORTS[name]: HTTP_PORTS[name]} if name in HTTP_PORTS else {}
+        if http:
+            assert int(_flag(args, "--http-port")) == HTTP_PORTS[name]
+        assert _published(services[name]) == {grpc_port: grpc_port, metrics_port: metrics_port, **http}
 
 
 def test_every_long_running_service_has_a_healthcheck(services):
