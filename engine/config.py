@@ -36,6 +36,11 @@ class EngineConfig:
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
+    tensor_parallel_size: int = 1  # model workers (GPUs), one per tensor-parallel rank
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @property
     def resolved_base_model_name(self) -> str:

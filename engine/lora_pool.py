@@ -6,6 +6,11 @@ Allocated once at start; addresses never change (CUDA graphs capture them). Per 
     A[t]: [num_layers, num_slots + 1, stack * max_rank, in_dim]     rows k*max_rank .. k*max_rank+r: A of projection k
     B[t]: [num_layers, num_slots + 1, out_dim_total, max_rank]      columns 0 .. r of projection k's output rows
 
+Under tensor parallelism each rank holds its shard of every slot, the S-LoRA way: for a column-parallel
+target (qkv, gate_up) A is whole and B holds this rank's output rows of each projection; for a
+row-parallel target (o, down) A holds this rank's input columns and B is whole, so the rank's delta is a
+partial sum that the layer's all-reduce completes. The dims above are then the rank's (`local_config`).
+
 Slot index `num_slots` is the base-model slot: rank 0 forever, so base-model tokens take the same
 kernels and contribute exactly nothing. An EMPTY slot (no adapter) is a different thing: rank 0 until
 an adapter is loaded into it. `ranks[s]` / `scalings[s]` hold each slot's rank and scaling.
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_config import ModelConfig
+from engine.parallel import SINGLE, TensorParallel, local_config
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class FusedTarget:
     modules: tuple[str, ...]  # the PEFT projections stacked in this target, in order
     in_dim: int
     output_slices: tuple[tuple[int, int], ...]  # (offset, size) of each projection in the fused output
+    parallel: str  # "column" (output features split across ranks) or "row" (input features split)
 
     @property
     def num_stack(self) -> int:
@@ -41,10 +48,10 @@ class FusedTarget:
 def fused_targets(config: ModelConfig) -> tuple[FusedTarget, ...]:
     q, kv, hidden, inter = config.q_size, config.kv_size, config.hidden_size, config.intermediate_size
     return (
-        FusedTarget("qkv", ("q_proj", "k_proj", "v_proj"), hidden, ((0, q), (q, kv), (q + kv, kv))),
-        FusedTarget("o", ("o_proj",), q, ((0, hidden),)),
-        FusedTarget("gate_up", ("gate_proj", "up_proj"), hidden, ((0, inter), (inter, inter))),
-        FusedTarget("down", ("down_proj",), inter, ((0, hidden),)),
+        FusedTarget("qkv", ("q_proj", "k_proj", "v_proj"), hidden, ((0, q), (q, kv), (q + kv, kv)), "column"),
+        FusedTarget("o", ("o_proj",), q, ((0, hidden),), "row"),
+        FusedTarget("gate_up", ("gate_proj", "up_proj"), hidden, ((0, inter), (inter, inter)), "column"),
+        FusedTarget("down", ("down_proj",), inter, ((0, hidden),), "row"),
     )
 
 
@@ -70,12 +77,15 @@ class PackedAdapter:
 class LoraSlotPool:
     """Owns the slot buffers and each slot's rank/scaling; knows nothing of which adapter is where."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE
+    ):
         self.num_slots = num_slots
         self.base_slot = num_slots
         self.max_rank = max_rank
         self.device = torch.device(device)
-        self.targets = {t.name: t for t in fused_targets(config)}
+        self.tp = tp
+        self.targets = {t.name: t for t in fused_targets(local_config(config, tp))}  # this rank's dims
         total = num_slots + 1
         layers = config.num_layers
         self.a = {t.name: torch.zeros(layers, total, t.num_stack * max_rank, t.in_dim, dtype=dtype, device=device) for t in self.targets.values()}
@@ -116,8 +126,18 @@ class LoraSlotPool:
                 current.wait_event(event)
             self._pending.clear()
 
+    def _shard(self, target: FusedTarget, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed (full) target -> this rank's A and B; see the module doc."""
+        # a: [L, stack * rank, in_full]; b: [L, out_full, rank]
+        if self.tp.size == 1:
+            return a, b
+        if target.parallel == "row":
+            return a[:, :, self.tp.part(a.shape[2])], b
+        rows = [b[:, offset : offset + size][:, self.tp.part(size)] for offset, size in _full_slices(target, self.tp)]
+        return a, torch.cat(rows, dim=1)
+
     def _copy_target(self, slot: int, target: FusedTarget, a: torch.Tensor, b: torch.Tensor, rank: int) -> None:
-        # a: [L, stack * rank, in]; b: [L, out, rank]
+        a, b = self._shard(target, a, b)  # a: [L, stack * rank, in]; b: [L, out, rank]
         dst_a, dst_b = self.a[target.name][:, slot], self.b[target.name][:, slot]
         dst_a.zero_()
         dst_b.zero_()
@@ -125,3 +145,12 @@ class LoraSlotPool:
             rows = slice(k * self.max_rank, k * self.max_rank + rank)
             dst_a[:, rows].copy_(a[:, k * rank : (k + 1) * rank], non_blocking=True)
         dst_b[:, :, :rank].copy_(b, non_blocking=True)
+
+
+def _full_slices(target: FusedTarget, tp: TensorParallel) -> list[tuple[int, int]]:
+    """The (offset, size) of each projection in the full (unsharded) fused output of a column target."""
+    slices, offset = [], 0
+    for _, size in target.output_slices:
+        slices.append((offset, size * tp.size))
+        offset += size * tp.size
+    return slices

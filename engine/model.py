@@ -16,8 +16,6 @@ from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs
 from engine.model_config import ModelConfig
 from engine.rope import apply_rope, cos_sin_cache
-from kernels.attention_ref import extend_attention_ref
-from kernels.attention_sdpa import sdpa_extend_attention
 
 
 class RMSNorm(nn.Module):
@@ -72,37 +70,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         k_cache[attn.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[attn.out_cache_loc] = v.to(v_cache.dtype)
-        o = _attend(q, k_cache, v_cache, attn, self.scale)  # [T, H, D]
+        o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
         return self.project_o(o.reshape(-1, c.q_size), lora)
-
-
-def _attend(
-    q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    attn: AttentionInputs,
-    scale: float,
-) -> torch.Tensor:  # [T, H, D]
-    if attn.decode_plan is not None:
-        from kernels.decode_attention import decode_attention  # Triton: only where graphs run (CUDA)
-
-        plan = attn.decode_plan
-        return decode_attention(
-            q, k_cache, v_cache, attn.req_to_token, plan.req_rows, plan.seq_lens, scale,
-            max_context=plan.max_context, workspace=plan.workspace,
-        )
-    if attn.sdpa_plan is not None:
-        return sdpa_extend_attention(q, k_cache, v_cache, attn.sdpa_plan, scale)
-    return extend_attention_ref(
-        q,
-        k_cache,
-        v_cache,
-        attn.req_to_token,
-        attn.req_pool_indices,
-        attn.prefix_lens,
-        attn.extend_lens,
-        scale,
-    )
 
 
 class MLP(nn.Module):

@@ -59,6 +59,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_retractions = 0
+        self.released: list[int] = []  # uids of requests finished since the last plan
+
+    def take_released(self) -> list[int]:
+        released, self.released = self.released, []
+        return released
 
     @property
     def num_requests(self) -> int:
@@ -86,6 +91,7 @@ class Scheduler:
     def finish(self, req: Request, event: Finished | Failed) -> None:
         """End req: cache its KV, free the rest, and send its last event."""
         req.is_finished = True
+        self.released.append(req.uid)
         self._release(req)
         if req in self.running:
             self.running.remove(req)

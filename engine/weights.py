@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from engine.model import LlamaModel
 from engine.model_config import NAMED_SHAPES, ModelConfig
+from engine.parallel import SINGLE, TensorParallel
 
 # our fused projection -> its HF projections, in row order
 _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -26,7 +27,7 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, tp: TensorParallel = SINGLE
 ) -> tuple[LlamaModel, ModelConfig]:
     """Read config.json and model.safetensors (or the shards of model.safetensors.index.json) of
     `model_dir` onto `device`. Ties the embeddings when config.json says so or lm_head is absent.
