@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from loraformat.model_shapes import SUPPORTED_MODULES, ModelShape
 from loramux.demo_model import LLAMA3_8B_CONFIG
 from loramux.registry_client import RegistryClient
 from loramux.testing.procs import Service
 from loramux.v1 import registry_pb2 as pb
-from registry.model_shapes import SUPPORTED_MODULES, ModelShape
 
 PEFT_PREFIX = "base_model.model.model.layers"
 

@@ -12,7 +12,7 @@ from collections import OrderedDict
 import torch
 
 from engine.lora_pool import FusedTarget, PackedAdapter
-from registry.peft_compile import CanonicalAdapter
+from loraformat.peft_compile import CanonicalAdapter
 
 
 def pack_adapter(

@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraformat.model_shapes import ModelShape
+from loraformat.peft_compile import CanonicalAdapter, compile_adapter, read_canonical
+from loraformat.peft_files import CONFIG_FILE, WEIGHTS_FILE
 from registry.errors import FailedPrecondition, InvalidArgument, NotFound
-from registry.model_shapes import ModelShape
-from registry.peft_compile import CanonicalAdapter, compile_adapter, read_canonical
-from registry.peft_files import CONFIG_FILE, WEIGHTS_FILE
 from registry.types import check_name, parse_ref
 
 

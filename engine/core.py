@@ -35,9 +35,9 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
 from engine.weights import default_dtype
 from engine.worker import WorkerSpec, read_model_config, start_workers
+from loraformat.model_shapes import ModelShape
 from loramux.metrics import EngineMetrics
 from registry.errors import NotFound
-from registry.model_shapes import ModelShape
 
 log = logging.getLogger(__name__)
 

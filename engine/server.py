@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 from engine.adapter_admin import AdapterAdmin
+from engine.admission import Admission
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.registry_link import RegistryLink
@@ -47,12 +48,13 @@ class EngineServer:
         self.config = config
         self.core = core
         self.admin = AdapterAdmin(core)
+        self.admission = Admission(core)
         self.metrics = EngineMetrics(base_model_name=core.base_model_name)
         core.metrics = self.metrics
         core.loop.after_step = StepSampler(self.metrics, core.loop.scheduler, core.lora)
         # Prompts over max_prompt_bytes get a clear INVALID_ARGUMENT rather than gRPC's size error.
         self.host = ServiceHost([SERVICE_NAME], max_receive_bytes=max(16 << 20, 2 * config.max_prompt_bytes))
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, self.admin), self.host.server)
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, self.admin, self.admission), self.host.server)
         self.port = self.host.bind(config.host, config.port)
 
     @property
@@ -69,10 +71,12 @@ class EngineServer:
             await self.core.link.start()
         self.core.loop.start()
         await asyncio.to_thread(warm_up, self.core)
+        self.admission.is_open = True
         await self.host.set_serving(True)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop generating first, so every in-flight stream ends at once with UNAVAILABLE, then the host."""
+        self.admission.is_open = False
         await self.host.set_serving(False)
         await asyncio.to_thread(self.core.loop.stop)
         await (self.host.stop() if grace is None else self.host.stop(grace))

@@ -1,21 +1,21 @@
-"""gRPC servicer of loramux.v1.Engine. Handlers validate, enqueue into the engine loop and stream
-its events; they never touch the model or the KV cache. Protobuf stops here."""
+"""gRPC servicer of loramux.v1.Engine: protobuf in and out around the protocol-neutral admission path
+(engine/admission.py), which the HTTP front shares. Handlers never touch the model or the KV cache."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 
 import grpc
 
 from engine.adapter_admin import AdapterAdmin, AdapterResidency
+from engine.admission import Admission, AdmissionError, GenerateInput, admission_errors
 from engine.core import EngineCore, InvalidPrompt
-from engine.request import Event, Finished, Request, TokenDelta
+from engine.request import Finished, TokenDelta
 from engine.sampling import InvalidSampling, SamplingParams
 from loramux.v1 import engine_pb2 as pb
 from loramux.v1 import engine_pb2_grpc as pb_grpc
-from registry.errors import Code, RegistryError
+from registry.errors import RegistryError
 
 
 def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
@@ -44,16 +44,6 @@ def _complete(event: Finished, adapter: str) -> pb.GenerateResponse:
     return pb.GenerateResponse(complete=complete)
 
 
-def _thread_safe_sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
-    """A sink the engine thread calls; events land in the handler's queue on the server's loop."""
-
-    def sink(event: Event) -> None:
-        with contextlib.suppress(RuntimeError):  # the server's loop has closed: nobody listens any more
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-    return sink
-
-
 def _state_to_pb(state: AdapterResidency) -> pb.AdapterState:
     return pb.AdapterState(
         adapter=state.ref,
@@ -68,14 +58,15 @@ def _state_to_pb(state: AdapterResidency) -> pb.AdapterState:
 
 async def _abort(context, exc: Exception):
     if isinstance(exc, RegistryError):
-        await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
+        await context.abort(grpc_status(exc.code.value), str(exc))
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 class EngineServicer(pb_grpc.EngineServicer):
-    def __init__(self, core: EngineCore, admin: AdapterAdmin):
+    def __init__(self, core: EngineCore, admin: AdapterAdmin, admission: Admission):
         self.core = core
         self.admin = admin
+        self.admission = admission
 
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.AdapterState:
         if self.core.lora is None:
@@ -99,65 +90,36 @@ class EngineServicer(pb_grpc.EngineServicer):
         return pb.ListLoadedResponse(adapters=[_state_to_pb(s) for s in states])
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        events: asyncio.Queue[Event] = asyncio.Queue()
         try:
-            req = await self._new_request(request, context, events)
-        except (InvalidPrompt, InvalidSampling) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RegistryError as exc:
-            await _abort(context, exc)
-        self.core.loop.submit(req)
-        outcome, first_token_at, num_tokens = "CANCELLED", None, 0
-        try:
-            while True:
-                event = await events.get()
+            generation = await self.admission.start(_generate_input(request, context))
+        except AdmissionError as exc:
+            await context.abort(grpc_status(exc.code), str(exc))
+        # Closing the events at once when this handler is cancelled cancels the request in the engine.
+        async with contextlib.aclosing(generation.events()) as events:
+            async for event in events:
                 if isinstance(event, TokenDelta):
-                    first_token_at = first_token_at or time.monotonic()
-                    num_tokens += len(event.token_ids)
                     yield pb.GenerateResponse(chunk=pb.GenerateChunk(token_ids=event.token_ids, text=event.text))
-                    continue
-                if isinstance(event, Finished):
-                    outcome = event.reason.value.lower()
-                    yield _complete(event, req.adapter_ref)
-                    return
-                outcome = event.code
-                await context.abort(getattr(grpc.StatusCode, event.code), event.message)
-        finally:
-            if outcome == "CANCELLED":  # the client went away or the deadline passed: free the KV now
-                self.core.loop.cancel(req)
-            self._record(req, outcome, first_token_at, num_tokens)
+                elif isinstance(event, Finished):
+                    yield _complete(event, generation.request.adapter_ref)
+                else:
+                    await context.abort(grpc_status(event.code), event.message)
 
-    def _record(self, req: Request, outcome: str, first_token_at: float | None, num_tokens: int) -> None:
-        if self.core.metrics is None:
-            return
-        now = time.monotonic()
-        self.core.metrics.record_finished(
-            req.adapter_ref,
-            outcome,
-            num_prompt_tokens=len(req.prompt_ids),
-            num_cached_tokens=max(req.first_cached_len, 0),
-            num_generated_tokens=num_tokens,
-            latency_s=now - req.arrival,
-            first_token_s=None if first_token_at is None else first_token_at - req.arrival,
-        )
 
-    async def _new_request(self, request: pb.GenerateRequest, context, events: asyncio.Queue[Event]) -> Request:
-        adapter = await self.core.resolve(request.adapter)  # an unknown adapter never means the base model
-        kind = request.WhichOneof("prompt")
-        if kind is None:
-            raise InvalidPrompt("prompt: set text or token_ids")
-        text = request.text if kind == "text" else None
-        token_ids = list(request.token_ids.ids) if kind == "token_ids" else None
-        prompt_ids = await asyncio.to_thread(self.core.prompt_ids, text, token_ids)
+def grpc_status(code: str) -> grpc.StatusCode:
+    """An engine status name ("NOT_FOUND", ...) -> the gRPC status of the same name."""
+    return getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+
+
+def _generate_input(request: pb.GenerateRequest, context) -> GenerateInput:
+    kind = request.WhichOneof("prompt")
+    remaining = context.time_remaining()
+    with admission_errors():
         params = sampling_from_pb(request.sampling)
-        loop = asyncio.get_running_loop()
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        sink = _thread_safe_sink(loop, events)
-        req = self.core.new_request(prompt_ids, params, sink, rid=request.request_id, adapter=adapter, deadline=deadline)
-        limit = self.core.config.max_queued_requests
-        if self.core.loop.num_active >= limit:
-            raise RegistryError(f"the engine queue is full ({limit} requests)", Code.RESOURCE_EXHAUSTED)
-        if adapter is not None:  # fetched here, after every cheap check, so the engine loop never waits on it
-            req.packed_adapter = await self.core.prepare(adapter)
-        return req
+    return GenerateInput(
+        adapter=request.adapter,
+        params=params,
+        text=request.text if kind == "text" else None,
+        token_ids=tuple(request.token_ids.ids) if kind == "token_ids" else None,
+        request_id=request.request_id,
+        deadline=time.monotonic() + remaining if remaining is not None else None,
+    )

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import grpc
 
+from loraformat.peft_files import ADAPTER_FILES, PICKLE_WEIGHTS_FILES, WEIGHTS_FILE
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
-from registry.peft_files import ADAPTER_FILES, PICKLE_WEIGHTS_FILES, WEIGHTS_FILE
 
 CHUNK_BYTES = 1 << 20
 

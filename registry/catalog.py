@@ -21,10 +21,11 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, aliased
 
 from registry.db import AdapterEventRow, AdapterNameRow, AdapterRow, BaseModelRow
-from registry.errors import AlreadyExists, Code, InvalidArgument, NotFound, RegistryError
-from registry.types import AdapterEventInfo, AdapterInfo, BaseModelInfo
+from registry.errors import AlreadyExists, Code, InvalidArgument, NotFound, RegistryError, quote
+from registry.types import MAX_VERSION, AdapterEventInfo, AdapterInfo, BaseModelInfo
 
 MAX_PAGE_SIZE = 1000
+MAX_TOKEN_CHARS = 1024
 DEFAULT_PAGE_SIZE = 100
 _RETRIES = 8
 T = TypeVar("T")
@@ -316,9 +317,13 @@ def _encode_token(last: AdapterInfo) -> str:
 
 def _decode_token(token: str) -> tuple[str, int]:
     try:
-        name, version = json.loads(base64.urlsafe_b64decode(token.encode()))
-        if isinstance(name, str) and isinstance(version, int):
-            return name, version
+        if len(token) <= MAX_TOKEN_CHARS:
+            # json.loads recurses on nesting: only a flat [name, version] list is parsed at all.
+            raw = base64.urlsafe_b64decode(token.encode())
+            if raw.count(b"[") == 1 and b"{" not in raw:
+                name, version = json.loads(raw)
+                if isinstance(name, str) and isinstance(version, int) and 0 <= version <= MAX_VERSION:
+                    return name, version
     except (binascii.Error, ValueError, TypeError):
         pass
-    raise InvalidArgument(f"page_token {token[:64]!r} is not a token this registry issued")
+    raise InvalidArgument(f"page_token {quote(token, 64)} is not a token this registry issued")

@@ -1,4 +1,4 @@
-"""Errors of the registry's pure code, independent of gRPC.
+"""The registry's errors: the adapter format's status errors plus the registry's own kinds.
 
 Each error carries a `Code`; the servicer maps it to the gRPC status of the same name. The message
 always names the offending field, file or tensor.
@@ -6,48 +6,34 @@ always names the offending field, file or tensor.
 
 from __future__ import annotations
 
-import enum
+from loraformat.errors import (
+    Code,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    StatusError,
+    quote,
+)
+
+# The registry raises and catches the shared base under its own name: an adapter-format error met while
+# registering is a registry error like any other.
+RegistryError = StatusError
+
+__all__ = [
+    "AlreadyExists",
+    "Code",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "NotFound",
+    "RegistryError",
+    "ResourceExhausted",
+    "quote",
+]
 
 
-class Code(enum.Enum):
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    NOT_FOUND = "NOT_FOUND"
-    ALREADY_EXISTS = "ALREADY_EXISTS"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAVAILABLE = "UNAVAILABLE"
-
-
-class RegistryError(Exception):
-    """An error with a status code; `str(err)` is the message the client sees."""
-
-    code: Code = Code.INVALID_ARGUMENT
-
-    def __init__(self, message: str, code: Code | None = None):
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-
-
-class InvalidArgument(RegistryError):
-    """Malformed input: names, JSON, safetensors structure, dtypes, non-finite values."""
-
-    code = Code.INVALID_ARGUMENT
-
-
-class FailedPrecondition(RegistryError):
-    """The adapter parses but cannot be served: unsupported feature or module, rank, shapes."""
-
-    code = Code.FAILED_PRECONDITION
-
-
-class NotFound(RegistryError):
+class NotFound(StatusError):
     code = Code.NOT_FOUND
 
 
-class AlreadyExists(RegistryError):
+class AlreadyExists(StatusError):
     code = Code.ALREADY_EXISTS
-
-
-class ResourceExhausted(RegistryError):
-    code = Code.RESOURCE_EXHAUSTED

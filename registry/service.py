@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraformat.model_shapes import ModelShape
+from loraformat.peft_compile import compile_adapter
+from loraformat.peft_files import CONFIG_FILE, WEIGHTS_FILE
 from registry.catalog import Catalog, NewVersion
 from registry.config import RegistryConfig
 from registry.errors import InvalidArgument
-from registry.model_shapes import ModelShape
-from registry.peft_compile import compile_adapter
-from registry.peft_files import CONFIG_FILE, WEIGHTS_FILE
 from registry.sources import fetch_source
 from registry.store import BlobInfo, ObjectStore, S3Store, make_s3_client
 from registry.types import AdapterFiles, AdapterInfo, AdapterSpecIn, BaseModelInfo, check_name

@@ -21,9 +21,9 @@ import grpc
 from loramux.metrics import RegistryMetrics
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
-from registry.errors import RegistryError
+from registry.errors import InvalidArgument, RegistryError
 from registry.service import RegistryService
-from registry.types import AdapterEventInfo, AdapterInfo, check_name, make_spec
+from registry.types import MAX_EVENT_ID, AdapterEventInfo, AdapterInfo, check_name, check_version
 from registry.upload import receive_upload
 
 log = logging.getLogger(__name__)
@@ -135,8 +135,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=config.spool_dir) as tmp:
             upload = await receive_upload(request_iterator, Path(tmp), config.max_upload_bytes)
-            s = upload.spec
-            spec = make_spec(s.name, s.base_model, s.pinned, s.description, dict(s.labels), s.source_uri)
+            spec = upload.spec
             if upload.files is None:
                 info = await asyncio.to_thread(self.service.import_adapter, spec)
             else:
@@ -151,6 +150,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     @_statuses
     async def GetAdapter(self, request: pb.GetAdapterRequest, context) -> pb.Adapter:
         check_name(request.name)
+        check_version(request.version)
         return adapter_to_pb(await asyncio.to_thread(self.catalog.get, request.name, request.version))
 
     @_statuses
@@ -168,6 +168,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     @_statuses
     async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, context) -> pb.DeleteAdapterResponse:
         check_name(request.name)
+        check_version(request.version)
         deleted = await asyncio.to_thread(self.catalog.delete, request.name, request.version)
         self.hub.notify()
         self.metrics.adapters_deleted.inc(len(deleted))
@@ -176,6 +177,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     @_statuses
     async def SetPinned(self, request: pb.SetPinnedRequest, context) -> pb.Adapter:
         check_name(request.name)
+        check_version(request.version)
         info = await asyncio.to_thread(self.catalog.set_pinned, request.name, request.version, request.pinned)
         self.hub.notify()
         return adapter_to_pb(info)
@@ -183,6 +185,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     @_stream_statuses
     async def FetchAdapter(self, request: pb.FetchAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
         check_name(request.name)
+        check_version(request.version)
         info = await asyncio.to_thread(self.catalog.get, request.name, request.version)
         yield pb.AdapterChunk(adapter=adapter_to_pb(info))
         chunks = self.service.iter_artifact(info.digest)
@@ -199,6 +202,8 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         self, request: pb.WatchAdaptersRequest, context
     ) -> AsyncIterator[pb.AdapterEvent]:
         with self.metrics.watchers.track_inprogress():
+            if request.after_event_id > MAX_EVENT_ID:
+                raise InvalidArgument(f"after_event_id {request.after_event_id} is over {MAX_EVENT_ID}")
             after = request.after_event_id or await asyncio.to_thread(self.catalog.last_event_id)
             # Headers now: the client knows the watch is in place before the first event arrives.
             await context.send_initial_metadata(())

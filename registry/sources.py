@@ -18,8 +18,8 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 from botocore.exceptions import ClientError
 
+from loraformat.peft_files import ADAPTER_FILES, PICKLE_WEIGHTS_FILES, WEIGHTS_FILE, pickle_refusal
 from registry.errors import InvalidArgument, NotFound, ResourceExhausted
-from registry.peft_files import ADAPTER_FILES, PICKLE_WEIGHTS_FILES, WEIGHTS_FILE, pickle_refusal
 from registry.store import (
     MiB,
     S3Client,

@@ -6,12 +6,18 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from registry.errors import InvalidArgument
+from registry.errors import InvalidArgument, quote
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 MAX_DESCRIPTION_LEN = 4096
 MAX_LABELS = 64
 MAX_LABEL_LEN = 256
+MAX_SOURCE_URI_LEN = 2048
+MAX_VERSION = (1 << 31) - 1  # a SQL INTEGER column (uint32 on the wire)
+MAX_EVENT_ID = (1 << 63) - 1  # a SQL BIGINT (uint64 on the wire)
+# C0 and C1 control characters and DEL, newline and tab aside: PostgreSQL refuses NUL in text, and
+# the others garble terminals and logs that print these fields.
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -71,10 +77,31 @@ class AdapterFiles:
 def check_name(name: str, field_name: str = "name") -> str:
     if not NAME_RE.fullmatch(name):
         raise InvalidArgument(
-            f"{field_name} {name[:140]!r} is invalid: use 1-128 characters of a-z, 0-9, '.', '_', '-',"
+            f"{field_name} {quote(name, 140)} is invalid: use 1-128 characters of a-z, 0-9, '.', '_', '-',"
             " starting with a letter or digit"
         )
     return name
+
+
+def check_version(version: int, field_name: str = "version") -> int:
+    """0 (latest / every version) or a version a row can hold; checked before it reaches SQL."""
+    if not 0 <= version <= MAX_VERSION:
+        raise InvalidArgument(f"{field_name} {version} is out of range (0 to {MAX_VERSION})")
+    return version
+
+
+def check_text(value: str, field_name: str, max_len: int, min_len: int = 0) -> str:
+    """A free-text field: min_len..max_len characters, no control characters but newline and tab."""
+    if not min_len <= len(value) <= max_len:
+        raise InvalidArgument(
+            f"{field_name} has {len(value)} characters; expected {min_len} to {max_len}"
+        )
+    bad = _CONTROL_RE.search(value)
+    if bad:
+        raise InvalidArgument(
+            f"{field_name} holds the control character U+{ord(bad.group()):04X} at index {bad.start()}"
+        )
+    return value
 
 
 def make_spec(
@@ -89,16 +116,14 @@ def make_spec(
     check_name(name)
     if base_model:
         check_name(base_model, "base_model")
-    if len(description) > MAX_DESCRIPTION_LEN:
-        raise InvalidArgument(f"description is longer than {MAX_DESCRIPTION_LEN} characters")
+    check_text(description, "description", MAX_DESCRIPTION_LEN)
+    check_text(source_uri, "source_uri", MAX_SOURCE_URI_LEN)
     labels = dict(labels or {})
     if len(labels) > MAX_LABELS:
         raise InvalidArgument(f"labels: more than {MAX_LABELS} entries")
     for key, value in labels.items():
-        if not key or len(key) > MAX_LABEL_LEN or len(value) > MAX_LABEL_LEN:
-            raise InvalidArgument(
-                f"labels[{key[:64]!r}]: keys must be 1-{MAX_LABEL_LEN} characters, values at most {MAX_LABEL_LEN}"
-            )
+        check_text(key, f"labels key {quote(key, 40)}", MAX_LABEL_LEN, min_len=1)
+        check_text(value, f"labels[{quote(key, 40)}]", MAX_LABEL_LEN)
     return AdapterSpecIn(name, base_model, pinned, description, labels, source_uri)
 
 
@@ -108,6 +133,9 @@ def parse_ref(ref: str) -> tuple[str, int]:
     check_name(name, "adapter")
     if not sep:
         return name, 0
-    if not version.isdigit() or int(version) < 1:
-        raise InvalidArgument(f"adapter {ref!r}: the version after '@' must be a positive integer")
+    # isdigit() alone accepts other scripts' digits ("\u0661" is 1 to int()); versions travel as uint32.
+    if not (version.isascii() and version.isdigit()) or not 1 <= int(version) <= MAX_VERSION:
+        raise InvalidArgument(
+            f"adapter {quote(ref)}: the version after '@' must be an integer from 1 to {MAX_VERSION}"
+        )
     return name, int(version)

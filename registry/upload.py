@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraformat.peft_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, is_pickle_weights, pickle_refusal
 from loramux.v1 import registry_pb2 as pb
-from registry.errors import InvalidArgument, ResourceExhausted
-from registry.peft_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, is_pickle_weights, pickle_refusal
-from registry.types import AdapterFiles
+from registry.errors import InvalidArgument, ResourceExhausted, quote
+from registry.types import AdapterFiles, AdapterSpecIn, make_spec
 
 MAX_CHUNK_BYTES = 1 << 20
 MAX_CONFIG_BYTES = 1 << 20
@@ -21,7 +21,7 @@ MAX_CONFIG_BYTES = 1 << 20
 
 @dataclass
 class Upload:
-    spec: pb.AdapterSpec
+    spec: AdapterSpecIn
     files: AdapterFiles | None  # None when spec.source_uri names a server-side source
 
 
@@ -33,6 +33,7 @@ async def receive_upload(
     if first is None or first.WhichOneof("item") != "spec":
         raise InvalidArgument("the first RegisterAdapter message must be a spec")
     spec = first.spec
+    checked = spec_from_pb(spec)  # before any byte is spooled, so a bad field costs nothing
     paths = {name: spool / name for name in ADAPTER_FILES}
     sizes: dict[str, int] = {}
     total = 0
@@ -53,11 +54,15 @@ async def receive_upload(
         for handle in handles.values():
             handle.close()
     if spec.source_uri:
-        return Upload(spec, None)
+        return Upload(checked, None)
     missing = [name for name in ADAPTER_FILES if name not in sizes]
     if missing:
         raise InvalidArgument(f"upload is missing {', '.join(missing)}")
-    return Upload(spec, AdapterFiles(paths[CONFIG_FILE], paths[WEIGHTS_FILE]))
+    return Upload(checked, AdapterFiles(paths[CONFIG_FILE], paths[WEIGHTS_FILE]))
+
+
+def spec_from_pb(s: pb.AdapterSpec) -> AdapterSpecIn:
+    return make_spec(s.name, s.base_model, s.pinned, s.description, dict(s.labels), s.source_uri)
 
 
 def _check_chunk(
@@ -88,4 +93,4 @@ def _check_filename(filename: str) -> None:
         return
     if is_pickle_weights(filename):
         raise InvalidArgument(pickle_refusal(filename))
-    raise InvalidArgument(f"filename {filename[:200]!r} is not one of {', '.join(ADAPTER_FILES)}")
+    raise InvalidArgument(f"filename {quote(filename)} is not one of {', '.join(ADAPTER_FILES)}")

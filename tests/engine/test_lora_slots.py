@@ -9,7 +9,7 @@ from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
 from engine.model_config import NAMED_SHAPES
-from registry.peft_compile import CanonicalAdapter
+from loraformat.peft_compile import CanonicalAdapter
 
 CONFIG = NAMED_SHAPES["tiny"]
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -21,13 +21,13 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from loraformat.model_shapes import SUPPORTED_MODULES, ModelShape, module_path
+from loraformat.peft_compile import CompiledAdapter, compile_adapter, read_canonical
+from loraformat.peft_config import parse_peft_config
+from loraformat.safetensors_io import write_safetensors
 from loramux.demo_model import write_llama_checkpoint
 from loramux.testing.peft_adapters import make_peft_adapter
 from registry.errors import FailedPrecondition, InvalidArgument, RegistryError
-from registry.model_shapes import SUPPORTED_MODULES, ModelShape, module_path
-from registry.peft_compile import CompiledAdapter, compile_adapter, read_canonical
-from registry.peft_config import parse_peft_config
-from registry.safetensors_io import write_safetensors
 
 ALL = SUPPORTED_MODULES
 MLP = ("gate_proj", "up_proj", "down_proj")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from loraformat.peft_files import CONFIG_FILE, WEIGHTS_FILE
 from registry.errors import InvalidArgument, NotFound, ResourceExhausted
-from registry.peft_files import CONFIG_FILE, WEIGHTS_FILE
 from registry.sources import fetch_source
 from registry.store import MiB, make_s3_client
 

@@ -1,6 +1,6 @@
 """The files of a PEFT adapter directory, as `save_pretrained` writes them, and the refusal of pickles.
 
-Pure: standard library only, so the engine and the command-line client import it too.
+Pure: standard library only, so the registry, the engine and the command-line client all import it.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ file (DESIGN section 5) that an engine places without knowing PEFT:
     delta_W(i, module) = scaling * lora_B @ lora_A   (== PEFT's s_m * B_m @ A_m, exactly up to rounding)
 
 with one `scaling` per adapter. Only the (layer, module) pairs the PEFT weights hold have tensors; every
-other pair contributes zero. The config is parsed and its targets resolved in `registry.peft_config`.
-Pure code: no databases, object stores or gRPC; the engine imports it too.
+other pair contributes zero. The config is parsed and its targets resolved in `loraformat.peft_config`.
+Pure code: no databases, object stores or gRPC; the registry and the engine both import it.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from registry.errors import FailedPrecondition, InvalidArgument
-from registry.model_shapes import MODULE_GROUPS, SUPPORTED_MODULES, ModelShape, module_path
-from registry.peft_config import LoraSpec, parse_peft_config, resolve_targets
-from registry.peft_files import is_pickle_weights, pickle_refusal
-from registry.safetensors_io import (
+from loraformat.errors import FailedPrecondition, InvalidArgument
+from loraformat.model_shapes import MODULE_GROUPS, SUPPORTED_MODULES, ModelShape, module_path
+from loraformat.peft_config import LoraSpec, parse_peft_config, resolve_targets
+from loraformat.peft_files import is_pickle_weights, pickle_refusal
+from loraformat.safetensors_io import (
     SafetensorsFile,
     SafetensorsLimits,
     TensorSpec,

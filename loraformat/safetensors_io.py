@@ -7,7 +7,7 @@ plus an optional `"__metadata__"` object of str -> str.
 The reader trusts nothing: every tensor must lie inside the data region, tensors must tile it exactly
 (no overlaps, no holes, no trailing bytes), and only F16/BF16/F32 are accepted. Tensors come back as
 zero-copy views (`torch.frombuffer`) over a private memory map, so a 1 GB adapter is never copied whole.
-Pure code: no databases, object stores or gRPC; the engine imports it too.
+Pure code: no databases, object stores or gRPC; the registry and the engine both import it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import torch
 
-from registry.errors import InvalidArgument, ResourceExhausted
+from loraformat.errors import InvalidArgument, ResourceExhausted
 
 DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}

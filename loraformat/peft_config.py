@@ -3,7 +3,7 @@
 `parse_peft_config` refuses every PEFT feature whose forward is not W x + s_m * B_m A_m x, so what it
 returns is exactly what the compiler can serve; `resolve_targets` applies PEFT's own matching rules
 (target_modules, exclude_modules, layers_to_transform, layers_pattern) to the base model's module paths.
-Pure code: no databases, object stores or gRPC; the engine imports it too.
+Pure code: no databases, object stores or gRPC; the registry and the engine both import it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from registry.errors import FailedPrecondition, InvalidArgument
-from registry.model_shapes import SUPPORTED_MODULES, ModelShape
-from registry.peft_files import CONFIG_FILE
+from loraformat.errors import FailedPrecondition, InvalidArgument
+from loraformat.model_shapes import SUPPORTED_MODULES, ModelShape
+from loraformat.peft_files import CONFIG_FILE
 
 _ALL_LINEAR = "all-linear"
 

@@ -1,0 +1,143 @@
+"""One admission path for every protocol front (the gRPC servicer, the OpenAI-compatible HTTP front).
+
+`start_generation` runs the checks in one order, cheapest first: ready, adapter reference, prompt,
+sampling values, queue room; only then does it fetch the adapter (so a bad request never waits on the
+registry) and submit. `Generation.events` streams the request's events and, when the caller stops
+listening before the end (a client that went away, a deadline), cancels it so its KV pages and adapter
+slot return at once. Errors leave as `AdmissionError`s with a status name; each front maps names to its
+own status (gRPC code, HTTP status) in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.core import EngineCore, InvalidPrompt
+from engine.request import Event, Failed, Finished, Request, TokenDelta
+from engine.sampling import InvalidSampling, SamplingParams
+from registry.errors import RegistryError
+
+
+class AdmissionError(Exception):
+    """A refused request; `code` is a status name ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED",
+    "UNAVAILABLE", ...), the message names the offending field."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@contextlib.contextmanager
+def admission_errors():
+    """Turns the engine's and the registry link's own errors into AdmissionErrors."""
+    try:
+        yield
+    except (InvalidPrompt, InvalidSampling) as exc:
+        raise AdmissionError("INVALID_ARGUMENT", str(exc)) from None
+    except RegistryError as exc:
+        raise AdmissionError(exc.code.value, str(exc)) from None
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A generation request in plain data; exactly one of `text` and `token_ids` is set."""
+
+    adapter: str  # "" = the base model, "name" or "name@N"
+    params: SamplingParams
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    request_id: str = ""
+    deadline: float | None = None  # time.monotonic() seconds
+
+
+class Admission:
+    """The gate in front of the engine core: closed until the loop has warmed up, closed again at stop."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.is_open = False
+
+    async def start(self, inp: GenerateInput) -> Generation:
+        """Check, fetch the adapter, submit; raises AdmissionError."""
+        if not self.is_open:
+            raise AdmissionError("UNAVAILABLE", "the engine is starting or shutting down")
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        with admission_errors():
+            req = await self._new_request(inp, events)
+        self.core.loop.submit(req)
+        return Generation(self.core, req, events)
+
+    async def _new_request(self, inp: GenerateInput, events: asyncio.Queue[Event]) -> Request:
+        core = self.core
+        adapter = await core.resolve(inp.adapter)  # an unknown adapter never means the base model
+        if (inp.text is None) == (inp.token_ids is None):
+            raise InvalidPrompt("prompt: set text or token_ids")
+        token_ids = None if inp.token_ids is None else list(inp.token_ids)
+        prompt_ids = await asyncio.to_thread(core.prompt_ids, inp.text, token_ids)
+        sink = _thread_safe_sink(asyncio.get_running_loop(), events)
+        req = core.new_request(prompt_ids, inp.params, sink, rid=inp.request_id, adapter=adapter, deadline=inp.deadline)
+        limit = core.config.max_queued_requests
+        if core.loop.num_active >= limit:
+            raise AdmissionError("RESOURCE_EXHAUSTED", f"the engine queue is full ({limit} requests)")
+        if adapter is not None:  # fetched here, after every cheap check, so the engine loop never waits on it
+            req.packed_adapter = await core.prepare(adapter)
+        return req
+
+
+class Generation:
+    """A submitted request: its events, in order, ending with one Finished or Failed."""
+
+    def __init__(self, core: EngineCore, req: Request, events: asyncio.Queue[Event]):
+        self.core = core
+        self.request = req
+        self._events = events
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Yields TokenDeltas, then one Finished or Failed. Leaving early (the consumer stops iterating,
+        or its task is cancelled) cancels the request in the engine."""
+        outcome, first_token_at, num_tokens = "CANCELLED", None, 0
+        try:
+            while True:
+                event = await self._events.get()
+                if isinstance(event, TokenDelta):
+                    first_token_at = first_token_at or time.monotonic()
+                    num_tokens += len(event.token_ids)
+                elif isinstance(event, Finished):
+                    outcome = event.reason.value.lower()
+                elif isinstance(event, Failed):
+                    outcome = event.code
+                yield event
+                if not isinstance(event, TokenDelta):
+                    return
+        finally:
+            if outcome == "CANCELLED":  # the client went away or the deadline passed: free the KV now
+                self.core.loop.cancel(self.request)
+            self._record(outcome, first_token_at, num_tokens)
+
+    def _record(self, outcome: str, first_token_at: float | None, num_tokens: int) -> None:
+        if self.core.metrics is None:
+            return
+        req, now = self.request, time.monotonic()
+        self.core.metrics.record_finished(
+            req.adapter_ref,
+            outcome,
+            num_prompt_tokens=len(req.prompt_ids),
+            num_cached_tokens=max(req.first_cached_len, 0),
+            num_generated_tokens=num_tokens,
+            latency_s=now - req.arrival,
+            first_token_s=None if first_token_at is None else first_token_at - req.arrival,
+        )
+
+
+def _thread_safe_sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
+    """A sink the engine thread calls; events land in the handler's queue on the server's loop."""
+
+    def sink(event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the server's loop has closed: nobody listens any more
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    return sink
