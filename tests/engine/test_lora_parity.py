@@ -3,11 +3,13 @@ shapes gives peft's tokens and logits, also when slots are fewer than adapters (
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 import torch
 
+from engine.attention import RefBackend
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.forward_inputs import AttentionInputs, KVBuffers
@@ -96,7 +98,8 @@ def run_all(core: EngineCore, jobs: list[tuple[str, str]], start: bool = True) -
     for i, (prompt, adapter) in enumerate(jobs):
         params = SamplingParams(max_new_tokens=NUM_TOKENS, ignore_eos=True)
         record = core.resolve_adapter(adapter)
-        core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink_for(i), adapter=record))
+        packed = asyncio.run(core.prepare(record)) if record is not None else None  # the one loading path
+        core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink_for(i), adapter=record, packed=packed))
     if start:
         core.loop.start()
     assert all(event.wait(120) for event in done)
@@ -108,7 +111,7 @@ def running(request):
     cores = []
     yield cores.append
     for core in cores:
-        core.loop.stop()
+        core.close()
 
 
 def test_mixed_batch_matches_peft(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
@@ -160,11 +163,14 @@ def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_
     from transformers import AutoTokenizer
 
     core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=len(ADAPTERS))
-    model, pool = core.loop.runner.model, core.lora.pool
+    runner = core.workers.local.runner
+    model, pool = runner.model, runner.lora_pool
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     names = ["", "attn", "patterns", "rslora", "mlp", "all"]
     prompts = [tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(len(names))]
-    slots = [core.lora.acquire(core.adapters.resolve(n).digest) if n else pool.base_slot for n in names]
+    for slot, name in enumerate(names[1:]):
+        pool.load(slot, asyncio.run(core.prepare(core.adapters.resolve(name))))
+    slots = [names.index(n) - 1 if n else pool.base_slot for n in names]
     lens = [len(p) for p in prompts]
     kv = KVBuffers.allocate(model.config, sum(lens) + 1, torch.float32, "cpu")
     table = torch.zeros(len(names), max(lens), dtype=torch.int64)
@@ -172,13 +178,8 @@ def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_
     for row, n in enumerate(lens):
         table[row, :n] = torch.arange(start, start + n)
         start += n
-    attn = AttentionInputs(
-        out_cache_loc=torch.arange(1, start),
-        req_to_token=table,
-        req_pool_indices=torch.arange(len(names)),
-        prefix_lens=torch.zeros(len(names), dtype=torch.int64),
-        extend_lens=torch.tensor(lens),
-    )
+    metadata = RefBackend(table).prepare(list(range(len(names))), [0] * len(names), lens)
+    attn = AttentionInputs(out_cache_loc=torch.arange(1, start), metadata=metadata)
     lora = LoraInputs(pool, SgmvMeta.from_lists(lens, slots, pool.ranks, pool.scalings), *sgmv_ops("ref"))
     ids = torch.tensor([t for p in prompts for t in p])
     positions = torch.cat([torch.arange(n) for n in lens])
