@@ -60,7 +60,7 @@ class EngineLoop:
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout if self.failure is None else 1.0)
-        self.workers.close()
+        self.workers.close(abandon=self._thread.is_alive())
 
     def submit(self, req: Request) -> None:
         if self.failure is not None:

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from engine.model import LlamaModel
 from engine.model_config import NAMED_SHAPES, ModelConfig
-from engine.parallel import SINGLE, TensorParallel
+from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 # our fused projection -> its HF projections, in row order
 _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -31,20 +31,36 @@ def load_model(
 ) -> tuple[LlamaModel, ModelConfig]:
     """Read config.json and model.safetensors (or the shards of model.safetensors.index.json) of
     `model_dir` onto `device`. Ties the embeddings when config.json says so or lm_head is absent.
-    Raises ValueError naming every missing, unexpected or misshapen tensor."""
+    Raises ValueError naming every missing, unexpected or misshapen tensor. With tensor parallelism the
+    checkpoint is read on the host and each parallel linear keeps its rank's slice (`shard_full`)."""
     model_dir = Path(model_dir)
     dtype = dtype or default_dtype(device)
     config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    tensors = read_safetensors(model_dir, device)
+    tensors = read_safetensors(model_dir, device if tp.size == 1 else "cpu")
     if _LM_HEAD not in tensors and not config.tie_word_embeddings:
         config = replace(config, tie_word_embeddings=True)
     if config.tie_word_embeddings:
         tensors.pop(_LM_HEAD, None)
-    model = LlamaModel(config, dtype=dtype, device="meta")
-    state = fuse_hf_tensors(tensors, model.state_dict(), config)
-    model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, strict=True, assign=True)
+    full = LlamaModel(config, dtype=dtype, device="meta")
+    state = fuse_hf_tensors(tensors, full.state_dict(), config)
+    model = LlamaModel(config, dtype=dtype, device="meta", tp=tp)
+    state = shard_state(model, state)
+    model.load_state_dict({name: t.to(device=device, dtype=dtype) for name, t in state.items()}, strict=True, assign=True)
     model.set_rope_device(device)
     return model.eval(), config
+
+
+def shard_state(model: LlamaModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full fused tensors -> this rank's: each parallel linear's weight loader slices its own."""
+    if model.tp.size == 1:
+        return state
+    loaders = {
+        f"{name}.{kind}": module.shard_full
+        for name, module in model.named_modules()
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear)
+        for kind in ("weight", "bias")
+    }
+    return {name: loaders[name](t) if name in loaders else t for name, t in state.items()}
 
 
 def read_safetensors(model_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -128,12 +144,13 @@ def random_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaModel:
     """A model of a named shape (NAMED_SHAPES) or config with seeded random weights drawn on `device`:
     linears and embeddings ~ N(0, 1/in_dim), norms 1, biases 0, so activations keep about unit scale."""
     config = NAMED_SHAPES[shape] if isinstance(shape, str) else shape
     dtype = dtype or default_dtype(device)
-    model = LlamaModel(config, dtype=dtype, device="meta").to_empty(device=device)
+    model = LlamaModel(config, dtype=dtype, device="meta", tp=tp).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -126,7 +126,7 @@ class LocalWorkers:
     def wait_for_failure(self, timeout: float) -> str | None:
         return None
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         pass
 
 
@@ -137,7 +137,7 @@ class ProcessWorkers:
         from torch.distributed import TCPStore
 
         size = spec.tp.size
-        store = TCPStore("127.0.0.1", 0, size, is_master=True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        store = TCPStore("127.0.0.1", 0, size, is_master=True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False)
         spec = replace(spec, store_port=store.port)
         ctx = multiprocessing.get_context("spawn")
         self._conns, self._procs = [], []
@@ -181,8 +181,9 @@ class ProcessWorkers:
             self._note_dead()
         return self.failure
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop every spawned rank: ask, wait, then terminate what is left."""
+    def close(self, abandon: bool = False, timeout: float = 10.0) -> None:
+        """Stop every spawned rank: ask, wait, then kill what is left. abandon: the loop thread is stuck
+        in a collective with a dead rank, so the process group is left to the process's exit."""
         self._closing.set()
         for conn in self._conns:
             with contextlib.suppress(OSError):  # already gone
@@ -194,7 +195,7 @@ class ProcessWorkers:
                 proc.join(timeout)
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if dist.is_initialized() and not abandon:
             dist.destroy_process_group()
 
     def _await_ready(self) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from engine.server import start_engine
+from engine.server import start_engine, stop_on_failure
 from loramux.commands import engine_config
 from loramux.grpc_server import announce, stop_event_on_signals
 from loramux.metrics import start_metrics_server
@@ -58,9 +58,13 @@ async def run_up(args) -> None:
         print(f"     loramux generate --engine {engine.address} --adapter demo 'Once upon a time'", flush=True)
     else:
         print(f"try: loramux generate --engine {engine.address} 'Once upon a time'", flush=True)
+    relay = stop_on_failure(engine, stop)
     await stop.wait()
+    relay.cancel()
     log.info("shutting down")
     await engine.stop()
     await registry.stop()
     if metrics_server is not None:
         await asyncio.to_thread(metrics_server.shutdown)
+    if engine.failure is not None:
+        raise SystemExit(f"engine failed: {engine.failure}")
