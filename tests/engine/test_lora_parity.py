@@ -211,3 +211,22 @@ def test_two_slots_eight_adapters_forty_concurrent_requests(tiny_llama_dir, make
         assert tokens == out[0, ids.shape[1] :].tolist(), (prompt, adapter)
         assert final.completion_tokens == NUM_TOKENS
     assert core.lora.slots.num_loads >= 8
+
+
+def test_tensor_parallel_two_ranks_match_peft_with_evictions(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
+    """TP=2 on the CPU (gloo, a spawned rank): base and every adapter kind, fewer slots than adapters;
+    each rank holds its S-LoRA shard of every slot, and the tokens are peft's (and so TP=1's)."""
+    core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=2, tensor_parallel_size=2)
+    running(core)
+    assert len(core.workers.pids) == 1 and core.workers.local.runner.model.config.num_heads == 2  # half the heads here
+    jobs = [(PROMPTS[i % len(PROMPTS)], a) for i, a in enumerate(["", *ADAPTERS] * 2)]
+    for (tokens, final), (prompt, adapter) in zip(run_all(core, jobs), jobs, strict=True):
+        assert tokens == oracle(prompt, adapter), (prompt, adapter)
+        assert final.completion_tokens == NUM_TOKENS
+    assert core.lora.slots.num_evictions > 0
+
+
+def test_tensor_parallel_size_that_does_not_divide_is_refused_at_start(tiny_llama_dir, tmp_path):
+    config = EngineConfig(model_dir=str(tiny_llama_dir), tensor_parallel_size=3, work_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 does not divide the attention heads \(4\)"):
+        EngineCore.build(config)
