@@ -72,7 +72,7 @@ def test_plan_carries_rows_lengths_segments_and_loads(tokenizer):
     plan, adapters = loop.plan(loop.scheduler.schedule())
     # budget 12: all 8 of base's tokens (it samples), the first 4 of the adapter request's 10 (it does not)
     assert plan.req_rows == (base.req_row, lora.req_row) and plan.prefix_lens == (0, 0) and plan.extend_lens == (8, 4)
-    assert plan.input_ids == tuple(range(3, 11)) + (20, 21, 22, 23) and plan.positions == (*range(8), *range(4))
+    assert plan.input_ids == (*range(3, 11), 20, 21, 22, 23) and plan.positions == (*range(8), *range(4))
     assert plan.out_cache_loc == tuple(base.kv_slots + lora.kv_slots[:4])
     assert plan.samples == (SampleRow(base.uid, seeded), None) and plan.sample_rows == [7]
     assert plan.lora_slots == (-1, 0) and plan.loads == (LoadSlot(0, "d" * 64),) and adapters == {"d" * 64: lora.packed_adapter}
