@@ -40,7 +40,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import SINGLE, TensorParallel
 from engine.step_plan import StepPlan
-from engine.weights import load_model
+from engine.weights import load_model, random_model
 
 log = logging.getLogger(__name__)
 CPU_KV_SLOTS = 16384
@@ -61,6 +61,8 @@ class WorkerSpec:
     max_context: int
     tp: TensorParallel = SINGLE
     store_port: int = 0  # rank 0's TCPStore (tensor parallelism only)
+    random_config: ModelConfig | None = None  # benchmarks: random weights of this shape, not config.model_dir
+    graph_buckets: tuple[int, ...] | None = None  # padded decode batch sizes to capture; None = the default
 
     @property
     def device(self) -> torch.device:
@@ -88,7 +90,11 @@ class ModelWorker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
-        model, model_config = load_model(config.model_dir, device=device, dtype=dtype, tp=tp)
+        if spec.random_config is not None:
+            model_config = spec.random_config
+            model = random_model(model_config, device=device, dtype=dtype, seed=tp.rank, tp=tp)
+        else:
+            model, model_config = load_model(config.model_dir, device=device, dtype=dtype, tp=tp)
         dtype = next(model.parameters()).dtype
         local = model.config  # this rank's heads and features
         num_slots = _agree_on_min(config.num_kv_slots or _auto_kv_slots(local, device, dtype, config), tp, device)
@@ -103,7 +109,7 @@ class ModelWorker:
             pool, _lora_backend(config, device), samples=tp.rank == 0,
         )  # fmt: skip
         if device.type == "cuda" and config.cuda_graph_max_batch > 0:
-            runner.enable_cuda_graphs(min(config.cuda_graph_max_batch, config.max_running_requests))
+            runner.enable_cuda_graphs(min(config.cuda_graph_max_batch, config.max_running_requests), spec.graph_buckets)
         return cls(spec, runner, num_slots)
 
     def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> list[int]:
