@@ -27,7 +27,8 @@ from engine.engine_loop import EngineLoop
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
 from engine.lora_pool import PackedAdapter, fused_targets
-from engine.model_config import NAMED_SHAPES, ModelConfig
+from engine.model_config import ModelConfig
+from engine.named_shapes import NAMED_SHAPES
 from engine.parallel import TensorParallel
 from engine.radix_cache import RadixCache
 from engine.request import Request

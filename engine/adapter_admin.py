@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from engine.adapter_slots import SlotsExhausted
 from engine.adapters import AdapterRecord
 from engine.core import EngineCore
-from registry.errors import Code, RegistryError
+from engine.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 UNLOAD_POLL_S = 0.05
 
@@ -36,7 +36,7 @@ class AdapterAdmin:
             try:
                 await self._on_loop(lambda: self.core.lora.pin(record.digest, packed))
             except SlotsExhausted as exc:
-                raise RegistryError(f"adapter {ref!r} cannot be pinned: {exc}", Code.RESOURCE_EXHAUSTED) from None
+                raise ResourceExhausted(f"adapter {ref!r} cannot be pinned: {exc}") from None
         return await self.state(record.digest)
 
     async def unload(self, ref: str, timeout: float) -> AdapterResidency:
@@ -47,10 +47,21 @@ class AdapterAdmin:
         deadline = asyncio.get_running_loop().time() + timeout
         while not await self._on_loop(lambda: lora.slots.evict(record.digest)):
             if asyncio.get_running_loop().time() > deadline:
-                raise RegistryError(f"adapter {ref!r} still has running requests", Code.UNAVAILABLE)
+                raise Unavailable(f"adapter {ref!r} still has running requests")
             await asyncio.sleep(UNLOAD_POLL_S)
         lora.host_cache.discard(record.digest)
         return await self.state(record.digest)
+
+    async def available(self) -> list[AdapterRecord]:
+        """Every adapter this engine can serve, latest versions: its local ones, then the registry's
+        for its base model (UNAVAILABLE while the registry is down)."""
+        if self.core.lora is None:
+            return []
+        records = self.core.adapters.records()
+        if self.core.link is not None:
+            local = {r.name for r in records}
+            records += [r for r in await self.core.link.list_latest() if r.name not in local]
+        return records
 
     async def states(self) -> list[AdapterResidency]:
         return await self._on_loop(self._snapshot)
@@ -61,7 +72,7 @@ class AdapterAdmin:
     async def _record(self, ref: str) -> AdapterRecord:
         record = await self.core.resolve(ref)
         if record is None:
-            raise RegistryError("adapter: name the adapter (the base model is always loaded)", Code.INVALID_ARGUMENT)
+            raise InvalidArgument("adapter: name the adapter (the base model is always loaded)")
         return record
 
     async def _on_loop(self, fn):

@@ -86,6 +86,11 @@ class HostAdapterCache:
             while len(self._entries) > self.max_adapters:
                 self._entries.popitem(last=False)
 
+    def ranks(self) -> dict[str, int]:
+        """digest -> rank of every cached adapter (a snapshot)."""
+        with self._lock:
+            return {digest: adapter.rank for digest, adapter in self._entries.items()}
+
     def discard(self, digest: str) -> None:
         with self._lock:
             self._entries.pop(digest, None)

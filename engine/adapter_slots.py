@@ -27,6 +27,7 @@ class SlotState:
     is_pinned: bool = False
     last_used: float = 0.0
     loaded_at: float = 0.0
+    rank: int = 0  # the loaded adapter's rank (metrics read it here, not from the GPU tables)
 
     @property
     def is_evictable(self) -> bool:
@@ -128,9 +129,9 @@ class AdapterSlots:
         if state.digest is not None:
             self._empty(state)
             self.num_evictions += 1
-        self._packed[digest] = load()
+        packed = self._packed[digest] = load()
         self._loads.append(LoadSlot(state.index, digest))
-        state.digest = digest
+        state.digest, state.rank = digest, packed.rank
         state.loaded_at = state.last_used = self.clock()
         self._by_digest[digest] = state
         self.num_loads += 1

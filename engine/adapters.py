@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.errors import FailedPrecondition, InvalidArgument, NotFound
 from loraformat.model_shapes import ModelShape
 from loraformat.peft_compile import CanonicalAdapter, compile_adapter, read_canonical
 from loraformat.peft_files import CONFIG_FILE, WEIGHTS_FILE
-from registry.errors import FailedPrecondition, InvalidArgument, NotFound
 from registry.types import check_name, parse_ref
 
 
@@ -51,6 +51,9 @@ class LocalAdapters:
         if record is None or version not in (0, record.version):
             raise NotFound(f"adapter {ref!r} is not available on this engine")
         return record
+
+    def records(self) -> list[AdapterRecord]:
+        return sorted(self._by_name.values(), key=lambda r: r.name)
 
     def by_digest(self, digest: str) -> AdapterRecord:
         return self._by_digest[digest]

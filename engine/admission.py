@@ -1,6 +1,6 @@
 """One admission path for every protocol front (the gRPC servicer, the OpenAI-compatible HTTP front).
 
-`start_generation` runs the checks in one order, cheapest first: ready, adapter reference, prompt,
+`Admission.start` runs the checks in one order, cheapest first: ready, adapter reference, prompt,
 sampling values, queue room; only then does it fetch the adapter (so a bad request never waits on the
 registry) and submit. `Generation.events` streams the request's events and, when the caller stops
 listening before the end (a client that went away, a deadline), cancels it so its KV pages and adapter
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from engine.core import EngineCore, InvalidPrompt
 from engine.request import Event, Failed, Finished, Request, TokenDelta
 from engine.sampling import InvalidSampling, SamplingParams
-from registry.errors import RegistryError
+from loraformat.errors import Code, StatusError
 
 
 class AdmissionError(Exception):
-    """A refused request; `code` is a status name ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED",
-    "UNAVAILABLE", ...), the message names the offending field."""
+    """A refused request; `code` is its kind (Code.INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED,
+    UNAVAILABLE, ...; a str equal to its name), the message names the offending field."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: Code, message: str):
         super().__init__(message)
         self.code = code
 
@@ -37,9 +37,9 @@ def admission_errors():
     try:
         yield
     except (InvalidPrompt, InvalidSampling) as exc:
-        raise AdmissionError("INVALID_ARGUMENT", str(exc)) from None
-    except RegistryError as exc:
-        raise AdmissionError(exc.code.value, str(exc)) from None
+        raise AdmissionError(Code.INVALID_ARGUMENT, str(exc)) from None
+    except StatusError as exc:  # the engine's own errors and the adapter format's
+        raise AdmissionError(exc.code, str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Admission:
     async def start(self, inp: GenerateInput) -> Generation:
         """Check, fetch the adapter, submit; raises AdmissionError."""
         if not self.is_open:
-            raise AdmissionError("UNAVAILABLE", "the engine is starting or shutting down")
+            raise AdmissionError(Code.UNAVAILABLE, "the engine is starting or shutting down")
         events: asyncio.Queue[Event] = asyncio.Queue()
         with admission_errors():
             req = await self._new_request(inp, events)
@@ -82,7 +82,7 @@ class Admission:
         req = core.new_request(prompt_ids, inp.params, sink, rid=inp.request_id, adapter=adapter, deadline=inp.deadline)
         limit = core.config.max_queued_requests
         if core.loop.num_active >= limit:
-            raise AdmissionError("RESOURCE_EXHAUSTED", f"the engine queue is full ({limit} requests)")
+            raise AdmissionError(Code.RESOURCE_EXHAUSTED, f"the engine queue is full ({limit} requests)")
         if adapter is not None:  # fetched here, after every cheap check, so the engine loop never waits on it
             req.packed_adapter = await core.prepare(adapter)
         return req
@@ -109,7 +109,7 @@ class Generation:
                 elif isinstance(event, Finished):
                     outcome = event.reason.value.lower()
                 elif isinstance(event, Failed):
-                    outcome = event.code
+                    outcome = event.code.value
                 yield event
                 if not isinstance(event, TokenDelta):
                     return

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from loramux.security import TlsFiles
+
 DEFAULT_ENGINE_PORT = 50052
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible front of `loramux up` (vLLM's port)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,13 @@ class EngineConfig:
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
     tensor_parallel_size: int = 1  # model workers (GPUs), one per tensor-parallel rank
+    # Security: with auth, clients' keys are checked through the registry (answers cached key_cache_s);
+    # api_key is the engine's own key for the registry; tls serves TLS and links to the registry with it.
+    auth: bool = False
+    api_key: str = ""
+    key_cache_s: float = 5.0
+    allow_unauthenticated: bool = False
+    tls: TlsFiles = field(default_factory=TlsFiles)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -21,6 +21,7 @@ from engine.adapters import AdapterRecord, LocalAdapters, read_canonical_within
 from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
+from engine.errors import NotFound
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
 from engine.lora_pool import PackedAdapter, fused_targets
@@ -37,7 +38,6 @@ from engine.weights import default_dtype
 from engine.worker import WorkerSpec, read_model_config, start_workers
 from loraformat.model_shapes import ModelShape
 from loramux.metrics import EngineMetrics
-from registry.errors import NotFound
 
 log = logging.getLogger(__name__)
 
@@ -151,16 +151,18 @@ class EngineCore:
 
     async def _load(self, record: AdapterRecord) -> PackedAdapter:
         """The one loading path of local and registry adapters: artifact bytes -> checked -> packed -> cached."""
+        started = time.monotonic()
         if record.path is not None:
             data = await asyncio.to_thread(record.path.read_bytes)
         else:
-            started = time.monotonic()
             data = await self.link.fetch(record)
             if self.metrics is not None:
                 self.metrics.adapter_fetch_bytes.inc(len(data))
                 self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
         packed = await asyncio.to_thread(self._pack, record.digest, data)
         self.lora.host_cache.put(packed)
+        if self.metrics is not None:
+            self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)
         return packed
 
     def _pack(self, digest: str, artifact: bytes) -> PackedAdapter:

@@ -17,7 +17,7 @@ from engine.attention import DecodeKernelBackend
 from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers
 from engine.lora_pool import LoraSlotPool
-from engine.model import LlamaModel
+from engine.models.blocks import DecoderModel
 
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -26,7 +26,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 1
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv: KVBuffers,
         attention: DecodeKernelBackend,
         max_batch: int,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from engine.errors import Code
 from engine.request import Failed, FinishReason, Request, TokenDelta
 from engine.scheduler import BatchEntry, Scheduler
 from engine.step_plan import PlanEntry, build_plan
@@ -64,7 +65,7 @@ class EngineLoop:
 
     def submit(self, req: Request) -> None:
         if self.failure is not None:
-            req.emit(Failed("UNAVAILABLE", self.failure))
+            req.emit(Failed(Code.UNAVAILABLE, self.failure))
             return
         sink = req.sink
 
@@ -93,7 +94,7 @@ class EngineLoop:
         self._stopping.set()
         self._wake.set()
         for req in live:
-            req.emit(Failed("UNAVAILABLE", f"the engine failed: {message}"))
+            req.emit(Failed(Code.UNAVAILABLE, f"the engine failed: {message}"))
         if self.on_fatal is not None:
             self.on_fatal(message)
 
@@ -125,12 +126,12 @@ class EngineLoop:
                     self.after_step()
             except Exception:  # a bug must not leave every stream hanging: fail them, keep serving
                 log.exception("engine step failed outside the forward")
-                self._fail_all("INTERNAL", "the engine failed this request (see the engine log)", keep_kv=False)
+                self._fail_all(Code.INTERNAL, "the engine failed this request (see the engine log)", keep_kv=False)
                 entries = []
             if not entries:
                 self._wake.wait(IDLE_WAIT_S)
         if self.failure is None:
-            self._fail_all("UNAVAILABLE", "the engine is shutting down")
+            self._fail_all(Code.UNAVAILABLE, "the engine is shutting down")
         self._run_calls()
 
     def _run_calls(self) -> None:
@@ -163,7 +164,7 @@ class EngineLoop:
             log.exception("forward step failed")
             for entry in entries:  # this step's KV was never (fully) written: it must not be cached
                 self.scheduler.kv.truncate(entry.req, entry.start)
-                self.scheduler.finish(entry.req, Failed("INTERNAL", "the forward step failed (see the engine log)"))
+                self.scheduler.finish(entry.req, Failed(Code.INTERNAL, "the forward step failed (see the engine log)"))
             return
         self.num_steps += 1
         sampled = (e.req for e in entries if e.samples)
@@ -192,7 +193,7 @@ class EngineLoop:
             return FinishReason.LENGTH
         return None
 
-    def _fail_all(self, code: str, message: str, keep_kv: bool = True) -> None:
+    def _fail_all(self, code: Code, message: str, keep_kv: bool = True) -> None:
         """Fail every live request; keep_kv=False caches none of their KV (its state is unknown)."""
         while not self._inbox.empty():
             self.scheduler.add(self._inbox.get())

@@ -25,6 +25,8 @@ import torch
 
 from engine.model_config import ModelConfig
 from engine.parallel import SINGLE, TensorParallel, local_config
+from loraformat.architectures import FusedTarget as FusedTargetSpec
+from loraformat.architectures import Split
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class FusedTarget:
     modules: tuple[str, ...]  # the PEFT projections stacked in this target, in order
     in_dim: int
     output_slices: tuple[tuple[int, int], ...]  # (offset, size) of each projection in the fused output
-    parallel: str  # "column" (output features split across ranks) or "row" (input features split)
+    split: Split  # how tensor parallelism shards it (column: by output, row: by input)
 
     @property
     def num_stack(self) -> int:
@@ -46,13 +48,15 @@ class FusedTarget:
 
 
 def fused_targets(config: ModelConfig) -> tuple[FusedTarget, ...]:
-    q, kv, hidden, inter = config.q_size, config.kv_size, config.hidden_size, config.intermediate_size
-    return (
-        FusedTarget("qkv", ("q_proj", "k_proj", "v_proj"), hidden, ((0, q), (q, kv), (q + kv, kv)), "column"),
-        FusedTarget("o", ("o_proj",), q, ((0, hidden),), "row"),
-        FusedTarget("gate_up", ("gate_proj", "up_proj"), hidden, ((0, inter), (inter, inter)), "column"),
-        FusedTarget("down", ("down_proj",), inter, ((0, hidden),), "row"),
-    )
+    """The family spec's fused targets with this model's widths."""
+    return tuple(_sized(target, config) for target in config.arch.fused)
+
+
+def _sized(target: FusedTargetSpec, config: ModelConfig) -> FusedTarget:
+    dims = [config.arch.projection(m).dims(config) for m in target.modules]  # (in, out) per projection
+    offsets = [sum(out for _, out in dims[:k]) for k in range(len(dims))]
+    slices = tuple((offset, out) for offset, (_, out) in zip(offsets, dims, strict=True))
+    return FusedTarget(target.name, target.modules, dims[0][0], slices, target.split)
 
 
 @dataclass
@@ -131,7 +135,7 @@ class LoraSlotPool:
         # a: [L, stack * rank, in_full]; b: [L, out_full, rank]
         if self.tp.size == 1:
             return a, b
-        if target.parallel == "row":
+        if target.split is Split.ROW:
             return a[:, :, self.tp.part(a.shape[2])], b
         rows = [b[:, offset : offset + size][:, self.tp.part(size)] for offset, size in _full_slices(target, self.tp)]
         return a, torch.cat(rows, dim=1)

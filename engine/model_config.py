@@ -1,15 +1,18 @@
-"""The engine's view of a Llama-family config.json (Llama 2/3, Mistral, Qwen2), frozen once read."""
+"""The engine's view of a dense decoder's config.json (Llama 2/3, Mistral, Qwen2, Qwen3), frozen once read.
+
+Which families exist and what each has (biases, q/k norms) is the family's `ArchSpec`
+(loraformat.architectures), shared with the registry."""
 
 from dataclasses import dataclass, field
 
-from loramux.demo_model import LLAMA3_8B_CONFIG, TINY_LLAMA_CONFIG
+from loraformat.architectures import ArchSpec, spec_for_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("linear", "llama3")  # plus plain RoPE, stored as rope_scaling None
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    arch: ArchSpec
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -42,17 +45,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Read a Hugging Face config.json dict; raise ValueError for what this engine cannot run."""
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        """Read a Hugging Face config.json dict. An unsupported architecture raises FailedPrecondition
+        (one line naming it); a supported one with settings this engine cannot run raises ValueError."""
+        arch = spec_for_config(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be silu, got {cfg['hidden_act']!r}")
         num_heads = cfg["num_attention_heads"]
         rope_theta, rope_scaling = _rope_params(cfg)
-        attention_bias = bool(cfg.get("attention_bias", False))
+        biases = arch.biases(cfg)
         return cls(
-            model_type=model_type,
+            arch=arch,
+            model_type=cfg["model_type"],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -65,12 +68,12 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qkv_bias=biases.qkv,
+            o_bias=biases.o,
+            mlp_bias=biases.mlp,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")),
-            sliding_window=_sliding_window(cfg),
+            sliding_window=_sliding_window(cfg, arch),
         )
 
 
@@ -99,13 +102,7 @@ def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list | tuple) else (value,)
 
 
-def _sliding_window(cfg: dict) -> int | None:
-    if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
+def _sliding_window(cfg: dict, arch: ArchSpec) -> int | None:
+    if arch.window_needs_flag and not cfg.get("use_sliding_window", False):
         return None
     return cfg.get("sliding_window")
-
-
-NAMED_SHAPES: dict[str, ModelConfig] = {
-    "tiny": ModelConfig.from_hf(TINY_LLAMA_CONFIG),
-    "llama3-8b": ModelConfig.from_hf(LLAMA3_8B_CONFIG),
-}

@@ -7,6 +7,8 @@ Per-step metadata is built on the CPU from the plan's lists (no device sync).
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Mapping
 
 import torch
@@ -15,7 +17,7 @@ from engine.attention import AttentionBackend, DecodeKernelBackend
 from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, sgmv_ops
 from engine.lora_pool import LoraSlotPool, PackedAdapter
-from engine.model import LlamaModel
+from engine.models.blocks import DecoderModel
 from engine.sampling import make_generator, sample
 from engine.step_plan import StepPlan
 
@@ -23,7 +25,7 @@ from engine.step_plan import StepPlan
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv: KVBuffers,
         req_to_token: torch.Tensor,  # [max_reqs, max_context] int64 on the device: this worker's copy
         attention: AttentionBackend,
@@ -44,6 +46,9 @@ class ModelRunner:
         if lora_pool is not None:  # one segment per request at most
             self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device)
         self.generators: dict[int, torch.Generator] = {}  # request uid -> its sampling generator
+        # Seconds of each slot load (zeroing and issuing the copies; on CUDA they run on a side stream),
+        # drained by the front's metrics sampler (rank 0 lives in the front's process).
+        self.recent_load_seconds: deque[float] = deque(maxlen=1024)
 
     @property
     def attention_backend(self) -> str:
@@ -114,7 +119,9 @@ class ModelRunner:
         for load in plan.loads:
             if load.digest not in adapters:
                 raise LookupError(f"the plan loads adapter {load.digest[:12]} into slot {load.slot} without its packed copy")
+            started = time.perf_counter()
             self.lora_pool.load(load.slot, adapters[load.digest])
+            self.recent_load_seconds.append(time.perf_counter() - started)
 
     def _write_table(self, writes: tuple[tuple[int, int, tuple[int, ...]], ...]) -> None:
         if not writes:

@@ -1,8 +1,10 @@
 """The engine's link to the registry service (over gRPC, never its database or store).
 
 - registers the engine's base model at start (and again after the registry comes back);
-- resolves "name" / "name@N" to (version, digest), caching answers and keeping them fresh with
-  WatchAdapters (resumed from the last event id after a reconnect);
+- resolves "name" / "name@N" to (version, digest) by asking the registry at admission (one coalesced
+  lookup per name), so a change that returned is seen by the next request; WatchAdapters events
+  (resumed from the last event id after a reconnect) keep a fallback cache for when the registry is
+  unreachable and drive deletes and pins;
 - fetches canonical artifacts with FetchAdapter, checks their sha256 against the digest (a
   mismatch is refused, logged and retried, never served), one fetch per digest at a time.
 """
@@ -17,9 +19,10 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from engine.adapters import AdapterRecord
+from engine.coalesce import CoalescedCalls
+from engine.errors import EngineError, FailedPrecondition, NotFound, Unavailable
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
-from registry.errors import Code, FailedPrecondition, NotFound, RegistryError
 from registry.types import parse_ref
 
 log = logging.getLogger(__name__)
@@ -31,12 +34,20 @@ RECONNECT_S = (0.2, 5.0)  # first and longest pause between reconnection attempt
 EventHandler = Callable[[str, AdapterRecord], Awaitable[None]]
 
 
-def unavailable(what: str, exc: grpc.aio.AioRpcError) -> RegistryError:
-    return RegistryError(f"{what}: the registry is unavailable ({exc.code().name}: {exc.details()})", Code.UNAVAILABLE)
+def unavailable(what: str, exc: grpc.aio.AioRpcError) -> Unavailable:
+    return Unavailable(f"{what}: the registry is unavailable ({exc.code().name}: {exc.details()})")
 
 
 def record_of(adapter: pb.Adapter) -> AdapterRecord:
     return AdapterRecord(adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned)
+
+
+# Answers to RegisterBaseModel that no retry changes (e.g. the name taken by another config).
+_REFUSALS = (
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
 
 
 class RegistryLink:
@@ -57,10 +68,13 @@ class RegistryLink:
         self._generation: dict[str, int] = {}  # bumped by every event of a name (and a fresh watch)
         self._epoch = 0
         self._fetches: dict[str, asyncio.Task[bytes]] = {}
+        self._lookups = CoalescedCalls(self._lookup)
+        self._pins: dict[str, bool] = {}  # "name@N" -> pinned, as last applied to the engine
         self._watch: asyncio.Task | None = None
         self.last_event_id = 0
         self.is_connected = False
         self.num_fetches = 0
+        self.num_lookups = 0
         self.num_digest_mismatches = 0
 
     async def start(self) -> None:
@@ -68,6 +82,11 @@ class RegistryLink:
         try:
             await self._register_base_model()
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _REFUSALS:  # retrying cannot help: say so once and stop
+                raise FailedPrecondition(
+                    f"the registry at {self.address} refuses base model {self.base_model!r}: {exc.details()}"
+                    " (start the engine with another --base-model-name)"
+                ) from None
             log.warning("registry %s: %s; serving cached adapters until it answers", self.address, exc.details())
         self._watch = asyncio.create_task(self._watch_forever())
 
@@ -79,15 +98,30 @@ class RegistryLink:
     # ---- resolution --------------------------------------------------------------------------
 
     async def resolve(self, ref: str) -> AdapterRecord:
+        """The registry's answer for `ref` now: "name" is the latest version committed before this
+        call, and a deleted version is NotFound (read-after-write). Concurrent callers for one ref
+        share one lookup. Only while the registry is unreachable does the watch-fed cache answer."""
         name, version = parse_ref(ref)
-        cached = self._resolved.get((name, version))
-        if cached is not None:
+        try:
+            record = await self._lookups.get((name, version))
+        except EngineError as exc:
+            cached = self._resolved.get((name, version))
+            if not isinstance(exc, Unavailable) or cached is None:
+                raise
             return cached
+        await self._apply_pin_state(record)
+        return record
+
+    async def _lookup(self, key: tuple[str, int]) -> AdapterRecord:
+        name, version = key
+        ref = f"{name}@{version}" if version else name
         seen = (self._epoch, self._generation.get(name, 0))
+        self.num_lookups += 1
         try:
             adapter = await self.stub.GetAdapter(pb.GetAdapterRequest(name=name, version=version), timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
+                self._resolved.pop(key, None)
                 raise NotFound(f"adapter {ref!r} is not registered") from None
             raise unavailable(f"adapter {ref!r}", exc) from None
         if adapter.base_model != self.base_model:
@@ -96,8 +130,30 @@ class RegistryLink:
             )
         record = record_of(adapter)
         if seen == (self._epoch, self._generation.get(name, 0)):  # no event for it arrived meanwhile
-            self._resolved[(name, version)] = self._resolved[(name, record.version)] = record
+            self._resolved[key] = self._resolved[(name, record.version)] = record
         return record
+
+    async def list_latest(self) -> list[AdapterRecord]:
+        """The latest version of every adapter of this engine's base model, by name."""
+        records, token = [], ""
+        while True:
+            request = pb.ListAdaptersRequest(base_model=self.base_model, latest_only=True, page_size=1000, page_token=token)
+            try:
+                page = await self.stub.ListAdapters(request, timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                raise unavailable("adapters", exc) from None
+            records += [record_of(a) for a in page.adapters]
+            token = page.next_page_token
+            if not token:
+                return sorted(records, key=lambda r: r.name)
+
+    async def _apply_pin_state(self, record: AdapterRecord) -> None:
+        """A pin or unpin the lookup shows before its event arrived is applied now, before admission."""
+        known = self._pins.get(record.ref)
+        if known == record.pinned or (known is None and not record.pinned):
+            return
+        self._pins[record.ref] = record.pinned
+        await self._handle("PINNED" if record.pinned else "UNPINNED", record)
 
     # ---- fetching ----------------------------------------------------------------------------
 
@@ -118,7 +174,7 @@ class RegistryLink:
                 return data
             self.num_digest_mismatches += 1
             log.error("artifact of %s failed its sha256 check (attempt %d of %d)", record.ref, attempt, attempts)
-        raise RegistryError(f"adapter {record.ref!r}: the fetched artifact does not match its digest", Code.UNAVAILABLE)
+        raise Unavailable(f"adapter {record.ref!r}: the fetched artifact does not match its digest")
 
     async def _fetch_once(self, record: AdapterRecord) -> bytes:
         parts: list[bytes] = []
@@ -181,6 +237,8 @@ class RegistryLink:
         await self._handle(kind, record)
 
     async def _handle(self, kind: str, record: AdapterRecord) -> None:
+        if kind in ("PINNED", "UNPINNED"):
+            self._pins[record.ref] = kind == "PINNED"
         try:
             await self.on_event(kind, record)
         except Exception:

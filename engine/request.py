@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.errors import Code
 from engine.sampling import SamplingParams
 from engine.text import IncrementalDetokenizer, StopMatcher
 
@@ -43,9 +44,10 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """The request ended with an error status (e.g. DEADLINE_EXCEEDED); code is a gRPC code name."""
+    """The request ended with an error; `code` is its kind (Code.DEADLINE_EXCEEDED, ...), which each
+    front maps to its protocol's status."""
 
-    code: str
+    code: Code
     message: str
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.drain import StarvationDrain
+from engine.errors import Code
 from engine.lora_manager import LoraManager
 from engine.request import Failed, Finished, FinishReason, Request
 from engine.request_kv import RequestKV
@@ -165,7 +166,7 @@ class Scheduler:
         return True
 
     def _too_big(self) -> Failed:
-        return Failed("RESOURCE_EXHAUSTED", f"the request needs more KV than the pool's {self.kv.allocator.num_slots} slots")
+        return Failed(Code.RESOURCE_EXHAUSTED, f"the request needs more KV than the pool's {self.kv.allocator.num_slots} slots")
 
     def _retract(self, req: Request) -> None:
         """Free req's KV (its computed prefix stays cached) and queue it first to re-run later."""
@@ -180,4 +181,4 @@ class Scheduler:
             if req.is_cancelled:
                 self.finish(req, self.finished_event(req, FinishReason.CANCELLED))
             elif req.deadline is not None and now > req.deadline:
-                self.finish(req, Failed("DEADLINE_EXCEEDED", "the request's deadline passed"))
+                self.finish(req, Failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed"))

@@ -11,6 +11,7 @@ from engine.adapter_admin import AdapterAdmin
 from engine.admission import Admission
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.http_front import HttpFront
 from engine.registry_link import RegistryLink
 from engine.request import TokenDelta
 from engine.sampling import SamplingParams
@@ -51,11 +52,18 @@ class EngineServer:
         self.admission = Admission(core)
         self.metrics = EngineMetrics(base_model_name=core.base_model_name)
         core.metrics = self.metrics
-        core.loop.after_step = StepSampler(self.metrics, core.loop.scheduler, core.lora)
+        core.loop.after_step = StepSampler(
+            self.metrics, core.loop.scheduler, core.lora, core.refs, core.workers.local.runner.recent_load_seconds
+        )
+        allocator = core.loop.scheduler.kv.allocator
+        self.metrics.model_server.set_cache_config(allocator.page_size, allocator.num_usable_pages)
+        if core.lora is not None:
+            self.metrics.model_server.set_lora_requests(len(core.lora.slots.slots), [], [])
         # Prompts over max_prompt_bytes get a clear INVALID_ARGUMENT rather than gRPC's size error.
         self.host = ServiceHost([SERVICE_NAME], max_receive_bytes=max(16 << 20, 2 * config.max_prompt_bytes))
         engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, self.admin, self.admission), self.host.server)
         self.port = self.host.bind(config.host, config.port)
+        self.http: HttpFront | None = None
         # A dead model worker ends the engine: health NOT_SERVING, admission closed, `failed` set (the
         # serving function then stops and exits non-zero). The loop reports it from another thread.
         self.failure: str | None = None
@@ -80,18 +88,30 @@ class EngineServer:
         if self.config.registry:
             config_json = (Path(self.config.model_dir) / "config.json").read_text()
             self.core.link = RegistryLink(self.config.registry, self.core.base_model_name, config_json, self.core.on_registry_event)
-            await self.core.link.start()
+            try:
+                await self.core.link.start()
+            except BaseException:
+                await self.host.stop(0)
+                await self.core.link.close()
+                raise
         self.core.loop.start()
         await asyncio.to_thread(warm_up, self.core)
         self.admission.is_open = True
         await self.host.set_serving(True)
 
+    async def start_http(self, port: int) -> int:
+        """Serve the OpenAI-compatible HTTP front on the engine's host (0 = pick a free port)."""
+        self.http = HttpFront(self.admission, self.admin, self.metrics.registry, 2 * self.config.max_prompt_bytes)
+        return await self.http.start(self.config.host, port)
+
     async def stop(self, grace: float | None = None) -> None:
-        """Stop generating first, so every in-flight stream ends at once with UNAVAILABLE, then the host."""
+        """Stop generating first, so every in-flight stream ends at once with UNAVAILABLE, then the hosts."""
         self.admission.is_open = False
         await self.host.set_serving(False)
         await asyncio.to_thread(self.core.loop.stop)
         await (self.host.stop() if grace is None else self.host.stop(grace))
+        if self.http is not None:
+            await self.http.stop()
         if self.core.link is not None:
             await self.core.link.close()
 
@@ -117,10 +137,13 @@ def stop_on_failure(server: EngineServer, stop: asyncio.Event) -> asyncio.Task:
     return asyncio.create_task(relay())
 
 
-async def serve(config: EngineConfig, stop: asyncio.Event, metrics_port: int | None = None) -> None:
-    """Run until `stop` is set, then stop gracefully; /metrics on config.host:metrics_port if given.
-    Exits non-zero (SystemExit) when the engine failed rather than was stopped."""
+async def serve(config: EngineConfig, stop: asyncio.Event, metrics_port: int | None = None, http_port: int | None = None) -> None:
+    """Run until `stop` is set, then stop gracefully; /metrics on config.host:metrics_port and the
+    OpenAI-compatible HTTP front on config.host:http_port if given. Exits non-zero (SystemExit) when
+    the engine failed (a model worker died) rather than was stopped."""
     server = await start_engine(config)
+    if http_port is not None:
+        await server.start_http(http_port)
     relay = stop_on_failure(server, stop)
     await serve_until_stopped("engine", server, stop, metrics_port)
     relay.cancel()

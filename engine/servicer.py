@@ -13,9 +13,9 @@ from engine.admission import Admission, AdmissionError, GenerateInput, admission
 from engine.core import EngineCore, InvalidPrompt
 from engine.request import Finished, TokenDelta
 from engine.sampling import InvalidSampling, SamplingParams
+from loraformat.errors import Code, StatusError
 from loramux.v1 import engine_pb2 as pb
 from loramux.v1 import engine_pb2_grpc as pb_grpc
-from registry.errors import RegistryError
 
 
 def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
@@ -57,8 +57,8 @@ def _state_to_pb(state: AdapterResidency) -> pb.AdapterState:
 
 
 async def _abort(context, exc: Exception):
-    if isinstance(exc, RegistryError):
-        await context.abort(grpc_status(exc.code.value), str(exc))
+    if isinstance(exc, StatusError):
+        await context.abort(grpc_status(exc.code), str(exc))
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
@@ -73,7 +73,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine serves no adapters (--max-loras-per-batch 0)")
         try:
             return _state_to_pb(await self.admin.load(request.adapter, request.pin))
-        except (RegistryError, InvalidPrompt) as exc:
+        except (StatusError, InvalidPrompt) as exc:
             await _abort(context, exc)
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.AdapterState:
@@ -82,7 +82,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         remaining = context.time_remaining()
         try:
             return _state_to_pb(await self.admin.unload(request.adapter, remaining if remaining is not None else 600.0))
-        except RegistryError as exc:
+        except StatusError as exc:
             await _abort(context, exc)
 
     async def ListAdapters(self, request: pb.ListLoadedRequest, context) -> pb.ListLoadedResponse:
@@ -105,9 +105,11 @@ class EngineServicer(pb_grpc.EngineServicer):
                     await context.abort(grpc_status(event.code), event.message)
 
 
-def grpc_status(code: str) -> grpc.StatusCode:
-    """An engine status name ("NOT_FOUND", ...) -> the gRPC status of the same name."""
-    return getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+def grpc_status(code: Code | str) -> grpc.StatusCode:
+    """An engine error kind (Code.NOT_FOUND, or its name from an AdmissionError) -> the gRPC status of
+    the same name: the one place engine kinds become gRPC codes."""
+    name = code.name if isinstance(code, Code) else code
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
 
 
 def _generate_input(request: pb.GenerateRequest, context) -> GenerateInput:

@@ -1,7 +1,8 @@
-"""Load a Hugging Face Llama-family checkpoint into `LlamaModel`, or make random weights for benchmarks.
+"""Load a Hugging Face checkpoint of a supported family into its model, or make random weights for
+benchmarks.
 
-HF tensors map to our fused parameters by the table `_PARTS` (q/k/v -> qkv_proj, gate/up -> gate_up_proj,
-concatenated along the output dimension); every other name only loses its leading "model.".
+HF tensors map to our fused parameters by the family spec's fused targets (q/k/v -> qkv_proj, gate/up ->
+gate_up_proj, concatenated along the output dimension); every other name only loses its leading "model.".
 """
 
 import json
@@ -12,12 +13,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model import LlamaModel
-from engine.model_config import NAMED_SHAPES, ModelConfig
+from engine.model_config import ModelConfig
+from engine.models import build_model
+from engine.models.blocks import DecoderModel
+from engine.named_shapes import NAMED_SHAPES
 from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
+from loraformat.architectures import FusedTarget
 
-# our fused projection -> its HF projections, in row order
-_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _LM_HEAD = "lm_head.weight"
 
 
@@ -28,7 +30,7 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 def load_model(
     model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, tp: TensorParallel = SINGLE
-) -> tuple[LlamaModel, ModelConfig]:
+) -> tuple[DecoderModel, ModelConfig]:
     """Read config.json and model.safetensors (or the shards of model.safetensors.index.json) of
     `model_dir` onto `device`. Ties the embeddings when config.json says so or lm_head is absent.
     Raises ValueError naming every missing, unexpected or misshapen tensor. With tensor parallelism the
@@ -41,16 +43,16 @@ def load_model(
         config = replace(config, tie_word_embeddings=True)
     if config.tie_word_embeddings:
         tensors.pop(_LM_HEAD, None)
-    full = LlamaModel(config, dtype=dtype, device="meta")
+    full = build_model(config, dtype=dtype, device="meta")
     state = fuse_hf_tensors(tensors, full.state_dict(), config)
-    model = LlamaModel(config, dtype=dtype, device="meta", tp=tp)
+    model = build_model(config, dtype=dtype, device="meta", tp=tp)
     state = shard_state(model, state)
     model.load_state_dict({name: t.to(device=device, dtype=dtype) for name, t in state.items()}, strict=True, assign=True)
     model.set_rope_device(device)
     return model.eval(), config
 
 
-def shard_state(model: LlamaModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def shard_state(model: DecoderModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full fused tensors -> this rank's: each parallel linear's weight loader slices its own."""
     if model.tp.size == 1:
         return state
@@ -93,7 +95,7 @@ def fuse_hf_tensors(
         if tuple(tensors[name].shape) != parts[name][2]
     ]
     _raise_if_any(missing=missing, unexpected=unexpected, misshapen=misshapen)
-    grouped: dict[str, list] = {name: [None] * _num_parts(name) for name in expected}
+    grouped: dict[str, list] = {name: [None] * _num_parts(name, config) for name in expected}
     for hf_name, (name, part, _) in parts.items():
         grouped[name][part] = tensors[hf_name]
     return {name: torch.cat(group) if len(group) > 1 else group[0] for name, group in grouped.items()}
@@ -115,21 +117,25 @@ def _hf_parts(name: str, shape: tuple[int, ...], config: ModelConfig) -> list[tu
     hf_name = name if name == _LM_HEAD else f"model.{name}"
     module, _, kind = hf_name.rpartition(".")
     prefix, _, proj = module.rpartition(".")
-    if proj not in _PARTS:
+    target = _fused_parts(config).get(proj)
+    if target is None:
         return [(hf_name, shape)]
-    sizes = {
-        "qkv_proj": (config.q_size, config.kv_size, config.kv_size),
-        "gate_up_proj": (config.intermediate_size, config.intermediate_size),
-    }[proj]
+    sizes = [config.arch.projection(m).dims(config)[1] for m in target.modules]
     return [
         (f"{prefix}.{hf_proj}.{kind}", (size, *shape[1:]))
-        for hf_proj, size in zip(_PARTS[proj], sizes, strict=True)
+        for hf_proj, size in zip(target.modules, sizes, strict=True)
     ]
 
 
-def _num_parts(name: str) -> int:
+def _fused_parts(config: ModelConfig) -> dict[str, FusedTarget]:
+    """Our fused linear's leaf name (qkv_proj) -> its target, for targets of more than one projection."""
+    return {t.param.rpartition(".")[2]: t for t in config.arch.fused if len(t.modules) > 1}
+
+
+def _num_parts(name: str, config: ModelConfig) -> int:
     proj = name.rpartition(".")[0].rpartition(".")[2]
-    return len(_PARTS.get(proj, (None,)))
+    target = _fused_parts(config).get(proj)
+    return 1 if target is None else len(target.modules)
 
 
 def _raise_if_any(**problems: list[str]) -> None:
@@ -145,12 +151,12 @@ def random_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     tp: TensorParallel = SINGLE,
-) -> LlamaModel:
+) -> DecoderModel:
     """A model of a named shape (NAMED_SHAPES) or config with seeded random weights drawn on `device`:
     linears and embeddings ~ N(0, 1/in_dim), norms 1, biases 0, so activations keep about unit scale."""
     config = NAMED_SHAPES[shape] if isinstance(shape, str) else shape
     dtype = dtype or default_dtype(device)
-    model = LlamaModel(config, dtype=dtype, device="meta", tp=tp).to_empty(device=device)
+    model = build_model(config, dtype=dtype, device="meta", tp=tp).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -15,13 +15,18 @@ MAX_MESSAGE_CHARS = 600
 QUOTE_CHARS = 80
 
 
-class Code(enum.Enum):
+class Code(enum.StrEnum):  # a str: a kind compares equal to its name
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     NOT_FOUND = "NOT_FOUND"
     ALREADY_EXISTS = "ALREADY_EXISTS"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    # Only requests already running end with these (the engine's loop): past their deadline, or a step failed.
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    INTERNAL = "INTERNAL"
 
 
 class StatusError(Exception):

@@ -1,41 +1,38 @@
-"""The shapes of a Llama-family base model, read from its Hugging Face `config.json`.
+"""The shapes of a base model, read from its Hugging Face `config.json`, with its architecture spec.
 
-Pure code: the engine imports it too. Only the decoder projections that LoRA may target are described;
-their names follow Hugging Face's module tree (`model.layers.{i}.self_attn.q_proj`, ...), which is the
-tree PEFT names its tensors and patterns after.
+Pure code: the registry and the engine both import it. Only the decoder projections that LoRA may target
+are described; their names follow Hugging Face's module tree (`model.layers.{i}.self_attn.q_proj`, ...),
+which is the tree PEFT names its tensors and patterns after. Which projections exist and their widths
+come from the family's `ArchSpec` (loraformat.architectures).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from loraformat.errors import FailedPrecondition, InvalidArgument
+from loraformat import bounded_json
+from loraformat.architectures import DENSE_PROJECTIONS, ArchSpec, spec_for_config
+from loraformat.errors import InvalidArgument, quote
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The submodule of a decoder layer that owns each projection.
-MODULE_GROUPS = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
+# Plausibility bounds on a base model's config: several times the largest open models of these
+# families (405B: 126 layers, hidden 16384, intermediate 53248, 128 heads; vocabularies up to 256k),
+# so no real model is refused, while a config claiming 200000 layers cannot make a small adapter cost
+# seconds and hundreds of MB of module paths to validate.
+MAX_CONFIG_VALUES = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 19,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "vocab_size": 1 << 22,
 }
 
+# Every supported family has the dense projection set; a family with another set reads its spec's.
+SUPPORTED_MODULES = tuple(p.name for p in DENSE_PROJECTIONS)
+MODULE_GROUPS = {p.name: p.group for p in DENSE_PROJECTIONS}
 
-# Submodules of a decoder layer that LoRA cannot adapt here; PEFT patterns may still match them.
-_OTHER_LAYER_MODULES = (
-    "",
-    ".self_attn",
-    ".mlp",
-    ".mlp.act_fn",
-    ".input_layernorm",
-    ".post_attention_layernorm",
-)
 _OTHER_MODEL_MODULES = (
     "model",
     "model.embed_tokens",
@@ -53,6 +50,7 @@ def module_path(layer: int, module: str) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
+    arch: ArchSpec
     model_type: str
     num_layers: int
     hidden_size: int
@@ -63,22 +61,16 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
-        if not isinstance(cfg, dict):
-            raise InvalidArgument("config: expected a JSON object")
-        model_type = cfg.get("model_type")
-        if not isinstance(model_type, str):
-            raise InvalidArgument("config field 'model_type': missing or not a string")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise FailedPrecondition(
-                f"config field 'model_type': {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+        arch = spec_for_config(cfg)  # refuses unsupported architectures with one line naming them
+        if "vocab_size" in cfg:
+            _positive_int(cfg, "vocab_size")
         hidden_size = _positive_int(cfg, "hidden_size")
         num_heads = _positive_int(cfg, "num_attention_heads")
         num_kv_heads = _positive_int(cfg, "num_key_value_heads", default=num_heads)
         _check_divides(num_kv_heads, num_heads, "num_key_value_heads", "num_attention_heads")
         return cls(
-            model_type=model_type,
+            arch=arch,
+            model_type=cfg["model_type"],
             num_layers=_positive_int(cfg, "num_hidden_layers"),
             hidden_size=hidden_size,
             intermediate_size=_positive_int(cfg, "intermediate_size"),
@@ -90,40 +82,33 @@ class ModelShape:
     @classmethod
     def from_json(cls, raw: str | bytes) -> ModelShape:
         """From the text of a config.json (the wire's `BaseModel.config_json`)."""
-        try:
-            cfg = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise InvalidArgument(f"config_json: not valid JSON ({err})") from None
+        cfg = bounded_json.loads(raw, "config_json")
+        if not isinstance(cfg, dict):
+            raise InvalidArgument("config_json must be a JSON object")
         return cls.from_config(cfg)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
     def module_dims(self, module: str) -> tuple[int, int]:
         """(in_dim, out_dim) of the projection: its weight is [out_dim, in_dim]."""
-        q_dim = self.num_heads * self.head_dim
-        kv_dim = self.num_kv_heads * self.head_dim
-        dims = {
-            "q_proj": (self.hidden_size, q_dim),
-            "k_proj": (self.hidden_size, kv_dim),
-            "v_proj": (self.hidden_size, kv_dim),
-            "o_proj": (q_dim, self.hidden_size),
-            "gate_proj": (self.hidden_size, self.intermediate_size),
-            "up_proj": (self.hidden_size, self.intermediate_size),
-            "down_proj": (self.intermediate_size, self.hidden_size),
-        }
-        if module not in dims:
-            raise FailedPrecondition(
-                f"module {module!r} is not supported (supported: {', '.join(SUPPORTED_MODULES)})"
-            )
-        return dims[module]
+        return self.arch.projection(module).dims(self)
 
     def lora_module_paths(self) -> tuple[str, ...]:
-        """The paths of every projection LoRA may adapt, layer by layer in SUPPORTED_MODULES order."""
-        return tuple(module_path(i, m) for i in range(self.num_layers) for m in SUPPORTED_MODULES)
+        """The paths of every projection LoRA may adapt, layer by layer in the spec's module order."""
+        return tuple(
+            f"model.layers.{i}.{p.group}.{p.name}" for i in range(self.num_layers) for p in self.arch.projections
+        )
 
     def all_module_paths(self) -> tuple[str, ...]:
-        """Every submodule name of the causal-LM model, as `named_modules()` lists them (root excluded):
-        the same tree for llama, mistral and qwen2."""
+        """Every submodule name of the causal-LM model, as `named_modules()` lists them (root excluded)."""
         others = tuple(
-            f"model.layers.{i}{suffix}" for i in range(self.num_layers) for suffix in _OTHER_LAYER_MODULES
+            f"model.layers.{i}{suffix}" for i in range(self.num_layers) for suffix in self.arch.other_layer_modules
         )
         return _OTHER_MODEL_MODULES + others + self.lora_module_paths()
 
@@ -132,9 +117,10 @@ def _positive_int(cfg: dict[str, Any], field: str, default: int | None = None) -
     value = cfg.get(field, default)
     # bool is an int subclass; `true` is never a valid size.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgument(f"config field {field!r}: expected a positive integer, got {value!r}")
-    if value <= 0:
-        raise InvalidArgument(f"config field {field!r}: expected a positive integer, got {value}")
+        raise InvalidArgument(f"config field {field!r}: expected a positive integer, got {quote(value)}")
+    limit = MAX_CONFIG_VALUES.get(field, 1 << 31)
+    if not 0 < value <= limit:
+        raise InvalidArgument(f"config field {field!r}: {value} is outside 1..{limit}")
     return value
 
 

@@ -8,14 +8,14 @@ Pure code: no databases, object stores or gRPC; the registry and the engine both
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from loraformat.errors import FailedPrecondition, InvalidArgument
+from loraformat import bounded_json
+from loraformat.errors import FailedPrecondition, InvalidArgument, quote
 from loraformat.model_shapes import SUPPORTED_MODULES, ModelShape
+from loraformat.patterns import check_pattern, fullmatch, match
 from loraformat.peft_files import CONFIG_FILE
 
 _ALL_LINEAR = "all-linear"
@@ -67,9 +67,17 @@ def _scale(alpha: float, rank: int, use_rslora: bool) -> float:
 def _pattern_value(patterns: tuple[tuple[str, Any], ...], path: str, default: Any) -> Any:
     # peft.utils.other.get_pattern_key: the first key that matches a dotted suffix of the path.
     for key, value in patterns:
-        if re.match(rf"(.*\.)?({key})$", path):
+        if match(_suffix_pattern(key), path):
             return value
     return default
+
+
+def _suffix_pattern(key: str) -> str:
+    return rf"(.*\.)?({key})$"
+
+
+def _layer_pattern(layers_module: str) -> str:
+    return rf"(?:^|.*?\.)(?:{layers_module})\.(?P<idx>\d+)\."
 
 
 def parse_peft_config(raw: bytes) -> LoraSpec:
@@ -91,10 +99,7 @@ def parse_peft_config(raw: bytes) -> LoraSpec:
 
 
 def _load_json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        cfg = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise InvalidArgument(f"{CONFIG_FILE}: not valid JSON ({err})") from None
+    cfg = bounded_json.loads(raw, CONFIG_FILE)
     if not isinstance(cfg, dict):
         raise InvalidArgument(f"{CONFIG_FILE}: not a JSON object")
     return cfg
@@ -103,9 +108,9 @@ def _load_json_object(raw: bytes) -> dict[str, Any]:
 def _check_peft_type(cfg: dict[str, Any]) -> None:
     peft_type = cfg.get("peft_type")
     if not isinstance(peft_type, str):
-        raise InvalidArgument(f"{_field('peft_type')}: missing or not a string ({peft_type!r})")
+        raise InvalidArgument(f"{_field('peft_type')}: missing or not a string ({quote(peft_type)})")
     if peft_type.upper() != "LORA":
-        raise FailedPrecondition(f"{_field('peft_type')}: {peft_type!r} is not LORA")
+        raise FailedPrecondition(f"{_field('peft_type')}: {quote(peft_type)} is not LORA")
 
 
 def _flag(cfg: dict[str, Any], field: str) -> bool:
@@ -113,19 +118,19 @@ def _flag(cfg: dict[str, Any], field: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise InvalidArgument(f"{_field(field)}: expected true or false, got {value!r}")
+        raise InvalidArgument(f"{_field(field)}: expected true or false, got {quote(value)}")
     return value
 
 
 def _positive_int(value: Any, field: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgument(f"{_field(field)}: expected a positive integer, got {value!r}")
+        raise InvalidArgument(f"{_field(field)}: expected a positive integer, got {quote(value)}")
     return value
 
 
 def _finite_number(value: Any, field: str) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise InvalidArgument(f"{_field(field)}: expected a finite number, got {value!r}")
+        raise InvalidArgument(f"{_field(field)}: expected a finite number, got {quote(value)}")
     return float(value)
 
 
@@ -215,7 +220,7 @@ def _target_modules(value: Any) -> tuple[str, ...] | str:
 def _target_regex(pattern: str) -> str:
     _checked_regex(pattern, "target_modules")
     for path in ("lm_head", "model.embed_tokens"):
-        if re.fullmatch(pattern, path):
+        if fullmatch(pattern, path):
             raise FailedPrecondition(_unsupported_target(path))
     return pattern
 
@@ -233,11 +238,11 @@ def _name_list(value: Any, field: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _checked_regex(pattern: str, field: str) -> str:
-    try:
-        re.compile(pattern)
-    except re.error as err:
-        raise InvalidArgument(f"{_field(field)}: bad regex {pattern!r} ({err})") from None
+def _checked_regex(pattern: str, field: str, *wrappers) -> str:
+    """`pattern` once RE2 compiles it, and each form it is matched in (`wrappers`)."""
+    check_pattern(pattern, _field(field))
+    for wrap in wrappers:
+        check_pattern(wrap(pattern), _field(field))
     return pattern
 
 
@@ -266,7 +271,7 @@ def _layers_pattern(value: Any) -> tuple[str, ...] | None:
     if value in _OFF_VALUES:
         return None
     names = (value,) if isinstance(value, str) else _name_list(value, "layers_pattern")
-    return tuple(_checked_regex(name, "layers_pattern") for name in names)
+    return tuple(_checked_regex(name, "layers_pattern", _layer_pattern) for name in names)
 
 
 def _patterns(cfg: dict[str, Any], field: str, convert: Any) -> tuple[tuple[str, Any], ...]:
@@ -276,7 +281,7 @@ def _patterns(cfg: dict[str, Any], field: str, convert: Any) -> tuple[tuple[str,
     if not isinstance(value, dict):
         raise InvalidArgument(f"{_field(field)}: expected an object")
     return tuple(
-        (_checked_regex(key, f"{field}[{key!r}]"), convert(v, f"{field}[{key!r}]"))
+        (_checked_regex(key, f"{field}[{quote(key)}]", _suffix_pattern), convert(v, f"{field}[{quote(key)}]"))
         for key, v in value.items()
     )
 
@@ -303,7 +308,7 @@ def _is_targeted(spec: LoraSpec, path: str) -> bool:
     if targets == _ALL_LINEAR:
         return True
     if isinstance(targets, str):
-        return re.fullmatch(targets, path) is not None
+        return fullmatch(targets, path)
     if path in targets:
         return True  # a full name skips the layer filter, as in PEFT
     if not any(path.endswith(f".{t}") for t in targets):
@@ -313,11 +318,11 @@ def _is_targeted(spec: LoraSpec, path: str) -> bool:
 
 def _layer_index(spec: LoraSpec, path: str) -> int | None:
     # The first numbered segment after the layers module, e.g. 3 in model.layers.3.mlp.up_proj.
-    patterns = [rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\." for p in spec.layers_pattern or ()]
+    patterns = [_layer_pattern(p) for p in spec.layers_pattern or ()]
     for pattern in patterns or [r".*?\.[^.]*\.(?P<idx>\d+)\."]:
-        match = re.match(pattern, path)
-        if match:
-            return int(match["idx"])
+        found = match(pattern, path)
+        if found:
+            return int(found.group("idx"))
     return None
 
 
@@ -326,5 +331,5 @@ def _is_excluded(spec: LoraSpec, path: str) -> bool:
     if excluded is None:
         return False
     if isinstance(excluded, str):
-        return re.fullmatch(excluded, path) is not None
+        return fullmatch(excluded, path)
     return path in excluded or any(path.endswith(f".{e}") for e in excluded)

@@ -25,6 +25,7 @@ from typing import IO, Any
 
 import torch
 
+from loraformat import bounded_json
 from loraformat.errors import InvalidArgument, ResourceExhausted
 
 DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -192,9 +193,12 @@ def _parse_header(
 
 def _load_header_json(label: str, raw: bytes, buffer: Any) -> dict[str, Any]:
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_nan)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise InvalidArgument(f"{label}: header is not valid JSON ({err})" + _format_hint(buffer)) from None
+        # A header is three levels deep ({name: {"shape": [...]}}); anything deeper is not one.
+        header = bounded_json.loads(
+            raw, f"{label}: header", max_depth=4, object_pairs_hook=_no_duplicates, parse_constant=_no_nan
+        )
+    except InvalidArgument as err:
+        raise InvalidArgument(f"{err}" + _format_hint(buffer)) from None
     if not isinstance(header, dict):
         raise InvalidArgument(f"{label}: header is not a JSON object")
     return header

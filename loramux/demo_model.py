@@ -1,4 +1,4 @@
-"""A tiny Llama-family demo model: a locally trained tokenizer and random weights on disk.
+"""A tiny demo model of a supported family (Llama, Mistral, Qwen2, Qwen3): a locally trained tokenizer and random weights on disk.
 
 Everything here is generated, never downloaded. The same arguments always produce byte-identical files,
 so tests, the embedded `loramux up` mode and benchmarks can share one checkpoint layout:
@@ -22,70 +22,39 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from engine.named_shapes import LLAMA3_8B_CONFIG, TINY_LLAMA_CONFIG
+from loraformat.architectures import Biases, spec_for_config
+
+__all__ = [
+    "LLAMA3_8B_CONFIG",
+    "TINY_LLAMA_CONFIG",
+    "build_tokenizer",
+    "write_demo_adapter",
+    "write_demo_tokenizer",
+    "write_llama_checkpoint",
+]
+
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID = 0, 1, 2
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids are the positions in this tuple
+# A small chat template in the Zephyr style, so chat requests work on the demo model; it uses what real
+# templates use (special tokens by name, raise_exception, whitespace control by trim/lstrip_blocks).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}\n"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant, not ' + message['role']) }}{% endif %}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
-TINY_LLAMA_CONFIG: dict = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": BOS_TOKEN_ID,
-    "eos_token_id": EOS_TOKEN_ID,
-    "pad_token_id": PAD_TOKEN_ID,
-    "head_dim": 16,
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "initializer_range": 0.02,
-    "intermediate_size": 176,  # not a power of two on purpose: kernels must not assume one
-    "max_position_embeddings": 512,
-    "mlp_bias": False,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 2,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-5,
-    "rope_scaling": None,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-    "use_cache": True,
-    "vocab_size": 512,
-}
-
-# config.json of meta-llama/Meta-Llama-3-8B, for benchmark shapes only: never write these weights in tests.
-LLAMA3_8B_CONFIG: dict = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 4096,
-    "initializer_range": 0.02,
-    "intermediate_size": 14336,
-    "max_position_embeddings": 8192,
-    "mlp_bias": False,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-5,
-    "rope_scaling": None,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "vocab_size": 128256,
-}
+# TINY_LLAMA_CONFIG (engine.named_shapes) names these ids as its bos/eos/pad.
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 # Llama's bias and tensor-parallel flags mean nothing to the other families (Qwen2 always biases q/k/v),
@@ -97,6 +66,7 @@ _MODEL_TYPE_DEFAULTS: dict[str, dict] = {
     "llama": {},
     "mistral": {"sliding_window": None},
     "qwen2": {"use_sliding_window": False, "sliding_window": None},
+    "qwen3": {"use_sliding_window": False, "sliding_window": None, "attention_bias": False},
 }
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -186,7 +156,7 @@ def write_llama_checkpoint(
     """Write a Hugging Face checkpoint with random weights and the demo tokenizer; return its directory.
 
     `config` overrides merge on top of TINY_LLAMA_CONFIG (plus the defaults of its `model_type`: llama,
-    mistral or qwen2). The model's vocab_size is the tokenizer's unless `config` asks for a larger one.
+    mistral, qwen2 or qwen3). The model's vocab_size is the tokenizer's unless `config` asks for a larger one.
     Weights depend only on (merged config, seed): dtype and num_shards change the files, not the values
     beyond rounding. Loadable offline by transformers' AutoModelForCausalLM and AutoTokenizer.
     """
@@ -237,7 +207,9 @@ def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj": (inter, hidden),
         "mlp.down_proj": (hidden, inter),
     }
-    biased = _biased_linears(config)
+    arch = spec_for_config(config)
+    biased = _biased_linears(arch.biases(config))
+    head_dim = config["head_dim"]
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}"
@@ -246,6 +218,9 @@ def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.{name}.weight"] = shape
             if name in biased:
                 shapes[f"{prefix}.{name}.bias"] = shape[:1]
+        if arch.qk_norm:
+            shapes[f"{prefix}.self_attn.q_norm.weight"] = (head_dim,)
+            shapes[f"{prefix}.self_attn.k_norm.weight"] = (head_dim,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)
     if not config["tie_word_embeddings"]:
@@ -253,14 +228,14 @@ def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _biased_linears(config: dict) -> set[str]:
-    """Linears with a bias: Qwen2 always biases q/k/v; Llama's flags bias attention or MLP as a whole."""
-    if config["model_type"] == "qwen2":
-        return {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+def _biased_linears(biases: Biases) -> set[str]:
+    """Linears with a bias, as the family's spec reads them from the config."""
     biased = set()
-    if config.get("attention_bias"):
-        biased |= {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
-    if config.get("mlp_bias"):
+    if biases.qkv:
+        biased |= {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+    if biases.o:
+        biased.add("self_attn.o_proj")
+    if biases.mlp:
         biased |= {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
     return biased
 
@@ -311,6 +286,12 @@ def _generation_config(config: dict) -> dict:
     return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
+def write_demo_tokenizer(out_dir: str | Path, model_max_length: int, vocab_size: int = 512) -> None:
+    """The demo tokenizer's files into `out_dir`: for checkpoints written by other means (transformers'
+    own classes in tests) that need a tokenizer the engine and transformers both read."""
+    _write_tokenizer(Path(out_dir), build_tokenizer(vocab_size), model_max_length)
+
+
 def _write_tokenizer(out_dir: Path, tokenizer: Tokenizer, model_max_length: int) -> None:
     """tokenizer.json plus the two small files transformers reads to name the special tokens."""
     tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -321,6 +302,7 @@ def _write_tokenizer(out_dir: Path, tokenizer: Tokenizer, model_max_length: int)
         "model_max_length": model_max_length,
         # Decoding must give back the exact text; HF's cleanup would turn "a ." into "a.".
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     _write_json(out_dir / "special_tokens_map.json", special)

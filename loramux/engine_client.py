@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loramux.security import TlsFiles, open_channel
 from loramux.v1 import engine_pb2 as pb
 from loramux.v1 import engine_pb2_grpc as pb_grpc
 
@@ -37,10 +38,10 @@ def generate_request(prompt: str | list[int], adapter: str = "", request_id: str
 
 
 class EngineClient:
-    def __init__(self, address: str, timeout: float | None = 600.0):
+    def __init__(self, address: str, timeout: float | None = 600.0, api_key: str = "", tls: TlsFiles | None = None):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._channel = open_channel(address, tls, api_key=api_key)
         self.stub = pb_grpc.EngineStub(self._channel)
 
     def close(self) -> None:

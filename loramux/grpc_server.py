@@ -12,6 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from loramux.metrics import start_metrics_server
+from loramux.ready import announce
+
 # Chunks are <= 1 MiB of payload; leave room for framing and the first message's metadata.
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20
@@ -36,10 +39,14 @@ class ServiceHost:
         self.bound_host = ""
         self.port = 0
 
-    def bind(self, host: str, port: int) -> int:
-        """Bind host:port (0 = pick a free port); returns the bound port."""
+    def bind(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Bind host:port (0 = pick a free port), with TLS when credentials are given; returns the port."""
         self.bound_host = host
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         return self.port
@@ -61,11 +68,6 @@ class ServiceHost:
         await self.server.stop(grace)
 
 
-def announce(service: str, host: str, port: int) -> None:
-    """The one line external tools wait for: `<service> listening on HOST:PORT`."""
-    print(f"{service} listening on {host}:{port}", flush=True)
-
-
 def stop_event_on_signals(signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> asyncio.Event:
     """An event set by SIGINT/SIGTERM in the running loop (Ctrl-C starts a graceful stop)."""
     stop = asyncio.Event()
@@ -79,8 +81,6 @@ def stop_event_on_signals(signals: Sequence[int] = (signal.SIGINT, signal.SIGTER
 async def serve_until_stopped(name: str, server, stop: asyncio.Event, metrics_port: int | None) -> None:
     """For a started server (`.host`, `.metrics`, `.stop()`): serve /metrics on its host when a port is
     given (0 = pick a free one), print the ready line, wait for `stop`, then stop gracefully."""
-    from loramux.metrics import start_metrics_server  # metrics imports `announce` from here
-
     metrics_server = None
     if metrics_port is not None:
         metrics_server, _ = start_metrics_server(server.metrics, server.host.bound_host, metrics_port)

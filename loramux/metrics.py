@@ -8,12 +8,14 @@ Counters are exposed with the `_total` suffix prometheus_client adds (`requests`
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from loramux.grpc_server import announce
+from loramux.ready import announce
 
 DEFAULT_MAX_ADAPTER_LABELS = 64
 BASE_LABEL = "base"
@@ -24,6 +26,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 FETCH_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LORA_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 REGISTRATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -61,7 +64,8 @@ class AdapterLabels:
 
 
 class EngineMetrics:
-    """Metrics of the engine; every family is named `loramux_engine_*`.
+    """Metrics of the engine: its own families are named `loramux_engine_*`; the model-server protocol's
+    (ModelServerMetrics) carry vLLM's names.
 
     Per-adapter families take `adapter=self.adapter_label(name)`, never a raw name.
     """
@@ -71,6 +75,8 @@ class EngineMetrics:
         self.adapter_label = AdapterLabels(max_adapter_labels, base_model_name)
         self._add_request_families()
         self._add_adapter_families()
+        self._add_residency_families()
+        self.model_server = ModelServerMetrics(self.registry, base_model_name)
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(f"loramux_engine_{name}", doc, labels, registry=self.registry)
@@ -120,6 +126,36 @@ class EngineMetrics:
             "lora_drain_events", "Starvation drains: a running adapter stopped admitting to free its slot."
         )
 
+    def _add_residency_families(self) -> None:
+        labels = ("adapter",)
+        self.adapter_loaded = Gauge(
+            "loramux_engine_lora_adapter_loaded", "1 when the adapter is loaded at `location` (gpu: a slot; cpu: the host cache).",
+            ("adapter", "location"), registry=self.registry,
+        )
+        self.adapter_pinned = Gauge("loramux_engine_lora_adapter_pinned", "1 when the adapter is pinned in a GPU slot.", labels, registry=self.registry)
+        self.adapter_rank = Gauge("loramux_engine_lora_adapter_rank", "The adapter's LoRA rank.", labels, registry=self.registry)
+        self.lora_load_latency = Histogram(
+            "loramux_engine_lora_load_seconds", "Loading one adapter: into the host cache (cpu: fetch, check, pack) or into a GPU slot (gpu).",
+            ("location",), buckets=LORA_LOAD_BUCKETS, registry=self.registry,
+        )
+        self._resident: set[str] = set()
+
+    def set_residency(self, adapters: Sequence[AdapterResidence]) -> None:
+        """Every adapter on the GPU or in the host cache now; labels seen before and absent now drop to 0."""
+        rows: dict[str, list] = {}
+        for a in adapters:  # several names may share the "other" label: any loaded, any pinned, the largest rank
+            row = rows.setdefault(self.adapter_label(a.name), [False, False, False, 0])
+            row[0], row[1], row[2], row[3] = row[0] or a.on_gpu, row[1] or a.on_cpu, row[2] or a.pinned, max(row[3], a.rank)
+        for label in self._resident - rows.keys():
+            rows[label] = [False, False, False, None]
+        for label, (on_gpu, on_cpu, pinned, rank) in rows.items():
+            self.adapter_loaded.labels(label, "gpu").set(on_gpu)
+            self.adapter_loaded.labels(label, "cpu").set(on_cpu)
+            self.adapter_pinned.labels(label).set(pinned)
+            if rank is not None:
+                self.adapter_rank.labels(label).set(rank)
+        self._resident = {label for label, row in rows.items() if row[3] is not None}
+
     def record_finished(
         self,
         adapter_name: str,
@@ -150,11 +186,76 @@ class EngineMetrics:
     def set_queue(self, num_waiting: int, num_running: int) -> None:
         self.num_waiting.set(num_waiting)
         self.num_running.set(num_running)
+        self.model_server.set_queue(num_waiting, num_running)
 
     def set_slots(self, num_used: int, num_pinned: int, num_total: int) -> None:
         self.slots_used.set(num_used)
         self.slots_pinned.set(num_pinned)
         self.slots_total.set(num_total)
+
+
+@dataclass(frozen=True)
+class AdapterResidence:
+    name: str
+    on_gpu: bool
+    on_cpu: bool
+    pinned: bool
+    rank: int
+
+
+class ModelServerMetrics:
+    """The model-server protocol of the Kubernetes Gateway API Inference Extension (its
+    docs/proposals/003-model-server-protocol), with vLLM's names and semantics, so its endpoint picker
+    (and llm-d's) scores loramux pods by queue, KV use and LoRA affinity with no custom plugin:
+
+    - `vllm:num_requests_waiting`, `vllm:num_requests_running`: gauges;
+    - `vllm:kv_cache_usage_perc` (and its older name `vllm:gpu_cache_usage_perc`): KV pages held by
+      requests over usable pages, 0-1 (pages the prefix cache could evict count as free, as in vLLM);
+    - `vllm:cache_config_info{block_size, num_gpu_blocks}`: value 1;
+    - `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}`: the adapter
+      names (as clients write them in `model`, without a version) of running and waiting requests,
+      comma-separated with no spaces, sorted; the value is the Unix time of the last change, since the
+      picker takes the series with the largest value. Only the current series is exported.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.model_name = model_name
+        model = ("model_name",)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", model, registry=registry)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", model, registry=registry)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every page is held.", model, registry=registry)
+        # The name the protocol's table and older endpoint pickers read by default; the same value.
+        self.kv_usage_legacy = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (older name).", model, registry=registry)
+        self.cache_config = Gauge(
+            "vllm:cache_config_info", "KV-cache configuration.", ("block_size", "num_gpu_blocks"), registry=registry
+        )
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info", "Adapters of running and waiting requests; the value is the time of the last change.",
+            ("max_lora", "running_lora_adapters", "waiting_lora_adapters"), registry=registry,
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
+        self._lock = threading.Lock()
+
+    def set_queue(self, num_waiting: int, num_running: int) -> None:
+        self.waiting.labels(self.model_name).set(num_waiting)
+        self.running.labels(self.model_name).set(num_running)
+
+    def set_kv_usage(self, fraction: float) -> None:
+        self.kv_usage.labels(self.model_name).set(fraction)
+        self.kv_usage_legacy.labels(self.model_name).set(fraction)
+
+    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
+        self.cache_config.labels(str(block_size), str(num_blocks)).set(1)
+
+    def set_lora_requests(self, max_lora: int, running: Iterable[str], waiting: Iterable[str], now: float | None = None) -> None:
+        labels = (str(max_lora), ",".join(sorted(set(running))), ",".join(sorted(set(waiting))))
+        with self._lock:
+            if labels == self._lora_labels:
+                return
+            if self._lora_labels is not None:
+                self.lora_info.remove(*self._lora_labels)
+            self.lora_info.labels(*labels).set(time.time() if now is None else now)
+            self._lora_labels = labels
 
 
 class RegistryMetrics:

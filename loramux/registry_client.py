@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from loraformat.peft_files import ADAPTER_FILES, PICKLE_WEIGHTS_FILES, WEIGHTS_FILE
+from loramux.security import TlsFiles, open_channel
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
 
@@ -17,11 +18,9 @@ CHUNK_BYTES = 1 << 20
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(
-        address,
-        options=[("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)],
-    )
+def channel(address: str, api_key: str = "", tls: TlsFiles | None = None) -> grpc.Channel:
+    options = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
+    return open_channel(address, tls, options, api_key=api_key)
 
 
 def adapter_files(adapter_dir: Path) -> list[Path]:
@@ -49,10 +48,10 @@ def upload_requests(spec: pb.AdapterSpec, files: list[Path], progress: Progress 
 
 
 class RegistryClient:
-    def __init__(self, address: str, timeout: float | None = 600.0):
+    def __init__(self, address: str, timeout: float | None = 600.0, api_key: str = "", tls: TlsFiles | None = None):
         self.address = address
         self.timeout = timeout
-        self._channel = channel(address)
+        self._channel = channel(address, api_key, tls)
         self.stub = pb_grpc.RegistryStub(self._channel)
 
     def close(self) -> None:
@@ -120,6 +119,22 @@ class RegistryClient:
         return adapter, (b"".join(parts) if sink is None else size)
 
 
+    # ---- keys and audit ----------------------------------------------------------------------
+
+    def create_key(self, tenant: str, role: str, description: str = "") -> pb.CreateKeyResponse:
+        request = pb.CreateKeyRequest(tenant=tenant, role=role, description=description)
+        return self.stub.CreateKey(request, timeout=self.timeout)
+
+    def list_keys(self) -> list[pb.ApiKey]:
+        return list(self.stub.ListKeys(pb.ListKeysRequest(), timeout=self.timeout).keys)
+
+    def revoke_key(self, key_id: str) -> pb.ApiKey:
+        return self.stub.RevokeKey(pb.RevokeKeyRequest(key_id=key_id), timeout=self.timeout)
+
+    def audit(self, limit: int = 100) -> list[pb.AuditEntry]:
+        return list(self.stub.ListAudit(pb.ListAuditRequest(limit=limit), timeout=self.timeout).entries)
+
+
 def adapter_to_dict(adapter: pb.Adapter) -> dict:
     return {
         "name": adapter.name,
@@ -135,6 +150,8 @@ def adapter_to_dict(adapter: pb.Adapter) -> dict:
         "created_at": adapter.created_at,
         "description": adapter.description,
         "labels": dict(adapter.labels),
+        "tenant": adapter.tenant,
+        "public": adapter.public,
     }
 
 

@@ -3,6 +3,11 @@
 Every method is one transaction. Registering a version locks the name's `adapter_names` row
 (SELECT ... FOR UPDATE on PostgreSQL, BEGIN IMMEDIATE on SQLite), so concurrent registrations of
 one name get consecutive versions and an identical re-registration returns the existing version.
+
+Tenancy: a name belongs to the tenant that first registered it; each version is private to that
+tenant unless registered public. Reads see only what `caller` may see ("latest" is the latest version
+the caller can see); a version it cannot see is NotFound, never PermissionDenied, so names do not
+leak. Every change writes its audit row in the change's own transaction (registry/access.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, aliased
 
+from loramux.security import ANONYMOUS, PermissionDenied, Principal
+from registry.access import audit_in
 from registry.db import AdapterEventRow, AdapterNameRow, AdapterRow, BaseModelRow
 from registry.errors import AlreadyExists, Code, InvalidArgument, NotFound, RegistryError, quote
 from registry.types import MAX_VERSION, AdapterEventInfo, AdapterInfo, BaseModelInfo
@@ -44,6 +51,7 @@ class NewVersion:
     pinned: bool
     description: str
     labels: dict[str, str]
+    public: bool = False
 
 
 class Catalog:
@@ -88,7 +96,9 @@ class Catalog:
 
     # ---- adapters ----------------------------------------------------------------------------
 
-    def add_version(self, name: str, base_model: str, new: NewVersion) -> AdapterInfo:
+    def add_version(
+        self, name: str, base_model: str, new: NewVersion, caller: Principal = ANONYMOUS
+    ) -> AdapterInfo:
         """Commit a new version of `name`, or return the latest when its digest equals new.digest."""
 
         def txn(s: Session) -> AdapterInfo:
@@ -97,9 +107,10 @@ class Catalog:
                 raise NotFound(f"base_model {base_model!r} is not registered")
             name_row = s.get(AdapterNameRow, name, with_for_update=True)
             if name_row is None:
-                name_row = AdapterNameRow(name=name, base_model_id=base.id, last_version=0)
+                name_row = AdapterNameRow(name=name, base_model_id=base.id, last_version=0, tenant=caller.tenant)
                 s.add(name_row)
                 s.flush()  # a concurrent first registration fails here and is retried
+            _check_owner(s, name_row, caller)
             latest = s.scalar(_live(name).order_by(AdapterRow.version.desc()).limit(1))
             if name_row.base_model_id != base.id:
                 if latest is not None:
@@ -108,18 +119,19 @@ class Catalog:
             if latest is not None and latest.digest == new.digest:
                 return _info(latest, base.name)
             name_row.last_version += 1
-            row = _new_row(name, name_row.last_version, base.id, new)
+            row = _new_row(name, name_row.last_version, base.id, new, name_row.tenant)
             s.add(row)
             s.flush()
             info = _info(row, base.name)
             _log_event(s, "REGISTERED", info)
+            audit_in(s, caller, "register", info.ref)
             return info
 
         return self._run(txn)
 
-    def get(self, name: str, version: int = 0) -> AdapterInfo:
+    def get(self, name: str, version: int = 0, caller: Principal = ANONYMOUS) -> AdapterInfo:
         with Session(self.engine) as s:
-            return _info(*self._get_row(s, name, version))
+            return _info(*self._get_row(s, name, version, caller))
 
     def referenced_digests(self) -> set[str]:
         with Session(self.engine) as s:
@@ -132,12 +144,14 @@ class Catalog:
         page_size: int = 0,
         page_token: str = "",
         latest_only: bool = False,
+        caller: Principal = ANONYMOUS,
     ) -> tuple[list[AdapterInfo], str]:
-        """A page of adapters ordered by (name, version) and the token of the next page ('' at the end)."""
+        """A page of the adapters `caller` sees, ordered by (name, version), and the token of the next
+        page ('' at the end). latest_only: the latest version of each name the caller sees."""
         size = page_size or DEFAULT_PAGE_SIZE
         if size > MAX_PAGE_SIZE:
             raise InvalidArgument(f"page_size {page_size} is over the maximum of {MAX_PAGE_SIZE}")
-        query = _with_base(select(AdapterRow, BaseModelRow.name))
+        query = _visible(_with_base(select(AdapterRow, BaseModelRow.name)), AdapterRow, caller)
         if base_model:
             query = query.where(BaseModelRow.name == base_model)
         if name_prefix:
@@ -145,7 +159,7 @@ class Catalog:
         if latest_only:
             newer = aliased(AdapterRow)
             query = query.where(
-                ~exists().where(newer.name == AdapterRow.name, newer.version > AdapterRow.version)
+                ~_visible(exists(), newer, caller).where(newer.name == AdapterRow.name, newer.version > AdapterRow.version)
             )
         if page_token:
             after_name, after_version = _decode_token(page_token)
@@ -160,32 +174,37 @@ class Catalog:
         next_token = _encode_token(infos[-1]) if len(rows) > size else ""
         return infos, next_token
 
-    def delete(self, name: str, version: int = 0) -> list[AdapterInfo]:
-        """Delete one version, or every version when version is 0; logs a DELETED event each."""
+    def delete(self, name: str, version: int = 0, caller: Principal = ANONYMOUS) -> list[AdapterInfo]:
+        """Delete one version, or every version the caller sees when version is 0; a DELETED event each."""
 
         def txn(s: Session) -> list[AdapterInfo]:
             query = _with_base(select(AdapterRow, BaseModelRow.name)).where(AdapterRow.name == name)
             if version:
                 query = query.where(AdapterRow.version == version)
+            query = _visible(query, AdapterRow, caller)
             rows = s.execute(query.order_by(AdapterRow.version).with_for_update()).all()
             if not rows:
                 raise NotFound(f"adapter {_ref(name, version)!r} is not registered")
+            _check_may_change(rows[0][0].tenant, caller, _ref(name, version))
             infos = [_info(row, base) for row, base in rows]
             for (row, _), info in zip(rows, infos, strict=True):
                 s.delete(row)
                 _log_event(s, "DELETED", info)
+                audit_in(s, caller, "delete", info.ref)
             return infos
 
         return self._run(txn)
 
-    def set_pinned(self, name: str, version: int, pinned: bool) -> AdapterInfo:
+    def set_pinned(self, name: str, version: int, pinned: bool, caller: Principal = ANONYMOUS) -> AdapterInfo:
         def txn(s: Session) -> AdapterInfo:
-            row, base = self._get_row(s, name, version, for_update=True)
+            row, base = self._get_row(s, name, version, caller, for_update=True)
+            _check_may_change(row.tenant, caller, _ref(name, version))
             if row.pinned == pinned:
                 return _info(row, base)
             row.pinned = pinned
             info = _info(row, base)
             _log_event(s, "PINNED" if pinned else "UNPINNED", info)
+            audit_in(s, caller, "pin" if pinned else "unpin", info.ref)
             return info
 
         return self._run(txn)
@@ -206,8 +225,9 @@ class Catalog:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _get_row(self, s: Session, name: str, version: int, for_update: bool = False):
+    def _get_row(self, s: Session, name: str, version: int, caller: Principal, for_update: bool = False):
         query = _with_base(select(AdapterRow, BaseModelRow.name)).where(AdapterRow.name == name)
+        query = _visible(query, AdapterRow, caller)
         if version:
             query = query.where(AdapterRow.version == version)
         query = query.order_by(AdapterRow.version.desc()).limit(1)
@@ -244,6 +264,31 @@ def _live(name: str) -> Select:
     return select(AdapterRow).where(AdapterRow.name == name)
 
 
+def _visible(query, table, caller: Principal):
+    """Only rows `caller` may see (its tenant's and public ones; every row for admins and engines)."""
+    if caller.sees_all:
+        return query
+    return query.where((table.tenant == caller.tenant) | table.public)
+
+
+def _check_may_change(tenant: str, caller: Principal, ref: str) -> None:
+    if not caller.can_change(tenant):
+        raise PermissionDenied(f"adapter {ref!r}: this key ({caller.role.value}) may not change it")
+
+
+def _check_owner(s: Session, name_row: AdapterNameRow, caller: Principal) -> None:
+    """Only the name's tenant (or an admin) adds versions. When the caller sees no version of a name
+    another tenant holds, the refusal must not say whose it is or what it holds: a name is global, so
+    its being taken cannot be hidden from someone who wants it, but nothing more is told."""
+    if caller.can_change(name_row.tenant):
+        return
+    if name_row.tenant != caller.tenant:
+        seen = s.scalar(_visible(select(AdapterRow.id), AdapterRow, caller).where(AdapterRow.name == name_row.name).limit(1))
+        if seen is None:
+            raise AlreadyExists(f"adapter name {name_row.name!r} is not available; choose another")
+    raise PermissionDenied(f"adapter {name_row.name!r}: this key ({caller.role.value}) may not register versions of it")
+
+
 def _with_base(query: Select) -> Select:
     return query.join(BaseModelRow, AdapterRow.base_model_id == BaseModelRow.id)
 
@@ -252,8 +297,10 @@ def _ref(name: str, version: int) -> str:
     return f"{name}@{version}" if version else name
 
 
-def _new_row(name: str, version: int, base_model_id: int, new: NewVersion) -> AdapterRow:
+def _new_row(name: str, version: int, base_model_id: int, new: NewVersion, tenant: str) -> AdapterRow:
     return AdapterRow(
+        tenant=tenant,
+        public=new.public,
         name=name,
         version=version,
         digest=new.digest,
@@ -285,6 +332,8 @@ def _info(row: AdapterRow, base_model: str) -> AdapterInfo:
         created_at=row.created_at,
         description=row.description,
         labels=json.loads(row.labels_json),
+        tenant=row.tenant,
+        public=row.public,
     )
 
 
@@ -299,11 +348,14 @@ def _info_from_json(text: str) -> AdapterInfo:
 # scoped advisory lock around event writes makes ids commit in id order (SQLite's BEGIN IMMEDIATE
 # already serializes writers).
 _EVENT_LOCK_KEY = 0x6C6F7261  # "lora"
+NOTIFY_CHANNEL = "loramux_events"
 
 
 def _log_event(s: Session, kind: str, info: AdapterInfo) -> None:
     if s.get_bind().dialect.name == "postgresql":
         s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _EVENT_LOCK_KEY})
+        # delivered at commit to every replica's LISTEN connection (registry/event_feed.py)
+        s.execute(text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
     snapshot = json.dumps(dataclasses.asdict(info), sort_keys=True)
     s.add(
         AdapterEventRow(kind=kind, base_model=info.base_model, adapter_json=snapshot, created_at=time.time())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from loramux.security import TlsFiles
 
 DEFAULT_REGISTRY_PORT = 50051
 DEFAULT_MAX_LORA_RANK = 64
@@ -21,6 +23,21 @@ class RegistryConfig:
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     import_allow_dirs: tuple[Path, ...] = ()
     import_s3_endpoint_url: str = ""  # "" = the object store's endpoint when it is S3
+    watch_poll_s: float = 1.0  # events reach watchers at once; this poll only covers a lost notification
+    import_allow_s3: tuple[str, ...] = ()  # s3://bucket[/prefix] imports may read; none = any without auth
+    auth: bool = False
+    admin_key_file: Path | None = None  # None = <data_dir>/admin.key
+    allow_unauthenticated: bool = False  # listen beyond loopback without --auth
+    tls: TlsFiles = field(default_factory=TlsFiles)
+
+    @property
+    def resolved_admin_key_file(self) -> Path:
+        return self.admin_key_file or self.data_dir / "admin.key"
+
+    @property
+    def import_s3_allow_list(self) -> tuple[str, ...] | None:
+        """None (any bucket) only for a registry without authentication and without a list."""
+        return self.import_allow_s3 if (self.auth or self.import_allow_s3) else None
 
     @property
     def resolved_database_url(self) -> str:

@@ -51,6 +51,7 @@ class AdapterNameRow(Base):
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     base_model_id: Mapped[int] = mapped_column(ForeignKey("base_models.id"))
     last_version: Mapped[int] = mapped_column(Integer, default=0)
+    tenant: Mapped[str] = mapped_column(String(64), default="")  # the owner, set by the first registration
 
 
 class AdapterRow(Base):
@@ -71,6 +72,8 @@ class AdapterRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
     description: Mapped[str] = mapped_column(Text, default="")
     labels_json: Mapped[str] = mapped_column(Text, default="{}")
+    tenant: Mapped[str] = mapped_column(String(64), default="", index=True)  # = its name's tenant
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class AdapterEventRow(Base):
@@ -81,6 +84,35 @@ class AdapterEventRow(Base):
     base_model: Mapped[str] = mapped_column(String(128), index=True)
     adapter_json: Mapped[str] = mapped_column(Text)  # snapshot of the adapter as of the event
     created_at: Mapped[float] = mapped_column(Float)
+
+
+class ApiKeyRow(Base):
+    """An API key: only the sha256 of its secret is kept (loramux/security.py)."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    key_id: Mapped[str] = mapped_column(String(16), unique=True)
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    tenant: Mapped[str] = mapped_column(String(64))
+    role: Mapped[str] = mapped_column(String(16))
+    description: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class AuditRow(Base):
+    """One mutation or refusal; written in the same transaction as the change it describes."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(Float)
+    key_id: Mapped[str] = mapped_column(String(16))
+    tenant: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(String(256))
+    outcome: Mapped[str] = mapped_column(String(32))  # OK or the refusal's status name
 
 
 def make_engine(url: str) -> Engine:

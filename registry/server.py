@@ -7,6 +7,7 @@ import logging
 
 from loramux.grpc_server import ServiceHost, serve_until_stopped
 from loramux.metrics import RegistryMetrics
+from loramux.security import Principal, Role, check_exposure
 from loramux.v1 import registry_pb2, registry_pb2_grpc
 from registry.catalog import Catalog
 from registry.config import RegistryConfig
@@ -16,6 +17,8 @@ from registry.servicer import RegistryServicer
 from registry.store import open_store
 
 log = logging.getLogger(__name__)
+ADMIN_TENANT = "admin"
+SYSTEM = Principal(key_id="", tenant="system", role=Role.ADMIN)  # what the registry does by itself
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 
 
@@ -24,7 +27,12 @@ def build_service(config: RegistryConfig) -> RegistryService:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(config.resolved_database_url)
     migrate(engine)
-    return RegistryService(Catalog(engine), open_store(config.resolved_object_store), config)
+    service = RegistryService(Catalog(engine), open_store(config.resolved_object_store), config)
+    if config.auth:
+        path = config.resolved_admin_key_file
+        if service.access.ensure_key_file(path, ADMIN_TENANT, Role.ADMIN, SYSTEM):
+            log.info("wrote the first admin key to %s (mode 0600)", path)
+    return service
 
 
 class RegistryServer:
@@ -39,24 +47,28 @@ class RegistryServer:
         """Create in the event loop's thread (grpc.aio binds to it); pass a service built elsewhere
         to keep the blocking database set-up out of the loop. Metrics are always counted; serving
         them over HTTP is the caller's choice (see `serve`)."""
+        check_exposure(config.host, config.auth, config.allow_unauthenticated, "registry")
         self.config = config
         self.service = service or build_service(config)
         self.metrics = metrics or RegistryMetrics()
         self.servicer = RegistryServicer(self.service, self.metrics)
         self.host = ServiceHost([SERVICE_NAME])
         registry_pb2_grpc.add_RegistryServicer_to_server(self.servicer, self.host.server)
-        self.port = self.host.bind(config.host, config.port)
+        credentials = config.tls.server_credentials() if config.tls.is_on else None
+        self.port = self.host.bind(config.host, config.port, credentials)
 
     @property
     def address(self) -> str:
         return self.host.address
 
     async def start(self) -> None:
+        await self.servicer.feed.start()
         await self.host.start()
         await self.host.set_serving(True)
 
     async def stop(self, grace: float | None = None) -> None:
         await (self.host.stop() if grace is None else self.host.stop(grace))
+        await self.servicer.feed.stop()
         await asyncio.to_thread(self.service.catalog.engine.dispose)
 
 

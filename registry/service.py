@@ -18,9 +18,10 @@ from pathlib import Path
 from loraformat.model_shapes import ModelShape
 from loraformat.peft_compile import compile_adapter
 from loraformat.peft_files import CONFIG_FILE, WEIGHTS_FILE
+from loramux.security import ANONYMOUS, PermissionDenied, Principal, Role
+from registry.access import AccessStore
 from registry.catalog import Catalog, NewVersion
 from registry.config import RegistryConfig
-from registry.errors import InvalidArgument
 from registry.sources import fetch_source
 from registry.store import BlobInfo, ObjectStore, S3Store, make_s3_client
 from registry.types import AdapterFiles, AdapterInfo, AdapterSpecIn, BaseModelInfo, check_name
@@ -39,22 +40,19 @@ class GcResult:
 class RegistryService:
     def __init__(self, catalog: Catalog, store: ObjectStore, config: RegistryConfig):
         self.catalog = catalog
+        self.access = AccessStore(catalog.engine)
         self.store = store
         self.config = config
         config.spool_dir.mkdir(parents=True, exist_ok=True)
 
-    def register_base_model(self, name: str, config_json: str) -> BaseModelInfo:
+    def register_base_model(self, name: str, config_json: str, caller: Principal = ANONYMOUS) -> BaseModelInfo:
+        if caller.role not in (Role.ADMIN, Role.ENGINE):
+            raise PermissionDenied("registering a base model needs an admin or engine key")
         check_name(name, "name")
-        try:
-            parsed = json.loads(config_json)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"config_json is not JSON: {exc}") from exc
-        if not isinstance(parsed, dict):
-            raise InvalidArgument("config_json must be a JSON object")
-        ModelShape.from_config(parsed)  # refuses models the engine cannot serve
+        ModelShape.from_json(config_json)  # refuses deep JSON and models the engine cannot serve
         return self.catalog.register_base_model(name, config_json)
 
-    def register_adapter(self, spec: AdapterSpecIn, files: AdapterFiles) -> AdapterInfo:
+    def register_adapter(self, spec: AdapterSpecIn, files: AdapterFiles, caller: Principal = ANONYMOUS) -> AdapterInfo:
         """Validate, compile, store the blob, then commit the row; returns the (new or equal) version."""
         base = self.catalog.resolve_base_model(spec.base_model)
         shape = ModelShape.from_config(json.loads(base.config_json))
@@ -86,10 +84,11 @@ class RegistryService:
             pinned=spec.pinned,
             description=spec.description,
             labels=spec.labels,
+            public=spec.public,
         )
-        return self.catalog.add_version(spec.name, base.name, new)
+        return self.catalog.add_version(spec.name, base.name, new, caller)
 
-    def import_adapter(self, spec: AdapterSpecIn) -> AdapterInfo:
+    def import_adapter(self, spec: AdapterSpecIn, caller: Principal = ANONYMOUS) -> AdapterInfo:
         """Register from spec.source_uri (s3://bucket/prefix or an allow-listed local directory)."""
         with tempfile.TemporaryDirectory(dir=self.config.spool_dir) as tmp:
             paths = fetch_source(
@@ -98,8 +97,9 @@ class RegistryService:
                 allowed_dirs=self.config.import_allow_dirs,
                 max_bytes=self.config.max_upload_bytes,
                 s3_client_factory=self._import_s3_client,
+                allowed_s3=self.config.import_s3_allow_list,
             )
-            return self.register_adapter(spec, AdapterFiles(paths[CONFIG_FILE], paths[WEIGHTS_FILE]))
+            return self.register_adapter(spec, AdapterFiles(paths[CONFIG_FILE], paths[WEIGHTS_FILE]), caller)
 
     def iter_artifact(self, digest: str, offset: int = 0) -> Iterator[bytes]:
         return self.store.iter_chunks(digest, ARTIFACT_CHUNK_BYTES, offset)

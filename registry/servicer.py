@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -19,28 +20,27 @@ from pathlib import Path
 import grpc
 
 from loramux.metrics import RegistryMetrics
+from loramux.security import (
+    ANONYMOUS,
+    PermissionDenied,
+    Principal,
+    Role,
+    Unauthenticated,
+    bearer_key,
+    split_key,
+)
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
-from registry.errors import InvalidArgument, RegistryError
+from registry.access import KeyInfo
+from registry.errors import InvalidArgument, RegistryError, StatusError
+from registry.event_feed import EventFeed
 from registry.service import RegistryService
 from registry.types import MAX_EVENT_ID, AdapterEventInfo, AdapterInfo, check_name, check_version
 from registry.upload import receive_upload
 
 log = logging.getLogger(__name__)
 
-WATCH_POLL_S = 1.0
-FETCH_CHUNKS_PER_READ = 8  # other registry processes' events are seen within this delay
-
-
-class EventHub:
-    """Wakes watchers in this process as soon as a change commits."""
-
-    def __init__(self) -> None:
-        self.current = asyncio.Event()
-
-    def notify(self) -> None:
-        self.current.set()
-        self.current = asyncio.Event()
+FETCH_CHUNKS_PER_READ = 8
 
 
 def _status_of(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
@@ -112,12 +112,43 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     def __init__(self, service: RegistryService, metrics: RegistryMetrics | None = None):
         self.service = service
         self.catalog = service.catalog
-        self.hub = EventHub()
+        self.access = service.access
+        self.feed = EventFeed(self.catalog, service.config.watch_poll_s)
         self.metrics = metrics or RegistryMetrics()
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
+        """Who calls: ANONYMOUS without --auth; else the key's holder, or UNAUTHENTICATED (audited)."""
+        if not self.service.config.auth:
+            return ANONYMOUS
+        key = bearer_key(context.invocation_metadata())
+        caller = await asyncio.to_thread(self.access.authenticate, key) if key else None
+        if caller is None:
+            await self._refused(_claimed(key), "authenticate", "registry", "UNAUTHENTICATED")
+            raise Unauthenticated("a valid API key is required: send 'authorization: Bearer KEY'")
+        return caller
+
+    async def _refused(self, caller: Principal, action: str, target: str, outcome: str) -> None:
+        try:
+            await asyncio.to_thread(self.access.record_refusal, caller, action, target, outcome)
+        except Exception:  # the refusal stands even when its audit row cannot be written
+            log.warning("could not audit a refused %s", action, exc_info=True)
+
+    @contextlib.asynccontextmanager
+    async def _audited(self, caller: Principal, action: str, target: str):
+        """A mutation's refusal gets its own audit row (a success writes its row with the change)."""
+        try:
+            yield
+        except StatusError as exc:
+            await self._refused(caller, action, target, exc.code.value)
+            raise
 
     @_statuses
     async def RegisterBaseModel(self, request: pb.BaseModel, context) -> pb.BaseModel:
-        info = await asyncio.to_thread(self.service.register_base_model, request.name, request.config_json)
+        caller = await self._caller(context)
+        async with self._audited(caller, "register_base_model", request.name[:128]):
+            info = await asyncio.to_thread(
+                self.service.register_base_model, request.name, request.config_json, caller
+            )
         return pb.BaseModel(name=info.name, config_json=info.config_json)
 
     @_statuses
@@ -133,28 +164,35 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     ) -> pb.Adapter:
         config = self.service.config
         started = time.perf_counter()
+        caller = await self._caller(context)
+        async with self._audited(caller, "register", "upload"):
+            if caller.role not in (Role.ADMIN, Role.PUBLISHER):  # refused before a byte is spooled
+                raise PermissionDenied(f"registering adapters needs a publisher or admin key, not {caller.role.value}")
         with tempfile.TemporaryDirectory(dir=config.spool_dir) as tmp:
             upload = await receive_upload(request_iterator, Path(tmp), config.max_upload_bytes)
             spec = upload.spec
-            if upload.files is None:
-                info = await asyncio.to_thread(self.service.import_adapter, spec)
-            else:
-                files = upload.files
-                self.metrics.uploaded_bytes.inc(files.config_path.stat().st_size + files.weights_path.stat().st_size)
-                info = await asyncio.to_thread(self.service.register_adapter, spec, files)
-        self.hub.notify()
+            async with self._audited(caller, "register", spec.name):
+                if upload.files is None:
+                    info = await asyncio.to_thread(self.service.import_adapter, spec, caller)
+                else:
+                    files = upload.files
+                    self.metrics.uploaded_bytes.inc(files.config_path.stat().st_size + files.weights_path.stat().st_size)
+                    info = await asyncio.to_thread(self.service.register_adapter, spec, files, caller)
+        self.feed.wake()
         self.metrics.adapters_registered.inc()
         self.metrics.registration_latency.observe(time.perf_counter() - started)
         return adapter_to_pb(info)
 
     @_statuses
     async def GetAdapter(self, request: pb.GetAdapterRequest, context) -> pb.Adapter:
+        caller = await self._caller(context)
         check_name(request.name)
         check_version(request.version)
-        return adapter_to_pb(await asyncio.to_thread(self.catalog.get, request.name, request.version))
+        return adapter_to_pb(await asyncio.to_thread(self.catalog.get, request.name, request.version, caller))
 
     @_statuses
     async def ListAdapters(self, request: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
+        caller = await self._caller(context)
         infos, token = await asyncio.to_thread(
             self.catalog.list,
             request.base_model,
@@ -162,31 +200,40 @@ class RegistryServicer(pb_grpc.RegistryServicer):
             request.page_size,
             request.page_token,
             request.latest_only,
+            caller,
         )
         return pb.ListAdaptersResponse(adapters=[adapter_to_pb(i) for i in infos], next_page_token=token)
 
     @_statuses
     async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, context) -> pb.DeleteAdapterResponse:
+        caller = await self._caller(context)
         check_name(request.name)
         check_version(request.version)
-        deleted = await asyncio.to_thread(self.catalog.delete, request.name, request.version)
-        self.hub.notify()
+        async with self._audited(caller, "delete", _ref(request.name, request.version)):
+            deleted = await asyncio.to_thread(self.catalog.delete, request.name, request.version, caller)
+        self.feed.wake()
         self.metrics.adapters_deleted.inc(len(deleted))
         return pb.DeleteAdapterResponse(deleted=[adapter_to_pb(i) for i in deleted])
 
     @_statuses
     async def SetPinned(self, request: pb.SetPinnedRequest, context) -> pb.Adapter:
+        caller = await self._caller(context)
         check_name(request.name)
         check_version(request.version)
-        info = await asyncio.to_thread(self.catalog.set_pinned, request.name, request.version, request.pinned)
-        self.hub.notify()
+        action = "pin" if request.pinned else "unpin"
+        async with self._audited(caller, action, _ref(request.name, request.version)):
+            info = await asyncio.to_thread(
+                self.catalog.set_pinned, request.name, request.version, request.pinned, caller
+            )
+        self.feed.wake()
         return adapter_to_pb(info)
 
     @_stream_statuses
     async def FetchAdapter(self, request: pb.FetchAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
+        caller = await self._caller(context)
         check_name(request.name)
         check_version(request.version)
-        info = await asyncio.to_thread(self.catalog.get, request.name, request.version)
+        info = await asyncio.to_thread(self.catalog.get, request.name, request.version, caller)
         yield pb.AdapterChunk(adapter=adapter_to_pb(info))
         chunks = self.service.iter_artifact(info.digest)
         offset = 0
@@ -201,21 +248,60 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     async def WatchAdapters(
         self, request: pb.WatchAdaptersRequest, context
     ) -> AsyncIterator[pb.AdapterEvent]:
+        caller = await self._caller(context)
         with self.metrics.watchers.track_inprogress():
             if request.after_event_id > MAX_EVENT_ID:
                 raise InvalidArgument(f"after_event_id {request.after_event_id} is over {MAX_EVENT_ID}")
             after = request.after_event_id or await asyncio.to_thread(self.catalog.last_event_id)
             # Headers now: the client knows the watch is in place before the first event arrives.
             await context.send_initial_metadata(())
-            while True:
-                woken = self.hub.current
-                events = await asyncio.to_thread(self.catalog.events_after, after, request.base_model)
+            async for events in self.feed.watch(after):
                 for event in events:
-                    yield event_to_pb(event)
-                    after = event.event_id
-                if not events:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(woken.wait(), WATCH_POLL_S)
+                    a = event.adapter
+                    if (not request.base_model or a.base_model == request.base_model) and caller.can_see(a.tenant, a.public):
+                        yield event_to_pb(event)
+
+    # ---- keys and audit ----------------------------------------------------------------------
+
+    @_statuses
+    async def CreateKey(self, request: pb.CreateKeyRequest, context) -> pb.CreateKeyResponse:
+        caller = await self._caller(context)
+        async with self._audited(caller, "key_create", f"{request.tenant[:64]} {request.role[:16]}"):
+            caller.require_admin("creating keys")
+            secret, info = await asyncio.to_thread(
+                self.access.create_key, caller, request.tenant, request.role, request.description
+            )
+        return pb.CreateKeyResponse(key=key_to_pb(info), secret=secret)
+
+    @_statuses
+    async def ListKeys(self, request: pb.ListKeysRequest, context) -> pb.ListKeysResponse:
+        (await self._caller(context)).require_admin("listing keys")
+        return pb.ListKeysResponse(keys=[key_to_pb(k) for k in await asyncio.to_thread(self.access.list_keys)])
+
+    @_statuses
+    async def RevokeKey(self, request: pb.RevokeKeyRequest, context) -> pb.ApiKey:
+        caller = await self._caller(context)
+        async with self._audited(caller, "key_revoke", request.key_id[:16]):
+            caller.require_admin("revoking keys")
+            return key_to_pb(await asyncio.to_thread(self.access.revoke_key, caller, request.key_id))
+
+    @_statuses
+    async def CheckKey(self, request: pb.CheckKeyRequest, context) -> pb.CheckKeyResponse:
+        """For engines: who holds `request.key`. A bad key is audited here, as the engine's refusal."""
+        caller = await self._caller(context)
+        if caller.role not in (Role.ADMIN, Role.ENGINE):
+            raise PermissionDenied("checking keys needs an engine or admin key")
+        holder = await asyncio.to_thread(self.access.authenticate, request.key) if request.key else None
+        if holder is None:
+            await self._refused(_claimed(request.key), "authenticate", f"engine {caller.key_id}", "UNAUTHENTICATED")
+            return pb.CheckKeyResponse(valid=False)
+        return pb.CheckKeyResponse(valid=True, key=pb.ApiKey(key_id=holder.key_id, tenant=holder.tenant, role=holder.role.value))
+
+    @_statuses
+    async def ListAudit(self, request: pb.ListAuditRequest, context) -> pb.ListAuditResponse:
+        (await self._caller(context)).require_admin("reading the audit log")
+        rows = await asyncio.to_thread(self.access.list_audit, request.limit or 100)
+        return pb.ListAuditResponse(entries=[pb.AuditEntry(**dataclasses.asdict(r)) for r in rows])
 
 
 def adapter_to_pb(info: AdapterInfo) -> pb.Adapter:
@@ -233,7 +319,30 @@ def adapter_to_pb(info: AdapterInfo) -> pb.Adapter:
         created_at=info.created_at,
         description=info.description,
         labels=info.labels,
+        tenant=info.tenant,
+        public=info.public,
     )
+
+
+def key_to_pb(info: KeyInfo) -> pb.ApiKey:
+    return pb.ApiKey(
+        key_id=info.key_id,
+        tenant=info.tenant,
+        role=info.role,
+        description=info.description,
+        created_at=info.created_at,
+        revoked_at=info.revoked_at or 0.0,
+    )
+
+
+def _claimed(key: str) -> Principal:
+    """Whom a refused key is audited as: the key id it claims, when it has the shape of a key."""
+    parts = split_key(key)
+    return Principal(key_id=parts[0] if parts else "", tenant="", role=Role.USER)
+
+
+def _ref(name: str, version: int) -> str:
+    return f"{name[:128]}@{version}" if version else name[:128]
 
 
 def event_to_pb(event: AdapterEventInfo) -> pb.AdapterEvent:

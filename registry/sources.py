@@ -48,16 +48,20 @@ def fetch_source(
     allowed_dirs: Sequence[Path],
     max_bytes: int,
     s3_client_factory: Callable[[], S3Client] = make_s3_client,
+    allowed_s3: Sequence[str] | None = None,
 ) -> dict[str, Path]:
     """Copy `adapter_config.json` and `adapter_model.safetensors` from `uri` into `dest_dir`.
 
     `uri` is `s3://bucket[/prefix]` (read with `s3_client_factory()`, whose endpoint and credentials come
     from the registry's configuration, never from the uri) or a local directory, `file:///dir` or an
     absolute path, that must resolve inside one of `allowed_dirs`, as must each file (no escape through
-    `..` or symlinks). At most `max_bytes + 1` bytes are read over both files. On failure no file is left
+    `..` or symlinks). An s3:// uri must lie under one of `allowed_s3` (`s3://bucket[/prefix]`; None
+    allows every bucket the registry's credentials reach, for a registry without authentication). A
+    source that is not allowed and one that does not exist get the same answer, so the refusal tells
+    nothing about what exists. At most `max_bytes + 1` bytes are read over both files. On failure no file is left
     in `dest_dir`. Returns filename -> copied path.
     """
-    files = _list_source(uri, allowed_dirs, s3_client_factory)
+    files = _list_source(uri, allowed_dirs, s3_client_factory, allowed_s3)
     _check_source_files(uri, files)
     declared = sum(files[name].size for name in ADAPTER_FILES)
     if declared > max_bytes:
@@ -66,10 +70,15 @@ def fetch_source(
 
 
 def _list_source(
-    uri: str, allowed_dirs: Sequence[Path], s3_client_factory: Callable[[], S3Client]
+    uri: str,
+    allowed_dirs: Sequence[Path],
+    s3_client_factory: Callable[[], S3Client],
+    allowed_s3: Sequence[str] | None,
 ) -> dict[str, _SourceFile]:
     parts = urlsplit(uri)
     if parts.scheme == "s3":
+        if allowed_s3 is not None and not _is_allowed_s3(uri, allowed_s3):
+            raise _unavailable_source(uri)
         return _list_s3_source(uri, parts, s3_client_factory)
     if parts.scheme == "file":
         return _list_local_source(uri, file_url_path(uri, parts), allowed_dirs)
@@ -83,7 +92,7 @@ def _list_source(
 def _list_local_source(uri: str, directory: Path, allowed_dirs: Sequence[Path]) -> dict[str, _SourceFile]:
     directory = _resolve_allowed(uri, directory, allowed_dirs)
     if not directory.is_dir():
-        raise NotFound(f"source_uri {uri!r}: no such directory")
+        raise _unavailable_source(uri)
     files = {}
     for name in _LISTED_FILES:
         if not (directory / name).exists():
@@ -100,8 +109,26 @@ def _resolve_allowed(uri: str, path: Path, allowed_dirs: Sequence[Path]) -> Path
     """Resolve symlinks and `..` first, then compare, so no spelling of a path can leave the allow list."""
     resolved = Path(os.path.realpath(path))
     if not any(resolved.is_relative_to(os.path.realpath(allowed)) for allowed in allowed_dirs):
-        raise InvalidArgument(f"source_uri {uri!r} is not under an allow-listed import directory")
+        raise _unavailable_source(uri)
     return resolved
+
+
+def _is_allowed_s3(uri: str, allowed_s3: Sequence[str]) -> bool:
+    """Compared by path segments, so s3://b/team does not allow s3://b/team-evil; no `..` games."""
+    parts = urlsplit(uri)
+    segments = [p for p in unquote(parts.path).split("/") if p]
+    if any(p in (".", "..") for p in segments):
+        return False
+    for allowed in allowed_s3:
+        a = urlsplit(allowed)
+        prefix = [p for p in unquote(a.path).split("/") if p]
+        if a.netloc == parts.netloc and segments[: len(prefix)] == prefix:
+            return True
+    return False
+
+
+def _unavailable_source(uri: str) -> NotFound:
+    return NotFound(f"source_uri {uri!r} does not exist or is not an allowed import source")
 
 
 def _list_s3_source(
@@ -129,8 +156,8 @@ def _list_s3_source(
                         obj["Size"], partial(_open_s3_object, client, bucket, obj["Key"])
                     )
     except ClientError as err:
-        if s3_error_code(err) == "NoSuchBucket":
-            raise NotFound(f"source_uri {uri!r}: no such bucket {bucket!r}") from None
+        if s3_error_code(err) in ("NoSuchBucket", "AccessDenied"):
+            raise _unavailable_source(uri) from None
         raise
     return files
 

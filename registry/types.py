@@ -41,6 +41,8 @@ class AdapterInfo:
     created_at: float
     description: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    tenant: str = ""  # the owner ("" when registered without authentication)
+    public: bool = False
 
     @property
     def ref(self) -> str:
@@ -64,6 +66,7 @@ class AdapterSpecIn:
     description: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     source_uri: str = ""
+    public: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ def make_spec(
     description: str = "",
     labels: dict[str, str] | None = None,
     source_uri: str = "",
+    public: bool = False,
 ) -> AdapterSpecIn:
     """Validate the fields of an AdapterSpec; raises InvalidArgument naming the bad field."""
     check_name(name)
@@ -124,7 +128,7 @@ def make_spec(
     for key, value in labels.items():
         check_text(key, f"labels key {quote(key, 40)}", MAX_LABEL_LEN, min_len=1)
         check_text(value, f"labels[{quote(key, 40)}]", MAX_LABEL_LEN)
-    return AdapterSpecIn(name, base_model, pinned, description, labels, source_uri)
+    return AdapterSpecIn(name, base_model, pinned, description, labels, source_uri, public)
 
 
 def parse_ref(ref: str) -> tuple[str, int]:

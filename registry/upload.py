@@ -62,7 +62,7 @@ async def receive_upload(
 
 
 def spec_from_pb(s: pb.AdapterSpec) -> AdapterSpecIn:
-    return make_spec(s.name, s.base_model, s.pinned, s.description, dict(s.labels), s.source_uri)
+    return make_spec(s.name, s.base_model, s.pinned, s.description, dict(s.labels), s.source_uri, s.public)
 
 
 def _check_chunk(

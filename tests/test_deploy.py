@@ -28,7 +28,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from loramux.cli import build_parser
+from loramux.shell.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -369,6 +369,16 @@ def test_copied_paths_exist_and_are_not_docker_ignored(kind):
                 f"{source} is in .dockerignore"
             )
     assert "models" in ignored and ".git" in ignored
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_every_package_of_the_distribution_is_copied(kind):
+    """A package pyproject installs but the image lacks fails only at import time inside the image."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {rest.split()[0] for rest in _instruction(DOCKERFILES[kind], "COPY") if "--from" not in rest}
+    assert {pattern.rstrip("*") for pattern in include} <= copied
 
 
 # --- the health check one-liner, against a real grpc.health.v1 server ----------------------------------

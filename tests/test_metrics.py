@@ -40,6 +40,17 @@ ENGINE_FAMILIES = {
     "loramux_engine_adapter_fetch_bytes": "counter",
     "loramux_engine_adapter_fetch_seconds": "histogram",
     "loramux_engine_lora_drain_events": "counter",
+    "loramux_engine_lora_adapter_loaded": "gauge",
+    "loramux_engine_lora_adapter_pinned": "gauge",
+    "loramux_engine_lora_adapter_rank": "gauge",
+    "loramux_engine_lora_load_seconds": "histogram",
+    # the model-server protocol, with vLLM's names (tests/test_model_server_metrics.py reads them)
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_running": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:cache_config_info": "gauge",
+    "vllm:lora_requests_info": "gauge",
 }
 REGISTRY_FAMILIES = {
     "loramux_registry_rpcs": "counter",

@@ -24,7 +24,7 @@ class RegisterAdapterRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[AdapterSpec, _Mapping]] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ...) -> None: ...
 
 class AdapterSpec(_message.Message):
-    __slots__ = ("name", "base_model", "pinned", "description", "labels", "source_uri")
+    __slots__ = ("name", "base_model", "pinned", "description", "labels", "source_uri", "public")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,13 +38,15 @@ class AdapterSpec(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     base_model: str
     pinned: bool
     description: str
     labels: _containers.ScalarMap[str, str]
     source_uri: str
-    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., pinned: _Optional[bool] = ..., description: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., source_uri: _Optional[str] = ...) -> None: ...
+    public: bool
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., pinned: _Optional[bool] = ..., description: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., source_uri: _Optional[str] = ..., public: _Optional[bool] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("filename", "offset", "data")
@@ -57,7 +59,7 @@ class FileChunk(_message.Message):
     def __init__(self, filename: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "version", "digest", "base_model", "rank", "alpha", "scaling", "target_modules", "pinned", "size_bytes", "created_at", "description", "labels")
+    __slots__ = ("name", "version", "digest", "base_model", "rank", "alpha", "scaling", "target_modules", "pinned", "size_bytes", "created_at", "description", "labels", "tenant", "public")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,8 @@ class Adapter(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     digest: str
@@ -91,7 +95,9 @@ class Adapter(_message.Message):
     created_at: float
     description: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., digest: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., scaling: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., description: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    tenant: str
+    public: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., digest: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., scaling: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., description: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., public: _Optional[bool] = ...) -> None: ...
 
 class GetAdapterRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -210,3 +216,97 @@ class ListBaseModelsResponse(_message.Message):
     BASE_MODELS_FIELD_NUMBER: _ClassVar[int]
     base_models: _containers.RepeatedCompositeFieldContainer[BaseModel]
     def __init__(self, base_models: _Optional[_Iterable[_Union[BaseModel, _Mapping]]] = ...) -> None: ...
+
+class ApiKey(_message.Message):
+    __slots__ = ("key_id", "tenant", "role", "description", "created_at", "revoked_at")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    tenant: str
+    role: str
+    description: str
+    created_at: float
+    revoked_at: float
+    def __init__(self, key_id: _Optional[str] = ..., tenant: _Optional[str] = ..., role: _Optional[str] = ..., description: _Optional[str] = ..., created_at: _Optional[float] = ..., revoked_at: _Optional[float] = ...) -> None: ...
+
+class CreateKeyRequest(_message.Message):
+    __slots__ = ("tenant", "role", "description")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    role: str
+    description: str
+    def __init__(self, tenant: _Optional[str] = ..., role: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+
+class CreateKeyResponse(_message.Message):
+    __slots__ = ("key", "secret")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    key: ApiKey
+    secret: str
+    def __init__(self, key: _Optional[_Union[ApiKey, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...
+
+class ListKeysRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListKeysResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[ApiKey]
+    def __init__(self, keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ...) -> None: ...
+
+class RevokeKeyRequest(_message.Message):
+    __slots__ = ("key_id",)
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    def __init__(self, key_id: _Optional[str] = ...) -> None: ...
+
+class CheckKeyRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class CheckKeyResponse(_message.Message):
+    __slots__ = ("valid", "key")
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    valid: bool
+    key: ApiKey
+    def __init__(self, valid: _Optional[bool] = ..., key: _Optional[_Union[ApiKey, _Mapping]] = ...) -> None: ...
+
+class AuditEntry(_message.Message):
+    __slots__ = ("id", "at", "key_id", "tenant", "action", "target", "outcome")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    at: float
+    key_id: str
+    tenant: str
+    action: str
+    target: str
+    outcome: str
+    def __init__(self, id: _Optional[int] = ..., at: _Optional[float] = ..., key_id: _Optional[str] = ..., tenant: _Optional[str] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., outcome: _Optional[str] = ...) -> None: ...
+
+class ListAuditRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class ListAuditResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[AuditEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ...) -> None: ...

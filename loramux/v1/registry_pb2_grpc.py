@@ -79,6 +79,31 @@ class RegistryStub:
                 request_serializer=loramux_dot_v1_dot_registry__pb2.ListBaseModelsRequest.SerializeToString,
                 response_deserializer=loramux_dot_v1_dot_registry__pb2.ListBaseModelsResponse.FromString,
                 _registered_method=True)
+        self.CreateKey = channel.unary_unary(
+                '/loramux.v1.Registry/CreateKey',
+                request_serializer=loramux_dot_v1_dot_registry__pb2.CreateKeyRequest.SerializeToString,
+                response_deserializer=loramux_dot_v1_dot_registry__pb2.CreateKeyResponse.FromString,
+                _registered_method=True)
+        self.ListKeys = channel.unary_unary(
+                '/loramux.v1.Registry/ListKeys',
+                request_serializer=loramux_dot_v1_dot_registry__pb2.ListKeysRequest.SerializeToString,
+                response_deserializer=loramux_dot_v1_dot_registry__pb2.ListKeysResponse.FromString,
+                _registered_method=True)
+        self.RevokeKey = channel.unary_unary(
+                '/loramux.v1.Registry/RevokeKey',
+                request_serializer=loramux_dot_v1_dot_registry__pb2.RevokeKeyRequest.SerializeToString,
+                response_deserializer=loramux_dot_v1_dot_registry__pb2.ApiKey.FromString,
+                _registered_method=True)
+        self.CheckKey = channel.unary_unary(
+                '/loramux.v1.Registry/CheckKey',
+                request_serializer=loramux_dot_v1_dot_registry__pb2.CheckKeyRequest.SerializeToString,
+                response_deserializer=loramux_dot_v1_dot_registry__pb2.CheckKeyResponse.FromString,
+                _registered_method=True)
+        self.ListAudit = channel.unary_unary(
+                '/loramux.v1.Registry/ListAudit',
+                request_serializer=loramux_dot_v1_dot_registry__pb2.ListAuditRequest.SerializeToString,
+                response_deserializer=loramux_dot_v1_dot_registry__pb2.ListAuditResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -143,6 +168,38 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateKey(self, request, context):
+        """Keys and audit (registries started with --auth). Admin keys only, but CheckKey, which an
+        engine's own key (or an admin's) calls to learn who holds the key it was given.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAudit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -190,6 +247,31 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListBaseModels,
                     request_deserializer=loramux_dot_v1_dot_registry__pb2.ListBaseModelsRequest.FromString,
                     response_serializer=loramux_dot_v1_dot_registry__pb2.ListBaseModelsResponse.SerializeToString,
+            ),
+            'CreateKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateKey,
+                    request_deserializer=loramux_dot_v1_dot_registry__pb2.CreateKeyRequest.FromString,
+                    response_serializer=loramux_dot_v1_dot_registry__pb2.CreateKeyResponse.SerializeToString,
+            ),
+            'ListKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKeys,
+                    request_deserializer=loramux_dot_v1_dot_registry__pb2.ListKeysRequest.FromString,
+                    response_serializer=loramux_dot_v1_dot_registry__pb2.ListKeysResponse.SerializeToString,
+            ),
+            'RevokeKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeKey,
+                    request_deserializer=loramux_dot_v1_dot_registry__pb2.RevokeKeyRequest.FromString,
+                    response_serializer=loramux_dot_v1_dot_registry__pb2.ApiKey.SerializeToString,
+            ),
+            'CheckKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckKey,
+                    request_deserializer=loramux_dot_v1_dot_registry__pb2.CheckKeyRequest.FromString,
+                    response_serializer=loramux_dot_v1_dot_registry__pb2.CheckKeyResponse.SerializeToString,
+            ),
+            'ListAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAudit,
+                    request_deserializer=loramux_dot_v1_dot_registry__pb2.ListAuditRequest.FromString,
+                    response_serializer=loramux_dot_v1_dot_registry__pb2.ListAuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -435,6 +517,141 @@ class Registry:
             '/loramux.v1.Registry/ListBaseModels',
             loramux_dot_v1_dot_registry__pb2.ListBaseModelsRequest.SerializeToString,
             loramux_dot_v1_dot_registry__pb2.ListBaseModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramux.v1.Registry/CreateKey',
+            loramux_dot_v1_dot_registry__pb2.CreateKeyRequest.SerializeToString,
+            loramux_dot_v1_dot_registry__pb2.CreateKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramux.v1.Registry/ListKeys',
+            loramux_dot_v1_dot_registry__pb2.ListKeysRequest.SerializeToString,
+            loramux_dot_v1_dot_registry__pb2.ListKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramux.v1.Registry/RevokeKey',
+            loramux_dot_v1_dot_registry__pb2.RevokeKeyRequest.SerializeToString,
+            loramux_dot_v1_dot_registry__pb2.ApiKey.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramux.v1.Registry/CheckKey',
+            loramux_dot_v1_dot_registry__pb2.CheckKeyRequest.SerializeToString,
+            loramux_dot_v1_dot_registry__pb2.CheckKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramux.v1.Registry/ListAudit',
+            loramux_dot_v1_dot_registry__pb2.ListAuditRequest.SerializeToString,
+            loramux_dot_v1_dot_registry__pb2.ListAuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -103,7 +103,7 @@ def test_registry_process_on_postgres_and_s3(tmp_path, tiny_llama_dir, make_adap
 
 def test_loramux_up_serves_the_demo_model_and_adapter(tmp_path):
     """The README's first command: up, a generation, the demo adapter registered, a generation with it."""
-    args = ["up", "--data-dir", str(tmp_path), "--registry-port", "0", "--engine-port", "0", "--metrics-port", "0"]
+    args = ["up", "--data-dir", str(tmp_path), "--registry-port", "0", "--engine-port", "0", "--metrics-port", "0", "--http-port", "0"]
     up = Service(args, "registry", also=("engine", "metrics"))
     try:
         reg, eng = ("--registry", up.address), ("--engine", up.addresses["engine"])

@@ -6,6 +6,7 @@ import threading
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.errors import Code
 from engine.request import Failed, Finished, TokenDelta
 from engine.sampling import SamplingParams
 
@@ -46,7 +47,7 @@ def test_failed_forward_is_not_cached_and_frees_its_kv(tiny_llama_dir):
     core.loop.start()
     try:
         _, failed = run(core)
-        assert isinstance(failed, Failed) and failed.code == "INTERNAL"
+        assert isinstance(failed, Failed) and failed.code is Code.INTERNAL
         assert kv_is_consistent(core)
         tokens, finished = run(core)
         assert isinstance(finished, Finished) and tokens == expected
@@ -69,7 +70,7 @@ def test_a_failure_outside_the_forward_fails_requests_and_the_loop_goes_on(tiny_
     core.loop.start()
     try:
         _, failed = run(core)
-        assert isinstance(failed, Failed) and failed.code == "INTERNAL"
+        assert isinstance(failed, Failed) and failed.code is Code.INTERNAL
         assert kv_is_consistent(core)
         tokens, finished = run(core)
         assert isinstance(finished, Finished) and len(tokens) == 6

@@ -245,3 +245,32 @@ def test_eos_and_max_new_tokens_finish_reasons(tiny_llama_dir, hf_greedy, tmp_pa
     assert ignores.tokens == tokens and ignores.final.reason is FinishReason.LENGTH
     assert short.tokens == tokens[:2]
     assert short.final == Finished(FinishReason.LENGTH, "", len(prompt), 2, 0)
+
+
+def test_held_back_stop_prefix_is_flushed_when_the_stream_ends_otherwise(tiny_llama_dir, hf_greedy, tmp_path):
+    """Guards: the tail held back as a partial stop-string match is sent when the stream ends by LENGTH or
+    EOS. Each stop string is the last characters of the request's own output followed by text that never
+    comes, so the matcher holds those characters back until the end; dropping them at the end would
+    shorten the final text."""
+    prompt = PROMPTS[1]
+    tokens = hf_greedy(prompt)
+    eos_at = next(i for i in range(3, NUM_NEW) if tokens[i] not in tokens[:i])
+    model_dir = tmp_path / "eos"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((model_dir / name).read_text())
+        config["eos_token_id"] = tokens[eos_at]
+        (model_dir / name).write_text(json.dumps(config))
+    by_eos, by_length = SamplingParams(max_new_tokens=NUM_NEW), greedy()
+    with engine(model_dir) as eng:
+        plain = eng.run([(prompt, by_eos), (prompt, by_length)])
+        never = "\x00never"
+        stops = [s.text[-3:] + never for s in plain]
+        assert all(len(s) == 3 + len(never) and s not in p.text for s, p in zip(stops, plain, strict=True))
+        held = eng.run([(prompt, SamplingParams(max_new_tokens=NUM_NEW, stop=[stops[0]])),
+                        (prompt, SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True, stop=[stops[1]]))])
+    assert [s.final.reason for s in held] == [FinishReason.EOS, FinishReason.LENGTH]
+    for stream, reference in zip(held, plain, strict=True):
+        assert stream.tokens == reference.tokens and stream.final.matched_stop == ""
+        assert stream.text == reference.text
+        assert stream.deltas[-1].text.endswith(reference.text[-3:])  # held back until the last delta

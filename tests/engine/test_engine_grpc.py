@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 import grpc
 import pytest
@@ -84,35 +86,69 @@ async def test_seeded_sampling_is_reproducible(engine):
     assert together[0][0] == first
 
 
+@contextlib.asynccontextmanager
+async def frozen_loop(core):
+    """Holds the engine's loop thread inside a call until the block ends: no step runs meanwhile, so what
+    the test does in between cannot race with generation."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        gate.wait()
+
+    core.loop.call(hold)
+    await asyncio.to_thread(entered.wait)
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+async def until(predicate, what: str, limit_s: float = 30.0) -> None:
+    """Waits for an explicit state; the limit only turns a hang into a failure."""
+    for _ in range(int(limit_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
 async def test_cancel_mid_stream_frees_the_kv(engine):
+    """Guards: gRPC cancellation reaching the engine. The loop is frozen while the client cancels, so the
+    request (450 tokens asked) can only end by that cancellation: at once, with no token more."""
     server, stub = engine
-    allocator = server.core.loop.scheduler.kv.allocator
-    call = stub.Generate(generate_request("cancel me " * 20, max_new_tokens=300, ignore_eos=True))
+    loop = server.core.loop
+    allocator = loop.scheduler.kv.allocator
+    call = stub.Generate(generate_request("cancel me " * 5, max_new_tokens=450, ignore_eos=True))
     async for _ in call:
         break
-    held = allocator.num_used_pages
-    assert held > 0
-    call.cancel()
-    for _ in range(200):
-        await asyncio.sleep(0.02)
-        if not server.core.loop.scheduler.running and server.core.loop.num_active == 0:
-            break
-    assert not server.core.loop.scheduler.running
-    radix = server.core.loop.scheduler.kv.radix
+    async with frozen_loop(server.core):
+        (req,) = loop.scheduler.running
+        num_generated = len(req.output_ids)
+        assert allocator.num_used_pages > 0 and num_generated < 450
+        call.cancel()
+        await until(lambda: req.is_cancelled, "the cancellation reached the request", limit_s=10)
+    await until(lambda: req.is_finished, "the cancelled request ended")
+    assert len(req.output_ids) == num_generated
+    await until(lambda: loop.num_active == 0, "the loop counts no active request")
+    assert not loop.scheduler.running and req.req_row == -1 and not req.kv_slots
+    radix = loop.scheduler.kv.radix
     assert radix.protected_size() == 0
     assert allocator.num_used_pages == radix.total_size()  # only unlocked cache entries remain
 
 
 async def test_deadline_exceeded_frees_the_request(engine):
+    """The loop is frozen until the client's deadline has passed, so the request cannot finish first."""
     server, stub = engine
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(stub, generate_request("slow " * 10, max_new_tokens=450, ignore_eos=True), timeout=0.3)
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    for _ in range(200):
-        if server.core.loop.num_active == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert server.core.loop.num_active == 0 and not server.core.loop.scheduler.running
+    loop = server.core.loop
+    async with frozen_loop(server.core):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(stub, generate_request("slow " * 10, max_new_tokens=450, ignore_eos=True), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert loop.num_active == 1
+    await until(lambda: loop.num_active == 0, "the expired request ended")
+    assert not loop.scheduler.running and not loop.scheduler.waiting
+    assert loop.scheduler.kv.radix.protected_size() == 0
 
 
 BAD_REQUESTS = {
@@ -196,7 +232,7 @@ async def test_full_queue_is_resource_exhausted(tiny_llama_dir):
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in info.value.details()
             for call in busy:
                 call.cancel()
-            await asyncio.sleep(0.3)
+            await until(lambda: server.core.loop.num_active == 0, "the cancelled requests left the queue")
             _, _, done = await collect(stub, generate_request("room again", max_new_tokens=2))
             assert done.usage.completion_tokens == 2
     finally:

@@ -41,7 +41,7 @@ def test_allocator_rejects_double_free_and_unknown_pages():
     with pytest.raises(ValueError, match="twice"):
         allocator.free([pages[1], pages[1]])
     for bad in (DUMMY_PAGE, 4, -1):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match='not an allocatable page'):
             allocator.free([bad])
     # A refused free returns nothing, not even its valid pages.
     assert allocator.num_free_pages == 2
@@ -54,9 +54,9 @@ def test_free_slots_returns_whole_pages():
     pages = allocator.allocate(2)
     allocator.free_slots(slots_of_pages(pages, 4))
     assert allocator.num_free_pages == 3
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='not whole pages of 4'):
         pages_of_slots([4, 5, 6], 4)  # not a whole page
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='whole pages in page order'):
         pages_of_slots([5, 6, 7, 8], 4)  # not page-aligned
 
 
@@ -109,11 +109,11 @@ def test_req_to_token_pool_rows():
     pool.write(row_a, 0, [4, 5, 6])
     pool.write(row_a, 3, torch.tensor([9]))
     assert pool.read(row_a, 0, 4).tolist() == [4, 5, 6, 9]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='do not fit max_context'):
         pool.write(row_a, 6, [1, 2, 3])  # past max_context
     pool.free(row_b)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='is not allocated'):
         pool.free(row_b)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='is not allocated'):
         pool.write(row_b, 0, [1])  # a freed row takes no writes
     assert pool.can_alloc() and pool.alloc() == row_b

@@ -136,13 +136,26 @@ def test_fewer_slots_than_adapters_evicts_and_reuses_slots(tiny_llama_dir, adapt
 
 
 def test_one_slot_reused_by_adapters_with_fewer_modules(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
-    """The residue bug: a tenant lacking modules its slot's previous tenant had must see zeros there."""
+    """The residue bug: a tenant lacking modules or rank its slot's previous tenant had must see zeros
+    there. The reference backend reads only each slot's own rank, so the tokens alone cannot see residue
+    past it; the slot buffers are read whole too, as a kernel that reads the full rank capacity would."""
     core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=1)
     running(core)
     core.loop.start()
     for adapter in ("all", "mlp", "attn", "patterns"):
         [(tokens, _)] = run_all(core, [(PROMPTS[0], adapter)], start=False)
         assert tokens == oracle(PROMPTS[0], adapter), adapter
+        assert_no_rows_past_rank(core.workers.local.runner.lora_pool, slot=0)
+
+
+def assert_no_rows_past_rank(pool, slot: int) -> None:
+    rank, capacity = pool.ranks[slot], pool.max_rank
+    assert rank > 0
+    for name, target in pool.targets.items():
+        a, b = pool.a[name][:, slot], pool.b[name][:, slot]  # a: [L, stack * R, in]; b: [L, out, R]
+        for k in range(target.num_stack):
+            assert not a[:, k * capacity + rank : (k + 1) * capacity].any(), (name, k)
+        assert not b[:, :, rank:].any(), name
 
 
 def test_prefix_cache_never_shares_kv_across_adapters(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
@@ -163,14 +176,21 @@ def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_
     from transformers import AutoTokenizer
 
     core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=len(ADAPTERS))
-    runner = core.workers.local.runner
-    model, pool = runner.model, runner.lora_pool
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     names = ["", "attn", "patterns", "rslora", "mlp", "all"]
     prompts = [tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(len(names))]
-    for slot, name in enumerate(names[1:]):
+    assert_mixed_batch_logits_match(core, peft_model, names, prompts)
+
+
+def assert_mixed_batch_logits_match(core: EngineCore, peft_model, names: list[str], prompts: list[list[int]]) -> None:
+    """One prefill forward of `prompts` (row i under adapter names[i], '' = base) through the engine's
+    model and slots (adapters loaded straight into rank 0's pool); each row's logits equal peft's."""
+    runner = core.workers.local.runner
+    model, pool = runner.model, runner.lora_pool
+    adapters = [n for n in dict.fromkeys(names) if n]
+    for slot, name in enumerate(adapters):
         pool.load(slot, asyncio.run(core.prepare(core.adapters.resolve(name))))
-    slots = [names.index(n) - 1 if n else pool.base_slot for n in names]
+    slots = [adapters.index(n) if n else pool.base_slot for n in names]
     lens = [len(p) for p in prompts]
     kv = KVBuffers.allocate(model.config, sum(lens) + 1, torch.float32, "cpu")
     table = torch.zeros(len(names), max(lens), dtype=torch.int64)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
-from engine.model_config import NAMED_SHAPES
+from engine.named_shapes import NAMED_SHAPES
 from loraformat.peft_compile import CanonicalAdapter
 
 CONFIG = NAMED_SHAPES["tiny"]
@@ -86,7 +88,8 @@ def make_slots(num_slots: int, policy: str = "lru"):
 
 
 def loader(name: str):
-    return lambda: packed(name, seed=hash(name) % 1000)
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, and so would the weights.
+    return lambda: packed(name, seed=zlib.crc32(name.encode()) % 1000)
 
 
 def test_lru_evicts_the_least_recently_used_unused_slot():
@@ -133,7 +136,9 @@ def test_pinning_is_capped_at_slots_minus_one():
     slots.pin("b", loader("b"))
     with pytest.raises(SlotsExhausted, match="at most 2"):
         slots.pin("c", loader("c"))
-    slots.pin("a", loader("a"))  # already pinned: no new slot taken
+    num_loads = slots.num_loads
+    assert slots.pin("a", loader("a")) == slots.slot_of("a")  # already pinned: no new slot taken
+    assert slots.num_loads == num_loads and sum(s.is_pinned for s in slots.slots) == 2
     slots.unpin("a")
     slots.pin("c", loader("c"))
 
@@ -142,8 +147,20 @@ def test_release_without_acquire_is_an_error():
     slots = make_slots(1)
     slots.acquire("a", loader("a"))
     slots.release("a")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="released more often than acquired"):
         slots.release("a")
+
+
+def test_lru_counts_a_release_as_a_use():
+    """Guards: `release()` refreshing `last_used`. b was acquired after a but a was released last, so a
+    is the more recently used; an LRU that only counted acquisitions would evict a."""
+    slots = make_slots(2)
+    slots.acquire("a", loader("a"))
+    b = slots.acquire("b", loader("b"))
+    slots.release("b")
+    slots.release("a")
+    assert slots.acquire("c", loader("c")) == b
+    assert slots.slot_of("b") is None and slots.slot_of("a") is not None
 
 
 def test_host_cache_is_lru_by_digest():

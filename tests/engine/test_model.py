@@ -15,11 +15,13 @@ from safetensors.torch import load_file, save_file
 
 from engine.attention import eager_backend
 from engine.forward_inputs import AttentionInputs, KVBuffers
-from engine.model import LlamaModel
-from engine.model_config import NAMED_SHAPES, ModelConfig
+from engine.model_config import ModelConfig
+from engine.models.blocks import DecoderModel
+from engine.named_shapes import NAMED_SHAPES
 from engine.rope import cos_sin_cache
 from engine.weights import load_model, random_model
 from kernels.attention_ref import extend_attention_ref
+from loraformat.errors import FailedPrecondition
 from loramux.demo_model import LLAMA3_8B_CONFIG, write_llama_checkpoint
 
 ATOL = 1e-4  # fp32 logits of std ~1; observed differences are ~1e-6
@@ -35,6 +37,8 @@ VARIANTS: dict[str, dict] = {  # name -> write_llama_checkpoint kwargs; "llama" 
     "llama": {},
     "mistral": {"config": {"model_type": "mistral"}},
     "qwen2": {"config": {"model_type": "qwen2"}},
+    # head_dim 24 with hidden 64 / 4 heads: Qwen3's head_dim is independent of hidden_size / heads
+    "qwen3": {"config": {"model_type": "qwen3", "head_dim": 24, "tie_word_embeddings": True}},
     "llama_bias": {"config": {"attention_bias": True, "mlp_bias": True}},
     "tied": {"config": {"tie_word_embeddings": True}},
     "llama31_rope": {"config": {"rope_scaling": LLAMA31_ROPE, "max_position_embeddings": 1024}},
@@ -53,7 +57,7 @@ def checkpoints(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """name -> (our model, transformers model), each variant written and loaded once per module."""
     from transformers import AutoModelForCausalLM
 
-    made: dict[str, tuple[LlamaModel, torch.nn.Module]] = {}
+    made: dict[str, tuple[DecoderModel, torch.nn.Module]] = {}
 
     def get(name: str):
         if name not in made:
@@ -97,7 +101,7 @@ class PagedKV:
         self.free = torch.randperm(num_slots, generator=torch.Generator().manual_seed(1)).tolist()
         self.seq_lens = [0] * max_reqs
 
-    def step(self, model: LlamaModel, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+    def step(self, model: DecoderModel, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """Run one forward over `chunks` = [(request row, new token ids)]; logits [len(ids), vocab] each."""
         ids, positions, locs = [], [], []
         for row, tokens in chunks:
@@ -258,8 +262,8 @@ def test_model_config_from_hf():
     config = ModelConfig.from_hf(v5)
     assert config.rope_theta == 5e5 and config.rope_scaling["rope_type"] == "llama3"
     assert config.rope_scaling["original_max_position_embeddings"] == 8192
-    with pytest.raises(ValueError, match="model_type"):
-        ModelConfig.from_hf({**LLAMA3_8B_CONFIG, "model_type": "gpt2"})
+    with pytest.raises(FailedPrecondition, match="model_type 'gpt2'"):
+        ModelConfig.from_hf({**LLAMA3_8B_CONFIG, "model_type": "gpt2", "architectures": []})
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_hf({**LLAMA3_8B_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
 
@@ -327,6 +331,13 @@ def test_extend_attention_ref_keeps_dtype_and_checks_shapes():
         extend_attention_ref(q[:2], cache, cache, *args)
 
 
-def test_named_shapes_json_roundtrip():
-    # NAMED_SHAPES come from the demo dicts; a config.json written from them reads back equal.
-    assert ModelConfig.from_hf(json.loads(json.dumps(LLAMA3_8B_CONFIG))) == NAMED_SHAPES["llama3-8b"]
+def test_llama3_8b_shape_reads_as_published():
+    """The benchmark shape read from its config.json has Llama 3 8B's published dimensions (an outside
+    oracle: a reader that dropped or mixed up a field would not reproduce them)."""
+    shape = NAMED_SHAPES["llama3-8b"]
+    assert (shape.vocab_size, shape.hidden_size, shape.intermediate_size, shape.num_layers) == (128256, 4096, 14336, 32)
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim) == (32, 8, 128)
+    assert (shape.q_size, shape.kv_size) == (4096, 1024)
+    assert (shape.rope_theta, shape.max_position_embeddings, shape.rms_norm_eps) == (500000.0, 8192, 1e-5)
+    assert (shape.bos_token_id, shape.eos_token_ids, shape.tie_word_embeddings) == (128000, (128001,), False)
+    assert ModelConfig.from_hf(json.loads(json.dumps(LLAMA3_8B_CONFIG))) == shape

@@ -114,7 +114,7 @@ def test_locked_paths_are_never_evicted():
     cache.dec_lock_ref(node)
     assert cache.evict(100) == 0  # still locked once
     cache.dec_lock_ref(node)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='unlocked node'):
         cache.dec_lock_ref(node)
     assert cache.evictable_size() == 3 and cache.protected_size() == 0
     assert cache.evict(100) == 3
@@ -164,9 +164,9 @@ def test_split_keeps_locks_of_the_locked_node():
 
 def test_insert_rejects_misaligned_slots():
     cache = make_cache(page_size=4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='whole pages in page order'):
         cache.insert("", [1, 2, 3, 4], [4, 5, 6, 8])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='3 tokens but 2 slots'):
         cache.insert("", [1, 2, 3], [4, 5])
 
 
@@ -174,7 +174,7 @@ def test_reset_refuses_locked_tree():
     cache = make_cache()
     cache_tokens(cache, "", [1, 2])
     cache.inc_lock_ref(cache.match_prefix("", [1, 2]).node)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match='locked tokens'):
         cache.reset()
 
 

@@ -42,7 +42,10 @@ async def generate(stub, adapter: str = "", max_new_tokens: int = 8, **kwargs):
     return await collect(stub, request)
 
 
-async def wait_for(predicate, timeout: float = 10.0):
+HANG_S = 120.0  # turns a hang into a failure; no assertion here is about speed
+
+
+async def wait_for(predicate, timeout: float = HANG_S):
     deadline = asyncio.get_running_loop().time() + timeout
     while not await predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
@@ -192,7 +195,8 @@ async def test_registry_down_then_back(tmp_path, tiny_llama_dir, make_adapter):
             await generate(stub, "uncached")
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "registry" in info.value.details()
         async with running_registry(data, port=port) as registry:  # the same registry comes back
-            await wait_for(lambda: _connected(engine), timeout=15)
+            # The link's state, not a time bound: reconnection backs off by design (RECONNECT_S).
+            await wait_for(lambda: _connected(engine), timeout=HANG_S)
             ids, _, done = await generate(stub, "cached")
             assert done.adapter == "cached@1"
             await registry.register("after", make_adapter("link-after", r=4, lora_alpha=8, seed=62))
@@ -266,3 +270,17 @@ async def test_deleting_one_name_keeps_content_another_name_uses(stack, make_ada
 
 async def _seen_event(engine, event_id: int) -> bool:
     return engine.core.link.last_event_id >= event_id
+
+
+async def test_a_base_model_name_taken_by_another_config_fails_the_start_at_once(tmp_path, tiny_llama_dir):
+    """Not a silent retry loop: one error naming the model and what to do."""
+    from engine.errors import FailedPrecondition
+    from tests.registry.harness import config_json
+
+    async with running_registry(tmp_path / "registry") as registry:
+        other = config_json(tiny_llama_dir, num_hidden_layers=1)
+        await registry.stub.RegisterBaseModel(rpb.BaseModel(name="tiny", config_json=other))
+        config = EngineConfig(model_dir=str(tiny_llama_dir), port=0, registry=registry.server.address, base_model_name="tiny")
+        with pytest.raises(FailedPrecondition) as info:  # the engine's own error, not the registry's
+            await start_engine(config)
+    assert "'tiny'" in str(info.value) and "--base-model-name" in str(info.value)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import pytest
 
+from engine.errors import Code
 from engine.kv_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool, num_pages_for
 from engine.radix_cache import RadixCache
 from engine.request import Failed, Finished, FinishReason, Request
@@ -57,14 +58,14 @@ class Sim:
     """A Scheduler over real KV owners, stepped by a fake model that checks KV reads and writes."""
 
     def __init__(self, tokenizer: Tokenizer, *, page_size: int, num_pages: int, max_running: int = 8,
-                 max_batch_tokens: int = 64, clock=None):
+                 max_batch_tokens: int = 64, clock=None, lora=None):
         self.tokenizer = tokenizer
         self.allocator = PageAllocator(num_pages, page_size)
         self.req_pool = ReqToTokenPool(max_running, MAX_CONTEXT)
         self.radix = RadixCache(page_size, self.allocator)
         kv = RequestKV(self.allocator, self.req_pool, self.radix)
         config = SchedulerConfig(max_running, max_batch_tokens)
-        self.sched = Scheduler(config, kv, clock=clock) if clock else Scheduler(config, kv)
+        self.sched = Scheduler(config, kv, clock=clock, lora=lora) if clock else Scheduler(config, kv, lora=lora)
         self.kv_content: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.events: dict[str, list] = {}
         self.num_samples: dict[str, int] = {}
@@ -214,6 +215,51 @@ def test_decodes_come_before_new_prefills_within_the_budget(tokenizer, page_size
     sim.assert_all_freed()
 
 
+# ------------------------------------------------------------------------------------------ LoRA slots
+
+
+class FakeSlots:
+    """LoraManager's surface for the scheduler: num_slots slots, an adapter keeps its slot while a running
+    request uses it; nothing is loaded."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.users: dict[str, int] = {}
+
+    def can_acquire(self, digest: str) -> bool:
+        return digest in self.users or len(self.users) < self.num_slots
+
+    def acquire(self, digest: str, packed=None) -> int:
+        assert self.can_acquire(digest), f"{digest} admitted without a slot"
+        self.users[digest] = self.users.get(digest, 0) + 1
+        return list(self.users).index(digest)
+
+    def release(self, digest: str) -> None:
+        self.users[digest] -= 1
+        if not self.users[digest]:
+            del self.users[digest]
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_slot_blocked_requests_keep_their_arrival_order(tokenizer, page_size):
+    """Guards: FCFS among requests that wait for an adapter slot. p holds the only slot; x1, y1, z1 of
+    three other adapters wait behind it, a base request passes them. They must keep x1, y1, z1 order
+    (a reversal would queue them z1, y1, x1), and x1 gets the slot first once p ends."""
+    sim = Sim(tokenizer, page_size=page_size, num_pages=256, lora=FakeSlots(1))
+    sim.add("p", prompt_of(4, 1), max_new_tokens=3, namespace="P")
+    sim.step()
+    for i, rid in enumerate(("x1", "y1", "z1")):
+        sim.add(rid, prompt_of(5, 2 + i), max_new_tokens=2, namespace=rid[0].upper())
+    sim.add("base", prompt_of(6, 9), max_new_tokens=2)
+    sim.step()
+    assert [r.rid for r in sim.sched.waiting] == ["x1", "y1", "z1"]
+    assert [r.rid for r in sim.sched.running] == ["p", "base"]
+    sim.run()
+    assert sim.admission_order == ["p", "base", "x1", "y1", "z1"]
+    assert not sim.sched.lora.users
+    sim.assert_all_freed()
+
+
 # ---------------------------------------------------------------------------------------- prefix cache
 
 
@@ -281,7 +327,9 @@ def test_request_too_large_for_the_pool_fails_and_others_run(tokenizer, page_siz
     sim = Sim(tokenizer, page_size=page_size, num_pages=num_pages, max_batch_tokens=max_batch_tokens)
     alone = sim.add("alone", prompt_of(60, 1))
     sim.run()
-    assert sim.final("alone") == Failed("RESOURCE_EXHAUSTED", sim.final("alone").message)
+    alone_event = sim.final("alone")
+    assert isinstance(alone_event, Failed) and alone_event.code is Code.RESOURCE_EXHAUSTED
+    assert "more KV" in alone_event.message
     assert alone.req_row == -1
 
     small1 = sim.add("small1", prompt_of(5, 2), max_new_tokens=6)
@@ -289,7 +337,7 @@ def test_request_too_large_for_the_pool_fails_and_others_run(tokenizer, page_siz
     small2 = sim.add("small2", prompt_of(7, 4), max_new_tokens=6)
     sim.run()
     event = sim.final("big")
-    assert isinstance(event, Failed) and event.code == "RESOURCE_EXHAUSTED"
+    assert isinstance(event, Failed) and event.code is Code.RESOURCE_EXHAUSTED
     assert big.output_ids == [] and big.req_row == -1
     assert_finished(sim, small1, 6)
     assert_finished(sim, small2, 6)
@@ -319,8 +367,9 @@ def test_cancel_and_deadline_free_every_page(tokenizer, page_size):
     now[0] = 5.5
     cancel.is_cancelled = waiting_cancel.is_cancelled = True
     sim.step()
-    assert sim.final("deadline-running") == Failed("DEADLINE_EXCEEDED", sim.final("deadline-running").message)
-    assert sim.final("deadline-waiting").code == "DEADLINE_EXCEEDED"
+    late_event = sim.final("deadline-running")
+    assert isinstance(late_event, Failed) and late_event.code is Code.DEADLINE_EXCEEDED and "deadline" in late_event.message
+    assert sim.final("deadline-waiting").code is Code.DEADLINE_EXCEEDED
     cancelled = sim.final("cancel-running")
     assert (cancelled.reason, cancelled.completion_tokens) == (FinishReason.CANCELLED, 4)
     assert sim.final("cancel-waiting") == Finished(FinishReason.CANCELLED, "", 6, 0, 0)

@@ -213,7 +213,7 @@ def test_no_match_flushes_held_tail():
 def test_push_after_match_and_empty_stop_are_errors():
     matcher = StopMatcher(["x"])
     assert matcher.push("axb") == ("a", "x")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match='push after stop string'):
         matcher.push("more")
     with pytest.raises(ValueError, match="empty"):
         StopMatcher(["ok", ""])

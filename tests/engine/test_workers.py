@@ -35,7 +35,7 @@ from loramux.engine_client import generate_request
 from loramux.v1 import engine_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-BELOW_THE_PLAN = ["engine/model_runner.py", "engine/worker.py", "engine/cuda_graphs.py", "engine/model.py", "engine/attention.py", "engine/lora_pool.py"]
+BELOW_THE_PLAN = ["engine/model_runner.py", "engine/worker.py", "engine/cuda_graphs.py", "engine/models/blocks.py", "engine/attention.py", "engine/lora_pool.py"]
 
 
 class NoWorkers:

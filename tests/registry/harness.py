@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from loramux.registry_client import adapter_files, upload_requests
+from loramux.security import auth_metadata, open_channel
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
 from registry.config import RegistryConfig
@@ -26,6 +27,11 @@ class Harness:
     server: RegistryServer
     stub: pb_grpc.RegistryStub
     channel: grpc.aio.Channel
+    metadata: tuple = ()  # sent with every call the harness makes (authorization)
+
+    def as_key(self, key: str) -> Harness:
+        """The same registry, called with `key` ('' = no key)."""
+        return dataclasses.replace(self, metadata=auth_metadata(key))
 
     @property
     def service(self):
@@ -37,12 +43,12 @@ class Harness:
 
     async def register_base(self, name: str, model_dir: Path) -> pb.BaseModel:
         config_json = (model_dir / "config.json").read_text()
-        return await self.stub.RegisterBaseModel(pb.BaseModel(name=name, config_json=config_json))
+        return await self.stub.RegisterBaseModel(pb.BaseModel(name=name, config_json=config_json), metadata=self.metadata)
 
     async def register(self, name: str, adapter_dir: Path | None = None, **spec_fields) -> pb.Adapter:
         spec = pb.AdapterSpec(name=name, **spec_fields)
         files = adapter_files(adapter_dir) if adapter_dir is not None else []
-        return await self.stub.RegisterAdapter(_aiter(upload_requests(spec, files)))
+        return await self.stub.RegisterAdapter(_aiter(upload_requests(spec, files)), metadata=self.metadata)
 
     async def register_files(self, name: str, files: dict[str, bytes], **spec_fields) -> pb.Adapter:
         """Upload raw file contents (for malformed inputs)."""
@@ -51,12 +57,13 @@ class Harness:
             for offset in range(0, max(len(data), 1), 1 << 20):
                 chunk = pb.FileChunk(filename=filename, offset=offset, data=data[offset : offset + (1 << 20)])
                 requests.append(pb.RegisterAdapterRequest(chunk=chunk))
-        return await self.stub.RegisterAdapter(_aiter(iter(requests)))
+        return await self.stub.RegisterAdapter(_aiter(iter(requests)), metadata=self.metadata)
 
     async def fetch(self, name: str, version: int = 0) -> tuple[pb.Adapter, bytes, list[int]]:
         """(adapter, artifact bytes, chunk sizes)."""
         adapter, parts = None, []
-        async for chunk in self.stub.FetchAdapter(pb.FetchAdapterRequest(name=name, version=version)):
+        request = pb.FetchAdapterRequest(name=name, version=version)
+        async for chunk in self.stub.FetchAdapter(request, metadata=self.metadata):
             if chunk.WhichOneof("item") == "adapter":
                 adapter = chunk.adapter
             else:
@@ -65,7 +72,8 @@ class Harness:
         return adapter, b"".join(parts), [len(p) for p in parts]
 
     async def list_all(self, **request_fields) -> list[pb.Adapter]:
-        response = await self.stub.ListAdapters(pb.ListAdaptersRequest(page_size=1000, **request_fields))
+        request = pb.ListAdaptersRequest(page_size=1000, **request_fields)
+        response = await self.stub.ListAdapters(request, metadata=self.metadata)
         return list(response.adapters)
 
     def stored_blobs(self) -> list[str]:
@@ -85,9 +93,11 @@ async def running_registry(
     cfg = RegistryConfig(data_dir=data_dir, database_url=database_url, object_store=object_store, **config)
     server = RegistryServer(cfg)
     await server.start()
-    channel = grpc.aio.insecure_channel(server.address)
+    channel = open_channel(server.address, cfg.tls, aio=True)
+    # with --auth, the harness calls as the first admin (the key the registry wrote at start)
+    admin = cfg.resolved_admin_key_file.read_text().strip() if cfg.auth else ""
     try:
-        yield Harness(server, pb_grpc.RegistryStub(channel), channel)
+        yield Harness(server, pb_grpc.RegistryStub(channel), channel, auth_metadata(admin))
     finally:
         await channel.close()
         await server.stop(grace=0.5)

@@ -4,6 +4,7 @@ quote only a short prefix of what was sent. Each case checks the status and that
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
@@ -119,3 +120,152 @@ def test_adapter_references_take_ascii_versions_in_range(ref):
 def test_adapter_references_parse():
     assert parse_ref("ad1") == ("ad1", 0)
     assert parse_ref("ad1@2147483647") == ("ad1", 2147483647)
+
+
+# ---- JSON depth (adapter_config.json, safetensors header, config_json) ------------------------
+
+
+def _deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+async def test_deeply_nested_adapter_config_is_invalid_argument(registry, adapter_dir):
+    weights = (adapter_dir / "adapter_model.safetensors").read_bytes()
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    raw = json.dumps(config)[:-1] + ', "extra": ' + _deep(100_000) + "}"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await registry.register_files("victim", {"adapter_config.json": raw.encode(), "adapter_model.safetensors": weights})
+    assert info.value.code() == INVALID and "nested" in info.value.details()
+    await assert_nothing_stored(registry)
+
+
+async def test_deeply_nested_safetensors_header_is_invalid_argument(registry, adapter_dir):
+    header = ('{"__metadata__": {"x": ' + _deep(100_000) + "}}").encode()
+    weights = len(header).to_bytes(8, "little") + header
+    config = (adapter_dir / "adapter_config.json").read_bytes()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await registry.register_files("victim", {"adapter_config.json": config, "adapter_model.safetensors": weights})
+    assert info.value.code() == INVALID and "nested" in info.value.details()
+    await assert_nothing_stored(registry)
+
+
+async def test_deeply_nested_base_model_config_is_invalid_argument(registry, tiny_llama_dir):
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    raw = json.dumps(cfg)[:-1] + ', "extra": ' + _deep(100_000) + "}"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await registry.stub.RegisterBaseModel(pb.BaseModel(name="deep", config_json=raw))
+    assert info.value.code() == INVALID and "nested" in info.value.details()
+
+
+def test_json_depth_ignores_brackets_inside_strings():
+    from loraformat.bounded_json import json_depth, loads
+
+    assert json_depth('{"a": "[[[[[[", "b": [1, {"c": "]]\\"[["}]}') == 3
+    assert loads('{"a": [1]}', "x") == {"a": [1]}
+    with pytest.raises(InvalidArgument, match="nested 65 levels"):
+        loads(_deep(65), "x")
+
+
+# ---- base-model plausibility -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_hidden_layers", 200_000), ("hidden_size", 1 << 30), ("intermediate_size", 1 << 30),
+     ("num_attention_heads", 1 << 20), ("vocab_size", 1 << 40), ("head_dim", 1 << 20)],
+)
+async def test_implausible_base_models_are_refused(registry, tiny_llama_dir, field, value):
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    cfg[field] = value
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await registry.stub.RegisterBaseModel(pb.BaseModel(name="huge", config_json=json.dumps(cfg)))
+    assert info.value.code() == INVALID and field in info.value.details()
+    listed = await registry.stub.ListBaseModels(pb.ListBaseModelsRequest())
+    assert [m.name for m in listed.base_models] == ["tiny"]
+
+
+def test_the_largest_real_configs_stay_within_the_bounds():
+    from loraformat.model_shapes import ModelShape
+
+    llama_405b = {  # Llama 3.1 405B
+        "model_type": "llama", "num_hidden_layers": 126, "hidden_size": 16384, "intermediate_size": 53248,
+        "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256,
+    }
+    assert ModelShape.from_config(llama_405b).num_layers == 126
+
+
+# ---- PEFT regex keys: RE2, nothing slow -------------------------------------------------------
+
+# Each +1 on the bound doubles a backtracking engine's work: 2**40 steps never finish.
+EXPONENTIAL = "(?:.|.){0,40}Z"
+
+
+@pytest.mark.parametrize(
+    "field", ["rank_pattern", "alpha_pattern", "target_modules", "exclude_modules", "layers_pattern"]
+)
+async def test_exponential_peft_patterns_are_matched_in_linear_time(registry, adapter_dir, field):
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    value = {
+        "rank_pattern": {EXPONENTIAL: 4},
+        "alpha_pattern": {EXPONENTIAL: 8.0},
+        "target_modules": r"model\.layers\.\d+\.self_attn\.q_proj|" + EXPONENTIAL,
+        "exclude_modules": EXPONENTIAL,
+        "layers_pattern": ["layers|" + EXPONENTIAL],
+    }[field]
+    config[field] = value
+    if field == "layers_pattern":
+        config["layers_to_transform"] = list(range(16))  # every layer: the pattern is still evaluated
+    files = {
+        "adapter_config.json": json.dumps(config).encode(),
+        "adapter_model.safetensors": (adapter_dir / "adapter_model.safetensors").read_bytes(),
+    }
+    try:
+        adapter = await registry.register_files("patterned", files)
+    except grpc.aio.AioRpcError as err:  # refused is fine too, as long as it is quick and names the field
+        assert err.code() in (INVALID, grpc.StatusCode.FAILED_PRECONDITION) and field in err.details()
+    else:
+        assert adapter.rank == 4
+
+
+@pytest.mark.parametrize("pattern", [r"(q)_proj\1", r"q_proj(?=x)", r"(?<!k)q_proj"])
+async def test_patterns_that_need_backtracking_are_refused(registry, adapter_dir, pattern):
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    config["rank_pattern"] = {pattern: 4}
+    files = {
+        "adapter_config.json": json.dumps(config).encode(),
+        "adapter_model.safetensors": (adapter_dir / "adapter_model.safetensors").read_bytes(),
+    }
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await registry.register_files("victim", files)
+    assert info.value.code() == INVALID and "rank_pattern" in info.value.details()
+    await assert_nothing_stored(registry)
+
+
+async def test_reads_and_health_answer_while_a_registration_is_in_progress(registry, adapter_dir, monkeypatch):
+    """The event loop stays free while a registration compiles: held mid-compile, other RPCs answer."""
+    import threading
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    import registry.service as service_module
+
+    entered, release = threading.Event(), threading.Event()
+    real_compile = service_module.compile_adapter
+
+    def held_compile(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(service_module, "compile_adapter", held_compile)
+    registering = asyncio.ensure_future(registry.register("held", adapter_dir))
+    try:
+        assert await asyncio.to_thread(entered.wait, 30)
+        listed = await registry.stub.ListAdapters(pb.ListAdaptersRequest())
+        health = health_pb2_grpc.HealthStub(registry.channel)
+        status = await health.Check(health_pb2.HealthCheckRequest(service="loramux.v1.Registry"))
+        assert list(listed.adapters) == [] and status.status == health_pb2.HealthCheckResponse.SERVING
+        assert not registering.done()
+    finally:
+        release.set()
+    assert (await registering).version == 1

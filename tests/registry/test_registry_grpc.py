@@ -58,12 +58,41 @@ async def test_base_model_registration_is_idempotent_for_equal_json(registry, ti
     [
         ("{not json", grpc.StatusCode.INVALID_ARGUMENT, "config_json"),
         ('{"model_type": "gpt2", "hidden_size": 8}', grpc.StatusCode.FAILED_PRECONDITION, "gpt2"),
+        (
+            '{"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}',
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "architecture Qwen3MoeForCausalLM (model_type 'qwen3_moe') is not supported: mixture-of-experts",
+        ),
+        (
+            '{"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}',
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "architecture MixtralForCausalLM (model_type 'mixtral') is not supported: mixture-of-experts",
+        ),
     ],
 )
 async def test_bad_base_model_config_is_refused(registry, config, code, needle):
     await expect_status(code, registry.stub.RegisterBaseModel(pb.BaseModel(name="other", config_json=config)), needle)
     models = await registry.stub.ListBaseModels(pb.ListBaseModelsRequest())
     assert [m.name for m in models.base_models] == ["tiny"]
+
+
+async def test_qwen3_base_model_takes_its_adapters_and_refuses_llama_shaped_ones(tmp_path, make_adapter):
+    """The registry validates against the bound base model's architecture spec: a peft adapter of a Qwen3
+    checkpoint (head_dim independent of hidden / heads) registers; one made for the tiny Llama does not."""
+    from loramux.testing.hf_checkpoints import write_hf_checkpoint
+    from loramux.testing.peft_adapters import make_peft_adapter
+
+    qwen3_dir = write_hf_checkpoint(tmp_path / "qwen3", "qwen3", head_dim=32, tie_word_embeddings=True)
+    qwen3_adapter = make_peft_adapter(qwen3_dir, tmp_path / "adapter", r=4, target_modules=["q_proj", "o_proj"])
+    llama_adapter = make_adapter("qv-r8", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    async with running_registry(tmp_path / "data") as registry:
+        await registry.register_base("q3", qwen3_dir)
+        adapter = await registry.register("q3-bot", qwen3_adapter)
+        assert (adapter.base_model, adapter.rank, list(adapter.target_modules)) == ("q3", 4, ["q_proj", "o_proj"])
+        await expect_status(
+            grpc.StatusCode.FAILED_PRECONDITION, registry.register("llama-bot", llama_adapter), "q_proj", "shape"
+        )
+        assert [a.name for a in await registry.list_all()] == ["q3-bot"]
 
 
 # ---- register, get, fetch ------------------------------------------------------------------------
@@ -185,8 +214,9 @@ async def test_watch_streams_every_change_in_order(registry, qv_adapter):
             if len(events) == 4:
                 return
 
+    # The watch starts after the latest event at the time it opens; its headers say it is in place.
+    await asyncio.wait_for(stream.initial_metadata(), 10)
     task = asyncio.create_task(collect())
-    await asyncio.sleep(0.3)  # the watch starts after the latest event at the time it opens
     await registry.register("bot", qv_adapter)
     await registry.stub.SetPinned(pb.SetPinnedRequest(name="bot", pinned=True))
     await registry.stub.SetPinned(pb.SetPinnedRequest(name="bot", pinned=False))
@@ -212,7 +242,7 @@ async def test_import_from_allow_listed_dir_only(tmp_path, tiny_llama_dir, qv_ad
         await harness.register_base("tiny", tiny_llama_dir)
         adapter = await harness.register("imported", source_uri=f"file://{qv_adapter.resolve()}")
         assert adapter.rank == 8
-        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, harness.register("evil", source_uri=str(tmp_path)), "allow")
+        await expect_status(grpc.StatusCode.NOT_FOUND, harness.register("evil", source_uri=str(tmp_path)), "not an allowed import source")
         await expect_status(
             grpc.StatusCode.INVALID_ARGUMENT,
             harness.register_files("both", {"adapter_config.json": b"{}"}, source_uri=str(qv_adapter)),

@@ -89,7 +89,7 @@ def test_fetch_refuses_dirs_outside_the_allow_list(allowed: Path, tmp_path: Path
     dest = tmp_path / "dest"
 
     for uri in escape_routes(allowed, outside):
-        with pytest.raises(InvalidArgument, match="not under an allow-listed") as err:
+        with pytest.raises(NotFound, match="does not exist or is not an allowed import source") as err:
             fetch_source(uri, dest, allowed_dirs=[allowed], max_bytes=MiB)
         assert uri in str(err.value)
     assert_nothing_copied(dest)
@@ -116,8 +116,39 @@ def test_fetch_missing_files_and_dirs(allowed: Path, tmp_path: Path):
 
     with pytest.raises(NotFound, match=CONFIG_FILE):
         fetch_source(str(source), tmp_path / "dest", allowed_dirs=[allowed], max_bytes=MiB)
-    with pytest.raises(NotFound, match="no such directory"):
+    with pytest.raises(NotFound) as absent:
         fetch_source(str(allowed / "nope"), tmp_path / "dest", allowed_dirs=[allowed], max_bytes=MiB)
+    outside = make_adapter_dir(tmp_path / "outside" / "nope")
+    with pytest.raises(NotFound) as not_allowed:
+        fetch_source(str(outside), tmp_path / "dest", allowed_dirs=[allowed], max_bytes=MiB)
+    # one answer for "absent" and "not allowed": a refusal tells nothing about what exists
+    assert str(absent.value).replace(str(allowed), "X") == str(not_allowed.value).replace(str(outside.parent), "X")
+
+
+def test_s3_imports_only_under_allow_listed_prefixes(s3_endpoint: str, s3_bucket: str, tmp_path: Path):
+    put_s3_adapter(s3_endpoint, s3_bucket, "team/a1", b"weights")
+    put_s3_adapter(s3_endpoint, s3_bucket, "team-evil/a1", b"weights")
+    client = make_s3_client(s3_endpoint)
+    allowed_s3 = [f"s3://{s3_bucket}/team"]
+
+    def fetch(uri: str, factory=lambda: client):
+        return fetch_source(uri, tmp_path / "dest", allowed_dirs=[], max_bytes=MiB, s3_client_factory=factory, allowed_s3=allowed_s3)
+
+    assert set(fetch(f"s3://{s3_bucket}/team/a1")) == {CONFIG_FILE, WEIGHTS_FILE}
+
+    def never():
+        raise AssertionError("a source outside the allow list must be refused before S3 is asked")
+
+    texts = set()
+    for uri in (f"s3://{s3_bucket}/team-evil/a1", f"s3://{s3_bucket}/team/../team-evil/a1", f"s3://other-{s3_bucket}/team/a1"):
+        with pytest.raises(NotFound) as err:
+            fetch(uri, never)
+        texts.add(str(err.value).replace(uri, "URI"))
+    allowed_s3.append("s3://no-such-bucket-here")
+    with pytest.raises(NotFound) as err:  # allowed but absent: the same words
+        fetch("s3://no-such-bucket-here/a1")
+    texts.add(str(err.value).replace("s3://no-such-bucket-here/a1", "URI"))
+    assert len(texts) == 1
 
 
 @pytest.mark.parametrize(
@@ -134,7 +165,10 @@ def test_fetch_at_the_limit_passes_and_one_byte_over_fails(allowed: Path, tmp_pa
     source = make_adapter_dir(allowed / "a1")
     total = len(CONFIG_BYTES) + 5000
 
-    fetch_source(str(source), tmp_path / "ok", allowed_dirs=[allowed], max_bytes=total)
+    ok = tmp_path / "ok"
+    files = fetch_source(str(source), ok, allowed_dirs=[allowed], max_bytes=total)
+    assert files == {CONFIG_FILE: ok / CONFIG_FILE, WEIGHTS_FILE: ok / WEIGHTS_FILE}
+    assert files[CONFIG_FILE].read_bytes() == CONFIG_BYTES and files[WEIGHTS_FILE].read_bytes() == b"W" * 5000
     with pytest.raises(ResourceExhausted, match=f"limit of {total - 1} bytes"):
         fetch_source(str(source), tmp_path / "over", allowed_dirs=[allowed], max_bytes=total - 1)
     assert_nothing_copied(tmp_path / "over")

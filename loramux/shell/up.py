@@ -8,13 +8,15 @@ model. Ctrl-C stops both gracefully.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 
 from engine.server import start_engine, stop_on_failure
-from loramux.commands import engine_config
-from loramux.grpc_server import announce, stop_event_on_signals
+from loramux.grpc_server import stop_event_on_signals
 from loramux.metrics import start_metrics_server
+from loramux.ready import announce
+from loramux.shell.settings import engine_config, http_port
 from registry.config import RegistryConfig
 from registry.server import RegistryServer, build_service
 
@@ -35,6 +37,13 @@ def ensure_demo_model(data_dir: Path) -> Path:
     return model_dir
 
 
+def curl_line(engine, model: str) -> str:
+    """A ready-to-paste OpenAI-style call to the engine's HTTP front."""
+    body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 16})
+    url = f"http://{engine.http.host}:{engine.http.port}/v1/completions"
+    return f"curl -s {url} -H 'Content-Type: application/json' -d '{body}'"
+
+
 async def run_up(args) -> None:
     data_dir = Path(args.data_dir).expanduser()
     model_dir = Path(args.model) if args.model else await asyncio.to_thread(ensure_demo_model, data_dir)
@@ -47,6 +56,8 @@ async def run_up(args) -> None:
     await registry.start()
     announce("registry", config.host, registry.port)
     engine = await start_engine(engine_config(args, str(model_dir), args.engine_port, registry=registry.address))
+    if http_port(args) is not None:
+        await engine.start_http(http_port(args))
     metrics_server = None
     if args.metrics_port is not None:
         metrics_server, _ = start_metrics_server([registry.metrics, engine.metrics], config.host, args.metrics_port)
@@ -58,6 +69,8 @@ async def run_up(args) -> None:
         print(f"     loramux generate --engine {engine.address} --adapter demo 'Once upon a time'", flush=True)
     else:
         print(f"try: loramux generate --engine {engine.address} 'Once upon a time'", flush=True)
+    if engine.http is not None:
+        print(f"     {curl_line(engine, 'demo' if not args.model else base_name)}", flush=True)
     relay = stop_on_failure(engine, stop)
     await stop.wait()
     relay.cancel()

@@ -7,14 +7,12 @@ import logging
 import sys
 from pathlib import Path
 
-from engine.adapters import parse_adapter_spec
-from engine.config import EngineConfig
 from loramux.engine_client import EngineClient, generate_request
 from loramux.grpc_server import stop_event_on_signals
 from loramux.registry_client import RegistryClient, adapter_json
+from loramux.shell.settings import engine_config, http_port, registry_config, tls_files
 from loramux.v1 import engine_pb2
 from loramux.v1 import registry_pb2 as pb
-from registry.config import RegistryConfig
 from registry.types import parse_ref
 
 REMOTE_SCHEMES = ("s3://", "file://")
@@ -24,18 +22,8 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryConfig:
-    return RegistryConfig(
-        data_dir=Path(args.data_dir).expanduser(),
-        host=getattr(args, "host", host),
-        port=getattr(args, "port", port),
-        database_url=args.database_url,
-        object_store=args.object_store,
-        max_lora_rank=getattr(args, "max_lora_rank", RegistryConfig.max_lora_rank),
-        max_upload_bytes=getattr(args, "max_upload_bytes", RegistryConfig.max_upload_bytes),
-        import_allow_dirs=tuple(Path(d).resolve() for d in getattr(args, "import_allow_dir", [])),
-        import_s3_endpoint_url=getattr(args, "import_s3_endpoint_url", ""),
-    )
+def _registry_client(args) -> RegistryClient:
+    return RegistryClient(args.registry, api_key=args.api_key, tls=tls_files(args))
 
 
 # ---- servers -------------------------------------------------------------------------------------
@@ -47,7 +35,7 @@ def registry_serve(args) -> int:
     _setup_logging()
 
     async def main() -> None:
-        await serve(_registry_config(args), stop_event_on_signals(), metrics_port=args.metrics_port)
+        await serve(registry_config(args), stop_event_on_signals(), metrics_port=args.metrics_port)
 
     asyncio.run(main())
     return 0
@@ -56,7 +44,7 @@ def registry_serve(args) -> int:
 def registry_gc(args) -> int:
     from registry.server import build_service
 
-    service = build_service(_registry_config(args))
+    service = build_service(registry_config(args))
     result = service.collect_garbage(args.grace_s, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for blob in result.removed:
@@ -65,41 +53,14 @@ def registry_gc(args) -> int:
     return 0
 
 
-def engine_config(args, model_dir: str, port: int, registry: str = "") -> EngineConfig:
-    return EngineConfig(
-        model_dir=model_dir,
-        base_model_name=getattr(args, "base_model_name", ""),
-        host=getattr(args, "host", "127.0.0.1"),
-        port=port,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        num_kv_slots=args.num_kv_slots,
-        max_context=args.max_context,
-        max_running_requests=args.max_running_requests,
-        max_batch_tokens=args.max_batch_tokens,
-        max_queued_requests=args.max_queued_requests,
-        attention_backend=args.attention_backend,
-        cuda_graph_max_batch=args.cuda_graph_max_batch,
-        adapters=tuple(parse_adapter_spec(spec) for spec in getattr(args, "adapter", [])),
-        max_loras_per_batch=args.max_loras_per_batch,
-        max_lora_rank=args.max_lora_rank,
-        max_host_adapters=args.max_host_adapters,
-        lora_eviction_policy=args.lora_eviction_policy,
-        lora_drain_wait_s=args.lora_drain_wait_s,
-        lora_backend=args.lora_backend,
-        registry=registry or getattr(args, "registry", ""),
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
-
-
 def engine_serve(args) -> int:
     from engine.server import serve
 
     _setup_logging()
 
     async def main() -> None:
-        await serve(engine_config(args, args.model, args.port), stop_event_on_signals(), metrics_port=args.metrics_port)
+        config = engine_config(args, args.model, args.port)
+        await serve(config, stop_event_on_signals(), metrics_port=args.metrics_port, http_port=http_port(args))
 
     asyncio.run(main())
     return 0
@@ -116,7 +77,7 @@ def generate(args) -> int:
         stop=args.stop,
         **({"seed": args.seed} if args.seed is not None else {}),
     )
-    with EngineClient(args.engine) as client:
+    with EngineClient(args.engine, api_key=args.api_key, tls=tls_files(args)) as client:
         if args.wait:
             client.wait_ready(args.wait)
         for response in client.stream(request):
@@ -130,7 +91,7 @@ def generate(args) -> int:
 
 
 def up(args) -> int:
-    from loramux.up import run_up
+    from loramux.shell.up import run_up
 
     _setup_logging()
     asyncio.run(run_up(args))
@@ -143,14 +104,14 @@ def up(args) -> int:
 def base_models_register(args) -> int:
     model_dir = Path(args.dir)
     name = args.name or model_dir.resolve().name
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         model = client.register_base_model(name, model_dir)
     print(f"registered base model {model.name}")
     return 0
 
 
 def base_models_list(args) -> int:
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         for model in client.list_base_models():
             print(model.name)
     return 0
@@ -168,7 +129,7 @@ def adapters_register(args) -> int:
         adapter_dir = Path(args.dir)
         if not adapter_dir.is_dir():
             raise ValueError(f"{args.dir} is not a directory")
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         adapter = client.register_adapter(spec, adapter_dir, progress=_progress_printer("uploading"))
     _clear_progress()
     if args.json:
@@ -179,7 +140,7 @@ def adapters_register(args) -> int:
 
 
 def adapters_list(args) -> int:
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         adapters = list(client.list(args.base_model, args.prefix, latest_only=not args.all_versions))
     if args.json:
         print("[" + ",\n".join(adapter_json(a) for a in adapters) + "]")
@@ -192,14 +153,14 @@ def adapters_list(args) -> int:
 
 def adapters_show(args) -> int:
     name, version = parse_ref(args.adapter)
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         print(adapter_json(client.get(name, version)))
     return 0
 
 
 def adapters_delete(args) -> int:
     name, version = parse_ref(args.adapter)
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         for adapter in client.delete(name, version):
             print(f"deleted {adapter.name}@{adapter.version}")
     return 0
@@ -207,7 +168,7 @@ def adapters_delete(args) -> int:
 
 def adapters_pin(args) -> int:
     name, version = parse_ref(args.adapter)
-    with RegistryClient(args.registry) as client:
+    with _registry_client(args) as client:
         adapter = client.set_pinned(name, version, args.pinned)
     print(f"{adapter.name}@{adapter.version} pinned={str(adapter.pinned).lower()}")
     return 0
@@ -233,3 +194,44 @@ def _progress_printer(verb: str):
 def _clear_progress() -> None:
     if sys.stderr.isatty():
         print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+# ---- keys and audit --------------------------------------------------------------------------
+
+
+def keys_create(args) -> int:
+    with _registry_client(args) as client:
+        created = client.create_key(args.tenant, args.role, args.description)
+    k = created.key
+    print(f"created key {k.key_id} for tenant {k.tenant} with role {k.role}; it is shown only now:", file=sys.stderr)
+    print(created.secret)  # the last line of stdout: scripts take it with `| tail -n 1`
+    return 0
+
+
+def keys_list(args) -> int:
+    with _registry_client(args) as client:
+        keys = client.list_keys()
+    print(f"{'KEY ID':<14} {'TENANT':<24} {'ROLE':<10} {'STATE':<8} DESCRIPTION")
+    for k in keys:
+        state = "revoked" if k.revoked_at else "valid"
+        print(f"{k.key_id:<14} {k.tenant:<24} {k.role:<10} {state:<8} {k.description}")
+    return 0
+
+
+def keys_revoke(args) -> int:
+    with _registry_client(args) as client:
+        key = client.revoke_key(args.key_id)
+    print(f"revoked key {key.key_id} (tenant {key.tenant}, role {key.role})")
+    return 0
+
+
+def audit_list(args) -> int:
+    import datetime
+
+    with _registry_client(args) as client:
+        entries = client.audit(args.limit)
+    print(f"{'TIME (UTC)':<20} {'KEY ID':<14} {'TENANT':<16} {'ACTION':<20} {'OUTCOME':<18} TARGET")
+    for e in entries:
+        at = datetime.datetime.fromtimestamp(e.at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{at:<20} {e.key_id or '-':<14} {e.tenant or '-':<16} {e.action:<20} {e.outcome:<18} {e.target}")
+    return 0

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 
 import grpc
 
-from engine.config import DEFAULT_ENGINE_PORT
-from loramux import commands
+from engine.config import DEFAULT_ENGINE_PORT, DEFAULT_HTTP_PORT
+from loraformat.errors import StatusError
+from loramux.shell import commands
 from registry.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_REGISTRY_PORT
-from registry.errors import RegistryError
 
 DEFAULT_DATA_DIR = "~/.loramux"
 
@@ -41,8 +41,66 @@ def _metrics_flag(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     )
 
 
+def _http_flag(p: argparse.ArgumentParser, env: _EnvDefaults, default: int | None) -> None:
+    value = env("--http-port", default)
+    p.add_argument(
+        "--http-port", type=int, default=None if value is None else int(value),
+        help="serve the OpenAI-compatible HTTP API on HOST:N (0 = pick a free port; a negative port = off; "
+        f"default: {'off' if default is None else default})",
+    )
+
+
 def _registry_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument("--registry", default=env("--registry", f"127.0.0.1:{DEFAULT_REGISTRY_PORT}"), help="HOST:PORT")
+    _client_security_flags(p, env)
+
+
+def _tls_flags(p: argparse.ArgumentParser, env: _EnvDefaults, server: bool) -> None:
+    who = "this service's" if server else "a client"
+    p.add_argument("--tls-cert", default=env("--tls-cert", ""), help=f"PEM certificate of {who} (TLS)")
+    p.add_argument("--tls-key", default=env("--tls-key", ""), help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-ca", default=env("--tls-ca", ""),
+        help="PEM CA: clients must present certificates it signed (mutual TLS)" if server
+        else "PEM CA that signed the server's certificate",
+    )
+
+
+def _client_security_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
+    p.add_argument("--api-key", default=env("--api-key", ""), help="sent as 'authorization: Bearer KEY' (or LORAMUX_API_KEY)")
+    _tls_flags(p, env, server=False)
+
+
+def _server_security_flags(p: argparse.ArgumentParser, env: _EnvDefaults, registry: bool) -> None:
+    p.add_argument("--auth", action="store_true", default=env("--auth", "") not in ("", "0", "false"),
+                   help="require API keys (authorization: Bearer KEY) on every RPC but health and reflection")
+    p.add_argument("--allow-unauthenticated", action="store_true", help="listen beyond loopback without --auth")
+    if registry:
+        p.add_argument("--admin-key-file", default=env("--admin-key-file", ""),
+                       help="with --auth: where the first admin key is written (mode 0600) if absent (default: DATA_DIR/admin.key)")
+        p.add_argument("--import-allow-s3", action="append", default=[], metavar="s3://BUCKET[/PREFIX]",
+                       help="S3 prefix source_uri imports may read (repeatable; without --auth and without any: every bucket)")
+    _tls_flags(p, env, server=True)
+
+
+def _add_key_commands(sub, env: _EnvDefaults) -> None:
+    keys = sub.add_parser("keys", help="API keys (admin key needed)").add_subparsers(dest="action", required=True)
+    create = keys.add_parser("create", help="create a key; it is printed once, as the last line")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--role", required=True, choices=("admin", "publisher", "user", "engine"))
+    create.add_argument("--description", default="")
+    create.set_defaults(func=commands.keys_create)
+    listing = keys.add_parser("list", help="every key (never their secrets)")
+    listing.set_defaults(func=commands.keys_list)
+    revoke = keys.add_parser("revoke", help="revoke a key by its id")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=commands.keys_revoke)
+    audit = sub.add_parser("audit", help="the audit log (admin key needed)").add_subparsers(dest="action", required=True)
+    audit_list = audit.add_parser("list", help="newest first")
+    audit_list.add_argument("--limit", type=int, default=100)
+    audit_list.set_defaults(func=commands.audit_list)
+    for p in (create, listing, revoke, audit_list):
+        _registry_flags(p, env)
 
 
 def _add_registry_commands(sub, env: _EnvDefaults) -> None:
@@ -55,6 +113,7 @@ def _add_registry_commands(sub, env: _EnvDefaults) -> None:
     serve.add_argument("--max-upload-bytes", type=int, default=int(env("--max-upload-bytes", DEFAULT_MAX_UPLOAD_BYTES)))
     serve.add_argument("--import-allow-dir", action="append", default=[], help="local dir source_uri may read (repeatable)")
     serve.add_argument("--import-s3-endpoint-url", default=env("--import-s3-endpoint-url", ""))
+    _server_security_flags(serve, env, registry=True)
     _metrics_flag(serve, env)
     serve.set_defaults(func=commands.registry_serve)
     gc = registry.add_parser("gc", help="remove blobs that no adapter refers to")
@@ -115,8 +174,12 @@ def _add_engine_commands(sub, env: _EnvDefaults) -> None:
     serve.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="serve a PEFT adapter dir (repeatable)")
     serve.add_argument("--registry", default=env("--registry", ""), help="HOST:PORT of the registry (adapters by name)")
     _metrics_flag(serve, env)
+    _http_flag(serve, env, None)
     serve.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(serve, env)
+    _server_security_flags(serve, env, registry=False)
+    serve.add_argument("--api-key", default=env("--api-key", ""),
+                       help="this engine's own key (role engine) for the registry; with --auth it checks clients' keys")
     serve.set_defaults(func=commands.engine_serve)
 
 
@@ -160,6 +223,7 @@ def _add_generate_command(sub, env: _EnvDefaults) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for the engine to be ready")
+    _client_security_flags(gen, env)
     gen.set_defaults(func=commands.generate)
 
 
@@ -173,14 +237,17 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument("--registry-port", type=int, default=int(env("--registry-port", DEFAULT_REGISTRY_PORT)))
     up.add_argument("--engine-port", type=int, default=int(env("--engine-port", DEFAULT_ENGINE_PORT)))
     _metrics_flag(up, env)
+    _http_flag(up, env, DEFAULT_HTTP_PORT)
     up.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(up, env)
+    _server_security_flags(up, env, registry=True)
     up.set_defaults(func=commands.up)
     _add_registry_commands(sub, env)
     _add_engine_commands(sub, env)
     _add_generate_command(sub, env)
     _add_base_model_commands(sub, env)
     _add_adapter_commands(sub, env)
+    _add_key_commands(sub, env)
     return parser
 
 
@@ -190,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-    except RegistryError as exc:
+    except StatusError as exc:
         print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache; fused q/k/v and gate/up.
+"""The blocks every dense decoder family is built from, over a paged KV cache; fused q/k/v and gate/up.
+
+RMSNorm, attention with RoPE over the paged KV cache, the gated MLP, the decoder layer and the causal-LM
+body. A family's model file (engine/models/llama.py, qwen3.py) picks or extends them; its spec
+(loraformat.architectures) says which checkpoint tensors fill them.
 
 Parameter names are Hugging Face's without the leading "model." and with q/k/v fused into
 `self_attn.qkv_proj` (rows: q, then k, then v) and gate/up into `mlp.gate_up_proj` (rows: gate, then up).
@@ -58,6 +62,10 @@ class Attention(nn.Module):
             lora.add("o", self.layer_id, x, y)
         return self.tp.all_reduce(y)
 
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A family's per-head transform of q and k before RoPE; none in the Llama family."""
+        return q, k
+
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
@@ -72,6 +80,7 @@ class Attention(nn.Module):
         q = q.view(-1, c.num_heads, c.head_dim)  # [T, H, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = v.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        q, k = self.norm_qk(q, k)
         q, k = apply_rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         k_cache[attn.out_cache_loc] = k.to(k_cache.dtype)
@@ -106,10 +115,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE, **factory):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, attention: type[Attention] = Attention, tp: TensorParallel = SINGLE, **factory
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = Attention(config, layer_id, tp, **factory)
+        self.self_attn = attention(config, layer_id, tp, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = MLP(config, layer_id, tp, **factory)
 
@@ -118,9 +129,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """Base model. `forward` returns the final-normed hidden states; `compute_logits` projects the rows
-    that need sampling. With tied embeddings there is no `lm_head` and the embedding matrix is used."""
+    that need sampling. With tied embeddings there is no `lm_head` and the embedding matrix is used.
+    A family subclasses it to name its attention block."""
+
+    attention: type[Attention] = Attention
 
     def __init__(
         self,
@@ -134,7 +148,9 @@ class LlamaModel(nn.Module):
         self.config, self.full_config, self.tp = local_config(config, tp), config, tp
         factory = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, **factory) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.attention, tp, **factory) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.lm_head = None
         if not config.tie_word_embeddings:

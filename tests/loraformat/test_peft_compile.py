@@ -239,9 +239,13 @@ def test_targeted_module_missing_from_weights_contributes_zero(adapter, shape: M
 
 @pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
 def test_inits_that_keep_base_weights_are_accepted(init, adapter, shape: ModelShape, tmp_path: Path):
+    """init_lora_weights only says how training started: the trained weights compile to the very artifact
+    of the plain adapter (same digest), neither refused nor altered."""
     config, weights = variant(adapter("compile-plain"), tmp_path, config={"init_lora_weights": init})
-    compile_adapter(config, weights, shape, base_model="t", max_rank=64, out_path=tmp_path / "a")
-    assert (tmp_path / "a").exists()
+    compiled = compile_adapter(config, weights, shape, base_model="t", max_rank=64, out_path=tmp_path / "a")
+    plain = compile_dir(adapter("compile-plain"), shape, tmp_path / "plain", base_model="t")
+    assert compiled.digest == plain.digest
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "plain").read_bytes()
 
 
 # ---- (c) determinism ----

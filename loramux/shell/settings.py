@@ -1,0 +1,72 @@
+"""Service configurations from parsed command-line arguments: what `registry serve`, `engine serve` and
+`up` share, so the subcommands and `up` import it rather than each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.adapters import parse_adapter_spec
+from engine.config import EngineConfig
+from loramux.security import TlsFiles
+from registry.config import RegistryConfig
+
+
+def registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryConfig:
+    return RegistryConfig(
+        data_dir=Path(args.data_dir).expanduser(),
+        host=getattr(args, "host", host),
+        port=getattr(args, "port", port),
+        database_url=args.database_url,
+        object_store=args.object_store,
+        max_lora_rank=getattr(args, "max_lora_rank", RegistryConfig.max_lora_rank),
+        max_upload_bytes=getattr(args, "max_upload_bytes", RegistryConfig.max_upload_bytes),
+        import_allow_dirs=tuple(Path(d).resolve() for d in getattr(args, "import_allow_dir", [])),
+        import_s3_endpoint_url=getattr(args, "import_s3_endpoint_url", ""),
+        import_allow_s3=tuple(getattr(args, "import_allow_s3", [])),
+        auth=getattr(args, "auth", False),
+        admin_key_file=Path(args.admin_key_file).expanduser() if getattr(args, "admin_key_file", "") else None,
+        allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
+        tls=tls_files(args),
+    )
+
+
+def tls_files(args) -> TlsFiles:
+    return TlsFiles(getattr(args, "tls_cert", ""), getattr(args, "tls_key", ""), getattr(args, "tls_ca", ""))
+
+
+def http_port(args) -> int | None:
+    """--http-port: None (or negative) = no HTTP front."""
+    port = getattr(args, "http_port", None)
+    return None if port is None or port < 0 else port
+
+
+def engine_config(args, model_dir: str, port: int, registry: str = "") -> EngineConfig:
+    return EngineConfig(
+        model_dir=model_dir,
+        base_model_name=getattr(args, "base_model_name", ""),
+        host=getattr(args, "host", "127.0.0.1"),
+        port=port,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        num_kv_slots=args.num_kv_slots,
+        max_context=args.max_context,
+        max_running_requests=args.max_running_requests,
+        max_batch_tokens=args.max_batch_tokens,
+        max_queued_requests=args.max_queued_requests,
+        attention_backend=args.attention_backend,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
+        adapters=tuple(parse_adapter_spec(spec) for spec in getattr(args, "adapter", [])),
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_lora_rank=args.max_lora_rank,
+        max_host_adapters=args.max_host_adapters,
+        lora_eviction_policy=args.lora_eviction_policy,
+        lora_drain_wait_s=args.lora_drain_wait_s,
+        lora_backend=args.lora_backend,
+        registry=registry or getattr(args, "registry", ""),
+        tensor_parallel_size=args.tensor_parallel_size,
+        auth=getattr(args, "auth", False),
+        api_key=getattr(args, "api_key", ""),
+        allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
+        tls=tls_files(args),
+    )
