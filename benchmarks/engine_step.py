@@ -84,8 +84,11 @@ def build(config: ModelConfig, device: torch.device, tp: int, max_reqs: int, max
     if num_adapters:
         dtype = next(workers.local.runner.model.parameters()).dtype
         host = HostAdapterCache(num_adapters)
+        # One random draw serves every adapter (the kernels' cost does not depend on the values; drawing
+        # 32 adapters of a 70B shape on the host would take minutes); each still loads into its own slot.
+        first = random_packed("adapter-0", config, 16, dtype, 0, share=tp > 1)
         for i in range(num_adapters):
-            host.put(random_packed(f"adapter-{i}", config, 16, dtype, i, share=tp > 1))
+            host.put(PackedAdapter(f"adapter-{i}", first.rank, first.scaling, first.a, first.b))
         lora = LoraManager(AdapterSlots(num_adapters), host)
     return EngineLoop(Scheduler(SchedulerConfig(max_reqs, max(8192, max_reqs)), kv, lora=lora), workers)
 

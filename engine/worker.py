@@ -67,8 +67,8 @@ class WorkerSpec:
     @property
     def device(self) -> torch.device:
         device = torch.device(self.config.device)
-        if device.type == "cuda" and self.tp.size > 1:
-            return torch.device("cuda", self.tp.rank)
+        if device.type == "cuda" and (self.tp.size > 1 or device.index is None):
+            return torch.device("cuda", self.tp.rank if self.tp.size > 1 else torch.cuda.current_device())
         return device
 
 
