@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--num-decode", type=int, default=20)
     parser.add_argument("--attention", choices=("ref", "sdpa"), default="sdpa")
     parser.add_argument("--adapters", type=int, nargs="+", default=[0], help="distinct rank-16 adapters (0 = base)")
-    parser.add_argument("--lora-backend", default="triton", choices=("ref", "triton", "chunked"))
+    parser.add_argument("--lora-backend", default="triton", choices=("ref", "triton", "chunked", "splitk"))
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth for the floor")
     args = parser.parse_args()

@@ -27,7 +27,6 @@ class SlotState:
     is_pinned: bool = False
     last_used: float = 0.0
     loaded_at: float = 0.0
-    rank: int = 0  # the loaded adapter's rank (metrics read it here, not from the GPU tables)
 
     @property
     def is_evictable(self) -> bool:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from engine.errors import FailedPrecondition, InvalidArgument, NotFound
 from loraformat.model_shapes import ModelShape
+from loraformat.names import check_name, parse_ref
 from loraformat.peft_compile import CanonicalAdapter, compile_adapter, read_canonical
 from loraformat.peft_files import CONFIG_FILE, WEIGHTS_FILE
-from registry.types import check_name, parse_ref
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class AdapterRecord:
     path: Path | None  # the canonical artifact on local disk; None when it comes from the registry
     rank: int
     pinned: bool = False  # as the registry last said
+    tenant: str = ""  # the owner, from the registry ("" for local adapters and without authentication)
+    public: bool = True  # local adapters are served to every caller; the registry says for its own
 
     @property
     def ref(self) -> str:

@@ -16,10 +16,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.auth import KeyChecker, OpenDoor
 from engine.core import EngineCore, InvalidPrompt
+from engine.errors import NotFound
 from engine.request import Event, Failed, Finished, Request, TokenDelta
 from engine.sampling import InvalidSampling, SamplingParams
 from loraformat.errors import Code, StatusError
+from loramux.security import ANONYMOUS, Principal
 
 
 class AdmissionError(Exception):
@@ -52,14 +55,27 @@ class GenerateInput:
     token_ids: tuple[int, ...] | None = None
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() seconds
+    caller: Principal = ANONYMOUS
 
 
 class Admission:
-    """The gate in front of the engine core: closed until the loop has warmed up, closed again at stop."""
+    """The gate in front of the engine core: closed until the loop has warmed up, closed again at stop.
+    It also knows who calls (`authenticate`): every front asks it, so one check serves gRPC and HTTP."""
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, auth: KeyChecker | OpenDoor | None = None):
         self.core = core
+        self.auth = auth or OpenDoor()
         self.is_open = False
+
+    async def authenticate(self, key: str) -> Principal:
+        """The holder of `key` (ANONYMOUS without authentication); AdmissionError UNAUTHENTICATED."""
+        with admission_errors():
+            return await self.auth.caller(key)
+
+    @staticmethod
+    def require_admin(caller: Principal, what: str) -> None:
+        with admission_errors():
+            caller.require_admin(what)
 
     async def start(self, inp: GenerateInput) -> Generation:
         """Check, fetch the adapter, submit; raises AdmissionError."""
@@ -74,12 +90,17 @@ class Admission:
     async def _new_request(self, inp: GenerateInput, events: asyncio.Queue[Event]) -> Request:
         core = self.core
         adapter = await core.resolve(inp.adapter)  # an unknown adapter never means the base model
+        if adapter is not None and not inp.caller.can_see(adapter.tenant, adapter.public):
+            raise NotFound(f"adapter {inp.adapter!r} is not registered")  # the registry's words: names do not leak
         if (inp.text is None) == (inp.token_ids is None):
             raise InvalidPrompt("prompt: set text or token_ids")
         token_ids = None if inp.token_ids is None else list(inp.token_ids)
         prompt_ids = await asyncio.to_thread(core.prompt_ids, inp.text, token_ids)
         sink = _thread_safe_sink(asyncio.get_running_loop(), events)
-        req = core.new_request(prompt_ids, inp.params, sink, rid=inp.request_id, adapter=adapter, deadline=inp.deadline)
+        req = core.new_request(
+            prompt_ids, inp.params, sink, rid=inp.request_id, adapter=adapter, deadline=inp.deadline,
+            tenant=inp.caller.tenant,
+        )
         limit = core.config.max_queued_requests
         if core.loop.num_active >= limit:
             raise AdmissionError(Code.RESOURCE_EXHAUSTED, f"the engine queue is full ({limit} requests)")

@@ -35,7 +35,7 @@ class EngineConfig:
     max_host_adapters: int = 64
     lora_eviction_policy: str = "lru"  # or "fifo"
     lora_drain_wait_s: float = 0.0  # starvation drain threshold (DESIGN 7); 0 = off
-    lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked"
+    lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked" / "splitk"
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off

@@ -203,6 +203,7 @@ class EngineCore:
         adapter: AdapterRecord | None = None,
         packed: PackedAdapter | None = None,
         deadline: float | None = None,
+        tenant: str = "",
     ) -> Request:
         params = params.resolve(len(prompt_ids), self.max_context)
         params.validate(self.model_config.vocab_size, self.max_context, len(prompt_ids))
@@ -218,6 +219,7 @@ class EngineCore:
             stop_matcher=StopMatcher(params.stop),
             eos_token_ids=frozenset(itertools.chain(self.tokenizer.eos_token_ids, self.model_config.eos_token_ids)),
             deadline=deadline,
+            tenant=tenant,
         )
 
 

@@ -32,6 +32,7 @@ from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.request import Failed, Finished, TokenDelta
 from loraformat.errors import Code
 from loramux.ready import announce
+from loramux.security import Principal, bearer_key
 
 log = logging.getLogger(__name__)
 UNLOAD_TIMEOUT_S = 60.0
@@ -76,10 +77,11 @@ class HttpFront:
         self.host = ""
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0 = pick a free one), print the ready line; returns the port."""
+    async def start(self, host: str, port: int, ssl_context=None) -> int:
+        """Listen on host:port (0 = pick a free one; HTTPS with ssl_context), print the ready line;
+        returns the port."""
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, reuse_port=False)
+        site = web.TCPSite(self.runner, host, port, reuse_port=False, ssl_context=ssl_context)
         await site.start()
         self.host, self.port = host, self.runner.addresses[0][1]
         announce("http", host, self.port)
@@ -97,16 +99,22 @@ class HttpFront:
 
     # ---- generation --------------------------------------------------------------------------
 
+    async def _caller(self, request: web.Request) -> Principal:
+        """The holder of the request's `Authorization: Bearer KEY` (401 without a valid one)."""
+        return await self.admission.authenticate(bearer_key(request.headers.items()))
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        caller = await self._caller(request)
         body = await _json_body(request)
         req, adapter = api.parse_request("completion", body, self.core.base_model_name)
         with admission_errors():
             params = api.sampling_params("completion", body)
         text, token_ids = api.completion_prompt(body)
-        inp = GenerateInput(adapter=adapter, params=params, text=text, token_ids=token_ids, request_id=req.id)
+        inp = GenerateInput(adapter=adapter, params=params, text=text, token_ids=token_ids, request_id=req.id, caller=caller)
         return await self._generate(request, req, inp)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        caller = await self._caller(request)
         body = await _json_body(request)
         req, adapter = api.parse_request("chat", body, self.core.base_model_name)
         with admission_errors():
@@ -121,7 +129,7 @@ class HttpFront:
             raise api.bad_request(str(exc)) from None
         # The template wrote the special tokens itself: encode without adding any (as transformers does).
         token_ids = await asyncio.to_thread(self.core.tokenizer.encode, prompt, False)
-        inp = GenerateInput(adapter=adapter, params=params, token_ids=tuple(token_ids), request_id=req.id)
+        inp = GenerateInput(adapter=adapter, params=params, token_ids=tuple(token_ids), request_id=req.id, caller=caller)
         return await self._generate(request, req, inp)
 
     async def _generate(self, request: web.Request, req: api.OpenAIRequest, inp: GenerateInput) -> web.StreamResponse:
@@ -161,11 +169,12 @@ class HttpFront:
     # ---- models and adapters -----------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
+        caller = await self._caller(request)
         base = self.core.base_model_name
         data = [self._model(base, base, None)]
         with admission_errors():
             records = await self.admin.available()
-        data += [self._model(r.name, r.ref, base) for r in records]
+        data += [self._model(r.name, r.ref, base) for r in records if caller.can_see(r.tenant, r.public)]
         return web.json_response({"object": "list", "data": data})
 
     def _model(self, model_id: str, root: str, parent: str | None) -> dict:
@@ -184,7 +193,9 @@ class HttpFront:
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _lora_body(self, request: web.Request) -> tuple[str, str]:
-        """(lora_name, the registry reference to load): lora_path names the adapter, default lora_name."""
+        """(lora_name, the registry reference to load): lora_path names the adapter, default lora_name.
+        Loading and unloading decide what holds the GPU's slots: admin keys only."""
+        self.admission.require_admin(await self._caller(request), "loading and unloading adapters")
         body = await _json_body(request)
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:

@@ -156,6 +156,13 @@ class ReqToTokenPool:
         return self.table[row, start:end]
 
 
+def num_slots_for_memory(free_bytes: int, fraction: float, num_layers: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype) -> int:
+    """Token slots that `fraction` of `free_bytes` holds: each slot keeps K and V of every layer."""
+    bytes_per_slot = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+    return int(free_bytes * fraction) // bytes_per_slot
+
+
 def num_pages_for(seq_len: int, page_size: int) -> int:
     """Pages a request of `seq_len` tokens owns."""
     return _ceil_div(seq_len, page_size)

@@ -36,6 +36,8 @@ HTTP_STATUS = {
     Code.UNAVAILABLE: (503, "service_unavailable_error"),
     Code.DEADLINE_EXCEEDED: (504, "timeout_error"),
     Code.INTERNAL: (500, "internal_error"),
+    Code.UNAUTHENTICATED: (401, "authentication_error"),
+    Code.PERMISSION_DENIED: (403, "permission_error"),
 }
 
 

@@ -21,9 +21,10 @@ import grpc
 from engine.adapters import AdapterRecord
 from engine.coalesce import CoalescedCalls
 from engine.errors import EngineError, FailedPrecondition, NotFound, Unavailable
+from loraformat.names import parse_ref
+from loramux.security import Principal, Role, TlsFiles, auth_metadata, open_channel
 from loramux.v1 import registry_pb2 as pb
 from loramux.v1 import registry_pb2_grpc as pb_grpc
-from registry.types import parse_ref
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 10.0
@@ -39,7 +40,9 @@ def unavailable(what: str, exc: grpc.aio.AioRpcError) -> Unavailable:
 
 
 def record_of(adapter: pb.Adapter) -> AdapterRecord:
-    return AdapterRecord(adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned)
+    return AdapterRecord(
+        adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned, adapter.tenant, adapter.public
+    )
 
 
 # Answers to RegisterBaseModel that no retry changes (e.g. the name taken by another config).
@@ -51,7 +54,15 @@ _REFUSALS = (
 
 
 class RegistryLink:
-    def __init__(self, address: str, base_model: str, config_json: str, on_event: EventHandler):
+    def __init__(
+        self,
+        address: str,
+        base_model: str,
+        config_json: str,
+        on_event: EventHandler,
+        api_key: str = "",
+        tls: TlsFiles | None = None,
+    ):
         self.address = address
         self.base_model = base_model
         self.config_json = config_json
@@ -62,7 +73,8 @@ class RegistryLink:
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.channel = open_channel(address, tls, options, aio=True)
+        self.metadata = auth_metadata(api_key)  # the engine's own key, on every call
         self.stub = pb_grpc.RegistryStub(self.channel)
         self._resolved: dict[tuple[str, int], AdapterRecord] = {}
         self._generation: dict[str, int] = {}  # bumped by every event of a name (and a fresh watch)
@@ -118,7 +130,9 @@ class RegistryLink:
         seen = (self._epoch, self._generation.get(name, 0))
         self.num_lookups += 1
         try:
-            adapter = await self.stub.GetAdapter(pb.GetAdapterRequest(name=name, version=version), timeout=RPC_TIMEOUT_S)
+            adapter = await self.stub.GetAdapter(
+                pb.GetAdapterRequest(name=name, version=version), timeout=RPC_TIMEOUT_S, metadata=self.metadata
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 self._resolved.pop(key, None)
@@ -139,7 +153,7 @@ class RegistryLink:
         while True:
             request = pb.ListAdaptersRequest(base_model=self.base_model, latest_only=True, page_size=1000, page_token=token)
             try:
-                page = await self.stub.ListAdapters(request, timeout=RPC_TIMEOUT_S)
+                page = await self.stub.ListAdapters(request, timeout=RPC_TIMEOUT_S, metadata=self.metadata)
             except grpc.aio.AioRpcError as exc:
                 raise unavailable("adapters", exc) from None
             records += [record_of(a) for a in page.adapters]
@@ -154,6 +168,16 @@ class RegistryLink:
             return
         self._pins[record.ref] = record.pinned
         await self._handle("PINNED" if record.pinned else "UNPINNED", record)
+
+    async def check_key(self, key: str) -> Principal | None:
+        """Who holds a client's key, as the registry says; None for a key it refuses."""
+        try:
+            answer = await self.stub.CheckKey(pb.CheckKeyRequest(key=key), timeout=RPC_TIMEOUT_S, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise unavailable("checking the API key", exc) from None
+        if not answer.valid:
+            return None
+        return Principal(answer.key.key_id, answer.key.tenant, Role(answer.key.role))
 
     # ---- fetching ----------------------------------------------------------------------------
 
@@ -180,7 +204,7 @@ class RegistryLink:
         parts: list[bytes] = []
         request = pb.FetchAdapterRequest(name=record.name, version=record.version)
         try:
-            async for chunk in self.stub.FetchAdapter(request, timeout=FETCH_TIMEOUT_S):
+            async for chunk in self.stub.FetchAdapter(request, timeout=FETCH_TIMEOUT_S, metadata=self.metadata):
                 if chunk.WhichOneof("item") == "data":
                     parts.append(chunk.data.data)
         except grpc.aio.AioRpcError as exc:
@@ -193,7 +217,7 @@ class RegistryLink:
 
     async def _register_base_model(self) -> None:
         model = pb.BaseModel(name=self.base_model, config_json=self.config_json)
-        await self.stub.RegisterBaseModel(model, timeout=RPC_TIMEOUT_S)
+        await self.stub.RegisterBaseModel(model, timeout=RPC_TIMEOUT_S, metadata=self.metadata)
 
     async def _watch_forever(self) -> None:
         pause = RECONNECT_S[0]
@@ -213,7 +237,7 @@ class RegistryLink:
     async def _watch_once(self) -> None:
         fresh = self.last_event_id == 0
         request = pb.WatchAdaptersRequest(base_model=self.base_model, after_event_id=self.last_event_id)
-        stream = self.stub.WatchAdapters(request)
+        stream = self.stub.WatchAdapters(request, metadata=self.metadata)
         await stream.initial_metadata()  # the registry sends headers once the watch is in place
         if fresh:  # what happened before this stream is unknown: forget every answer, re-learn pins
             self._epoch += 1
@@ -249,7 +273,7 @@ class RegistryLink:
         adapters, token = [], ""
         while True:
             request = pb.ListAdaptersRequest(base_model=self.base_model, page_size=1000, page_token=token)
-            page = await self.stub.ListAdapters(request, timeout=RPC_TIMEOUT_S)
+            page = await self.stub.ListAdapters(request, timeout=RPC_TIMEOUT_S, metadata=self.metadata)
             adapters += page.adapters
             token = page.next_page_token
             if not token:

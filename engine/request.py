@@ -70,6 +70,7 @@ class Request:
     adapter_ref: str = ""  # the resolved "name@version" reported in GenerateComplete
     # The key of the request's sampling generator on the worker: unique for the process's life, unlike rid.
     uid: int = field(default_factory=_uids.__next__)
+    tenant: str = ""  # who asked (fair share between tenants); "" without authentication
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     kv_slots: list[int] = field(default_factory=list)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.adapter_admin import AdapterAdmin
 from engine.admission import Admission
+from engine.auth import KeyChecker
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.http_front import HttpFront
@@ -19,6 +20,7 @@ from engine.servicer import EngineServicer
 from engine.telemetry import StepSampler
 from loramux.grpc_server import ServiceHost, serve_until_stopped
 from loramux.metrics import EngineMetrics
+from loramux.security import check_exposure
 from loramux.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,12 @@ class EngineServer:
     """A started engine; create it in the event loop's thread, with a core built off the loop."""
 
     def __init__(self, config: EngineConfig, core: EngineCore):
+        check_exposure(config.host, config.auth, config.allow_unauthenticated, "engine")
+        if config.auth and not (config.registry and config.api_key):
+            raise ValueError(
+                "engine: --auth needs --registry and the engine's own key (--api-key or --api-key-file, role"
+                " engine): clients' keys are checked through the registry"
+            )
         self.config = config
         self.core = core
         self.admin = AdapterAdmin(core)
@@ -62,7 +70,8 @@ class EngineServer:
         # Prompts over max_prompt_bytes get a clear INVALID_ARGUMENT rather than gRPC's size error.
         self.host = ServiceHost([SERVICE_NAME], max_receive_bytes=max(16 << 20, 2 * config.max_prompt_bytes))
         engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, self.admin, self.admission), self.host.server)
-        self.port = self.host.bind(config.host, config.port)
+        credentials = config.tls.server_credentials() if config.tls.is_on else None
+        self.port = self.host.bind(config.host, config.port, credentials)
         self.http: HttpFront | None = None
         # A dead model worker ends the engine: health NOT_SERVING, admission closed, `failed` set (the
         # serving function then stops and exits non-zero). The loop reports it from another thread.
@@ -87,7 +96,12 @@ class EngineServer:
         await self.host.set_serving(False)
         if self.config.registry:
             config_json = (Path(self.config.model_dir) / "config.json").read_text()
-            self.core.link = RegistryLink(self.config.registry, self.core.base_model_name, config_json, self.core.on_registry_event)
+            self.core.link = RegistryLink(
+                self.config.registry, self.core.base_model_name, config_json, self.core.on_registry_event,
+                api_key=self.config.api_key, tls=self.config.tls,
+            )
+            if self.config.auth:
+                self.admission.auth = KeyChecker(self.core.link.check_key, self.config.key_cache_s)
             try:
                 await self.core.link.start()
             except BaseException:
@@ -102,7 +116,7 @@ class EngineServer:
     async def start_http(self, port: int) -> int:
         """Serve the OpenAI-compatible HTTP front on the engine's host (0 = pick a free port)."""
         self.http = HttpFront(self.admission, self.admin, self.metrics.registry, 2 * self.config.max_prompt_bytes)
-        return await self.http.start(self.config.host, port)
+        return await self.http.start(self.config.host, port, self.config.tls.ssl_context() if self.config.tls.is_on else None)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop generating first, so every in-flight stream ends at once with UNAVAILABLE, then the hosts."""

@@ -14,6 +14,7 @@ from engine.core import EngineCore, InvalidPrompt
 from engine.request import Finished, TokenDelta
 from engine.sampling import InvalidSampling, SamplingParams
 from loraformat.errors import Code, StatusError
+from loramux.security import Principal, bearer_key
 from loramux.v1 import engine_pb2 as pb
 from loramux.v1 import engine_pb2_grpc as pb_grpc
 
@@ -68,7 +69,16 @@ class EngineServicer(pb_grpc.EngineServicer):
         self.admin = admin
         self.admission = admission
 
+    async def _admin(self, context, what: str) -> None:
+        """With authentication on, adapter residency is the operator's: admin keys only."""
+        try:
+            caller = await self.admission.authenticate(_key_of(context))
+            self.admission.require_admin(caller, what)
+        except AdmissionError as exc:
+            await context.abort(grpc_status(exc.code), str(exc))
+
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.AdapterState:
+        await self._admin(context, "LoadAdapter")
         if self.core.lora is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine serves no adapters (--max-loras-per-batch 0)")
         try:
@@ -77,6 +87,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             await _abort(context, exc)
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.AdapterState:
+        await self._admin(context, "UnloadAdapter")
         if self.core.lora is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine serves no adapters (--max-loras-per-batch 0)")
         remaining = context.time_remaining()
@@ -86,12 +97,14 @@ class EngineServicer(pb_grpc.EngineServicer):
             await _abort(context, exc)
 
     async def ListAdapters(self, request: pb.ListLoadedRequest, context) -> pb.ListLoadedResponse:
+        await self._admin(context, "ListAdapters")
         states = await self.admin.states() if self.core.lora is not None else []
         return pb.ListLoadedResponse(adapters=[_state_to_pb(s) for s in states])
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            generation = await self.admission.start(_generate_input(request, context))
+            caller = await self.admission.authenticate(_key_of(context))
+            generation = await self.admission.start(_generate_input(request, context, caller))
         except AdmissionError as exc:
             await context.abort(grpc_status(exc.code), str(exc))
         # Closing the events at once when this handler is cancelled cancels the request in the engine.
@@ -112,7 +125,11 @@ def grpc_status(code: Code | str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
 
 
-def _generate_input(request: pb.GenerateRequest, context) -> GenerateInput:
+def _key_of(context) -> str:
+    return bearer_key(context.invocation_metadata())
+
+
+def _generate_input(request: pb.GenerateRequest, context, caller: Principal) -> GenerateInput:
     kind = request.WhichOneof("prompt")
     remaining = context.time_remaining()
     with admission_errors():
@@ -124,4 +141,5 @@ def _generate_input(request: pb.GenerateRequest, context) -> GenerateInput:
         token_ids=tuple(request.token_ids.ids) if kind == "token_ids" else None,
         request_id=request.request_id,
         deadline=time.monotonic() + remaining if remaining is not None else None,
+        caller=caller,
     )

@@ -35,6 +35,7 @@ import torch
 from engine.attention import eager_backend
 from engine.config import EngineConfig
 from engine.forward_inputs import KVBuffers
+from engine.kv_pool import num_slots_for_memory
 from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -307,8 +308,7 @@ def _auto_kv_slots(local: ModelConfig, device: torch.device, dtype: torch.dtype,
     if device.type != "cuda":
         return CPU_KV_SLOTS
     free, _ = torch.cuda.mem_get_info(device)
-    bytes_per_slot = 2 * local.num_layers * local.num_kv_heads * local.head_dim * dtype.itemsize
-    return int(free * config.kv_memory_fraction) // bytes_per_slot
+    return num_slots_for_memory(free, config.kv_memory_fraction, local.num_layers, local.num_kv_heads, local.head_dim, dtype)
 
 
 def _lora_backend(config: EngineConfig, device: torch.device) -> str:

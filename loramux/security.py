@@ -118,7 +118,7 @@ def same_hash(a: str, b: str) -> bool:
 def bearer_key(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
     """The KEY of an `authorization: Bearer KEY` entry; '' when there is none."""
     for name, value in metadata or ():
-        if name == "authorization" and isinstance(value, str):
+        if name.lower() == "authorization" and isinstance(value, str):
             scheme, _, key = value.partition(" ")
             if scheme.lower() == "bearer":
                 return key.strip()
@@ -170,6 +170,19 @@ class TlsFiles:
         ca = _read(self.ca)
         pair = [(_read(self.key), _read(self.cert))]
         return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+
+    def ssl_context(self):
+        """The same files for an HTTPS server (the engine's HTTP front)."""
+        import ssl
+
+        if not self.is_server_ready:
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        if self.ca:
+            context.load_verify_locations(self.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         if bool(self.cert) != bool(self.key):

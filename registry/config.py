@@ -27,6 +27,7 @@ class RegistryConfig:
     import_allow_s3: tuple[str, ...] = ()  # s3://bucket[/prefix] imports may read; none = any without auth
     auth: bool = False
     admin_key_file: Path | None = None  # None = <data_dir>/admin.key
+    engine_key_file: Path | None = None  # with auth: an engine key made (or adopted) there at start
     allow_unauthenticated: bool = False  # listen beyond loopback without --auth
     tls: TlsFiles = field(default_factory=TlsFiles)
 

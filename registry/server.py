@@ -18,6 +18,7 @@ from registry.store import open_store
 
 log = logging.getLogger(__name__)
 ADMIN_TENANT = "admin"
+ENGINE_TENANT = "engines"
 SYSTEM = Principal(key_id="", tenant="system", role=Role.ADMIN)  # what the registry does by itself
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 
@@ -32,6 +33,9 @@ def build_service(config: RegistryConfig) -> RegistryService:
         path = config.resolved_admin_key_file
         if service.access.ensure_key_file(path, ADMIN_TENANT, Role.ADMIN, SYSTEM):
             log.info("wrote the first admin key to %s (mode 0600)", path)
+        engine_file = config.engine_key_file
+        if engine_file is not None and service.access.ensure_key_file(engine_file, ENGINE_TENANT, Role.ENGINE, SYSTEM):
+            log.info("wrote an engine key to %s (mode 0600)", engine_file)
     return service
 
 

@@ -6,14 +6,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraformat.names import MAX_VERSION, check_name  # adapter identity belongs to the adapter format
 from registry.errors import InvalidArgument, quote
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 MAX_DESCRIPTION_LEN = 4096
 MAX_LABELS = 64
 MAX_LABEL_LEN = 256
 MAX_SOURCE_URI_LEN = 2048
-MAX_VERSION = (1 << 31) - 1  # a SQL INTEGER column (uint32 on the wire)
 MAX_EVENT_ID = (1 << 63) - 1  # a SQL BIGINT (uint64 on the wire)
 # C0 and C1 control characters and DEL, newline and tab aside: PostgreSQL refuses NUL in text, and
 # the others garble terminals and logs that print these fields.
@@ -77,15 +76,6 @@ class AdapterFiles:
     weights_path: Path
 
 
-def check_name(name: str, field_name: str = "name") -> str:
-    if not NAME_RE.fullmatch(name):
-        raise InvalidArgument(
-            f"{field_name} {quote(name, 140)} is invalid: use 1-128 characters of a-z, 0-9, '.', '_', '-',"
-            " starting with a letter or digit"
-        )
-    return name
-
-
 def check_version(version: int, field_name: str = "version") -> int:
     """0 (latest / every version) or a version a row can hold; checked before it reaches SQL."""
     if not 0 <= version <= MAX_VERSION:
@@ -129,17 +119,3 @@ def make_spec(
         check_text(key, f"labels key {quote(key, 40)}", MAX_LABEL_LEN, min_len=1)
         check_text(value, f"labels[{quote(key, 40)}]", MAX_LABEL_LEN)
     return AdapterSpecIn(name, base_model, pinned, description, labels, source_uri, public)
-
-
-def parse_ref(ref: str) -> tuple[str, int]:
-    """'name' -> (name, 0 = latest); 'name@3' -> (name, 3)."""
-    name, sep, version = ref.partition("@")
-    check_name(name, "adapter")
-    if not sep:
-        return name, 0
-    # isdigit() alone accepts other scripts' digits ("\u0661" is 1 to int()); versions travel as uint32.
-    if not (version.isascii() and version.isdigit()) or not 1 <= int(version) <= MAX_VERSION:
-        raise InvalidArgument(
-            f"adapter {quote(ref)}: the version after '@' must be an integer from 1 to {MAX_VERSION}"
-        )
-    return name, int(version)

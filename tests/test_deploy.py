@@ -468,3 +468,30 @@ def test_readme_commands_parse():
     assert any(c[0] == "generate" for c in commands)
     for argv in commands:
         _parse(argv)
+
+
+# --- authentication: on, with keys from files the registry writes, never inline ------------------------
+
+
+def _mount_target(service: dict, volume: str) -> tuple[str, bool]:
+    """(where `volume` is mounted in `service`, read-only?)."""
+    for mount in service.get("volumes", []):
+        parts = mount.split(":")
+        if parts[0] == volume:
+            return parts[1], parts[2:] == ["ro"]
+    raise AssertionError(f"{volume} is not mounted")
+
+
+def test_services_run_with_auth_and_keys_from_files(services):
+    registry = _parse(_args(services["registry"]))
+    assert registry.auth and not registry.allow_unauthenticated
+    registry_mount, _ = _mount_target(services["registry"], "registry-keys")
+    engine_key = Path(registry.engine_key_file)
+    assert Path(registry.admin_key_file).parent == engine_key.parent == Path(registry_mount)
+    for name in ENGINES:
+        engine = _parse(_args(services[name]))
+        assert engine.auth and not engine.allow_unauthenticated
+        assert engine.api_key == "" and "--api-key" not in _args(services[name])  # no key inline
+        engine_mount, read_only = _mount_target(services[name], "registry-keys")
+        assert read_only and Path(engine.api_key_file) == Path(engine_mount) / engine_key.name
+    assert all("LORAMUX_API_KEY" not in services[n].get("environment", {}) for n in LORAMUX_SERVICES)

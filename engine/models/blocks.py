@@ -40,6 +40,18 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: [T, hidden] -> (normed, residual + x)
+        """Add x to the residual stream (None: x starts it) and normalise the sum; one kernel on CUDA,
+        rounding where the PyTorch path rounds (kernels/rmsnorm.py)."""
+        if x.is_cuda:
+            from kernels.rmsnorm import add_rmsnorm  # Triton: imported only where it runs
+
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        s = x if residual is None else residual + x
+        return self(s), s
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE, **factory):
@@ -66,6 +78,11 @@ class Attention(nn.Module):
         """A family's per-head transform of q and k before RoPE; none in the Llama family."""
         return q, k
 
+    def _can_fuse_rope(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """RoPE and the KV write in one kernel (kernels/rope_kv.py): on CUDA, when nothing transforms q
+        and k between the projection and RoPE and the cache holds the model dtype."""
+        return qkv.is_cuda and type(self).norm_qk is Attention.norm_qk and k_cache.dtype == qkv.dtype
+
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
@@ -76,13 +93,23 @@ class Attention(nn.Module):
         lora: LoraInputs | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         c = self.config
-        q, k, v = self.project_qkv(x, lora).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        qkv = self.project_qkv(x, lora)  # [T, q_size + 2 * kv_size]
+        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
+        if self._can_fuse_rope(qkv, k_cache):
+            from kernels.rope_kv import rope_kv_write  # Triton: imported only where it runs
+
+            q = rope_kv_write(
+                qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
+                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            )  # fmt: skip
+            o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
+            return self.project_o(o.reshape(-1, c.q_size), lora)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)  # [T, H, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = v.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         q, k = self.norm_qk(q, k)
         q, k = apply_rope(q, k, positions, cos_sin)
-        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         k_cache[attn.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[attn.out_cache_loc] = v.to(v_cache.dtype)
         o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
@@ -110,7 +137,12 @@ class MLP(nn.Module):
         return self.tp.all_reduce(y)
 
     def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.project_gate_up(x, lora).chunk(2, dim=-1)  # each [T, inter]
+        gate_up = self.project_gate_up(x, lora)  # [T, 2 * inter]
+        if gate_up.is_cuda:
+            from kernels.silu_mul import silu_mul  # Triton: imported only where it runs
+
+            return self.project_down(silu_mul(gate_up), lora)
+        gate, up = gate_up.chunk(2, dim=-1)  # each [T, inter]
         return self.project_down(F.silu(gate) * up, lora)
 
 
@@ -124,9 +156,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = MLP(config, layer_id, tp, **factory)
 
-    def forward(self, x, positions, cos_sin, attn: AttentionInputs, kv: KVBuffers, lora: LoraInputs | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos_sin, attn, kv, lora)  # x: [T, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous sublayer's output (the embeddings in layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before x; None in layer 0
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        attn: AttentionInputs,
+        kv: KVBuffers,
+        lora: LoraInputs | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
+        """`h = h + attn(norm(h)); h = h + mlp(norm(h))`, with each add fused into the following norm:
+        the stream h is `residual + x` until the next layer (or the final norm) adds it."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(h, positions, cos_sin, attn, kv, lora)
+        h, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(h, lora), residual
 
 
 class DecoderModel(nn.Module):
@@ -166,10 +211,10 @@ class DecoderModel(nn.Module):
         kv: KVBuffers,
         lora: LoraInputs | None = None,  # None: no LoRA in this step (base-model tokens only)
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, positions, self.cos_sin, attn, kv, lora)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.cos_sin, attn, kv, lora)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -7,13 +7,13 @@ import logging
 import sys
 from pathlib import Path
 
+from loraformat.names import parse_ref
 from loramux.engine_client import EngineClient, generate_request
 from loramux.grpc_server import stop_event_on_signals
 from loramux.registry_client import RegistryClient, adapter_json
 from loramux.shell.settings import engine_config, http_port, registry_config, tls_files
 from loramux.v1 import engine_pb2
 from loramux.v1 import registry_pb2 as pb
-from registry.types import parse_ref
 
 REMOTE_SCHEMES = ("s3://", "file://")
 
@@ -120,7 +120,7 @@ def base_models_list(args) -> int:
 def adapters_register(args) -> int:
     labels = dict(_parse_label(item) for item in args.label)
     spec = pb.AdapterSpec(
-        name=args.name, base_model=args.base_model, pinned=args.pinned, description=args.description, labels=labels
+        name=args.name, base_model=args.base_model, pinned=args.pinned, public=args.public, description=args.description, labels=labels
     )
     adapter_dir = None
     if args.dir.startswith(REMOTE_SCHEMES):
@@ -205,6 +205,13 @@ def keys_create(args) -> int:
     k = created.key
     print(f"created key {k.key_id} for tenant {k.tenant} with role {k.role}; it is shown only now:", file=sys.stderr)
     print(created.secret)  # the last line of stdout: scripts take it with `| tail -n 1`
+    return 0
+
+
+def keys_generate(args) -> int:
+    from loramux.security import new_key
+
+    print(new_key()[0])
     return 0
 
 

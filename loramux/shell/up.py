@@ -8,6 +8,7 @@ model. Ctrl-C stops both gracefully.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -16,13 +17,15 @@ from engine.server import start_engine, stop_on_failure
 from loramux.grpc_server import stop_event_on_signals
 from loramux.metrics import start_metrics_server
 from loramux.ready import announce
-from loramux.shell.settings import engine_config, http_port
-from registry.config import RegistryConfig
-from registry.server import RegistryServer, build_service
+from loramux.security import Role
+from loramux.shell.settings import engine_config, http_port, registry_config
+from registry.access import AccessStore
+from registry.server import SYSTEM, RegistryServer, build_service
 
 log = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "loramux-demo"
 DEMO_ADAPTER_DIR = "demo-adapter"
+ENGINE_KEY_FILE = "engine.key"
 
 
 def ensure_demo_model(data_dir: Path) -> Path:
@@ -37,6 +40,16 @@ def ensure_demo_model(data_dir: Path) -> Path:
     return model_dir
 
 
+def ensure_engine_key(access: AccessStore, data_dir: Path) -> str:
+    """The embedded engine's own key (role engine), kept in DATA_DIR/engine.key (mode 0600); a key
+    revoked meanwhile is replaced."""
+    path = data_dir / ENGINE_KEY_FILE
+    if path.exists() and access.authenticate(path.read_text().strip()) is None:
+        path.unlink()
+    access.ensure_key_file(path, "engine", Role.ENGINE, SYSTEM)
+    return path.read_text().strip()
+
+
 def curl_line(engine, model: str) -> str:
     """A ready-to-paste OpenAI-style call to the engine's HTTP front."""
     body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 16})
@@ -49,13 +62,15 @@ async def run_up(args) -> None:
     model_dir = Path(args.model) if args.model else await asyncio.to_thread(ensure_demo_model, data_dir)
     base_name = model_dir.resolve().name
     stop = stop_event_on_signals()
-    config = RegistryConfig(data_dir=data_dir, port=args.registry_port, max_lora_rank=args.max_lora_rank)
+    config = dataclasses.replace(registry_config(args), host="127.0.0.1", port=args.registry_port)
     registry = RegistryServer(config, await asyncio.to_thread(build_service, config))
+    engine_key = await asyncio.to_thread(ensure_engine_key, registry.service.access, data_dir) if config.auth else ""
     config_json = (model_dir / "config.json").read_text()
     await asyncio.to_thread(registry.service.register_base_model, base_name, config_json)
     await registry.start()
     announce("registry", config.host, registry.port)
-    engine = await start_engine(engine_config(args, str(model_dir), args.engine_port, registry=registry.address))
+    engine_settings = engine_config(args, str(model_dir), args.engine_port, registry=registry.address)
+    engine = await start_engine(dataclasses.replace(engine_settings, api_key=engine_key))
     if http_port(args) is not None:
         await engine.start_http(http_port(args))
     metrics_server = None
@@ -63,6 +78,9 @@ async def run_up(args) -> None:
         metrics_server, _ = start_metrics_server([registry.metrics, engine.metrics], config.host, args.metrics_port)
     announce("engine", engine.config.host, engine.port)
     print(f"base model {base_name} from {model_dir}", flush=True)
+    if config.auth:
+        key_file = config.resolved_admin_key_file
+        print(f"auth on: the admin key is in {key_file}; export LORAMUX_API_KEY=$(cat {key_file})", flush=True)
     if not args.model:
         adapter_dir = data_dir / DEMO_ADAPTER_DIR
         print(f"try: loramux adapters register {adapter_dir} --name demo --registry {registry.address}", flush=True)

@@ -22,6 +22,11 @@ from engine.sampling import SamplingParams
 WAIT_S = 2.0
 
 
+def load_nothing():
+    """A packed adapter's stand-in: the slots read only its rank; the fake pool copies nothing."""
+    return SimpleNamespace(rank=4)
+
+
 class FakeLora:
     """LoraManager's surface over real AdapterSlots; loads nothing."""
 
@@ -32,13 +37,13 @@ class FakeLora:
         return self.slots.can_acquire(digest)
 
     def acquire(self, digest: str) -> int:
-        return self.slots.acquire(digest, lambda: SimpleNamespace(rank=4))
+        return self.slots.acquire(digest, load_nothing)
 
     def release(self, digest: str) -> None:
         self.slots.release(digest)
 
     def pin(self, digest: str) -> int:
-        return self.slots.pin(digest, lambda: SimpleNamespace(rank=4))
+        return self.slots.pin(digest, load_nothing)
 
 
 @dataclass(eq=False)

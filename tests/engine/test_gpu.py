@@ -65,7 +65,7 @@ def test_cuda_bf16_generates(tiny_llama_dir):
     assert all(len(tokens) == 8 for tokens in generate_all(core, 8))
 
 
-@pytest.mark.parametrize("lora_backend", ["triton", "chunked"])
+@pytest.mark.parametrize("lora_backend", ["triton", "chunked", "splitk"])
 def test_cuda_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, lora_backend):
     """Mixed adapters on CUDA through the Triton SGMV kernels give the CPU reference's greedy tokens."""
     adapters = (

@@ -9,6 +9,7 @@ from engine.kv_pool import (
     ReqToTokenPool,
     extend_slots,
     num_new_pages,
+    num_slots_for_memory,
     pages_of_slots,
     slots_of_pages,
 )
@@ -117,3 +118,12 @@ def test_req_to_token_pool_rows():
     with pytest.raises(ValueError, match='is not allocated'):
         pool.write(row_b, 0, [1])  # a freed row takes no writes
     assert pool.can_alloc() and pool.alloc() == row_b
+
+
+def test_kv_slots_for_memory_hold_k_and_v_of_every_layer():
+    """The auto-sized pool of the CUDA path: Llama 3 8B in bf16 keeps 2 x 32 layers x 8 heads x 128 x 2 bytes
+    = 128 KiB per token, so 85% of 80 GiB holds 557056 tokens (and a partial slot rounds down)."""
+    llama3_8b = dict(num_layers=32, num_kv_heads=8, head_dim=128)
+    assert num_slots_for_memory(80 << 30, 0.85, **llama3_8b, dtype=torch.bfloat16) == 557056
+    assert num_slots_for_memory(80 << 30, 0.85, **llama3_8b, dtype=torch.float32) == 557056 // 2
+    assert num_slots_for_memory((128 << 10) * 3 - 1, 1.0, **llama3_8b, dtype=torch.bfloat16) == 2

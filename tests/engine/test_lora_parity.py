@@ -59,18 +59,23 @@ def oracle(peft_model, tiny_llama_dir):
 
     def tokens(prompt: str, adapter: str) -> list[int]:
         if (prompt, adapter) not in cache:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = peft_model.generate(
-                input_ids=ids,
-                adapter_names=[adapter or "__base__"],
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
-                do_sample=False,
-            )
-            cache[(prompt, adapter)] = out[0, ids.shape[1] :].tolist()
+            cache[(prompt, adapter)] = peft_greedy(peft_model, tokenizer, prompt, adapter)
         return cache[(prompt, adapter)]
 
     return tokens
+
+
+def peft_greedy(peft_model, tokenizer, prompt: str, adapter: str) -> list[int]:
+    """peft's NUM_TOKENS greedy tokens for `prompt` under `adapter` ('' = the base model)."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = peft_model.generate(
+        input_ids=ids,
+        adapter_names=[adapter or "__base__"],
+        max_new_tokens=NUM_TOKENS,
+        min_new_tokens=NUM_TOKENS,
+        do_sample=False,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def make_core(tiny_llama_dir, adapter_dirs, tmp_path, **overrides) -> EngineCore:

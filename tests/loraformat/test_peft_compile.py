@@ -21,13 +21,13 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from loraformat.errors import FailedPrecondition, InvalidArgument, StatusError
 from loraformat.model_shapes import SUPPORTED_MODULES, ModelShape, module_path
 from loraformat.peft_compile import CompiledAdapter, compile_adapter, read_canonical
 from loraformat.peft_config import parse_peft_config
 from loraformat.safetensors_io import write_safetensors
 from loramux.demo_model import write_llama_checkpoint
 from loramux.testing.peft_adapters import make_peft_adapter
-from registry.errors import FailedPrecondition, InvalidArgument, RegistryError
 
 ALL = SUPPORTED_MODULES
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -299,7 +299,7 @@ DELETE = object()
 
 @dataclass(frozen=True)
 class Bad:
-    error: type[RegistryError]
+    error: type[StatusError]
     offender: str  # must appear in the message
     config: dict = field(default_factory=dict)
     tensors: Callable[[dict], dict] | None = None
@@ -479,7 +479,7 @@ def test_compile_rejects(case: str, adapter, shape: ModelShape, tmp_path: Path):
     )
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    with pytest.raises(RegistryError) as info:
+    with pytest.raises(StatusError) as info:
         compile_adapter(
             bad.config_raw or config,
             weights,

@@ -13,13 +13,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from loraformat.errors import InvalidArgument, ResourceExhausted
 from loraformat.safetensors_io import (
     SafetensorsFile,
     SafetensorsLimits,
     load_safetensors,
     write_safetensors,
 )
-from registry.errors import InvalidArgument, ResourceExhausted
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:

@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from loraformat.errors import MAX_MESSAGE_CHARS
+from loraformat.names import parse_ref
 from loramux.v1 import registry_pb2 as pb
 from registry.errors import InvalidArgument, quote
-from registry.types import parse_ref
 from tests.registry.harness import BACKENDS, registry_on_backend
 from tests.registry.test_registry_bad_input import assert_nothing_stored
 

@@ -1,0 +1,106 @@
+"""The CUDA-default engine path, run small on the CPU: SDPA attention, the Triton and chunked SGMV backends
+(Triton's CPU interpreter, TRITON_INTERPRET=1, set here before any kernel is imported) and bfloat16.
+
+In float32 every backend must give the reference backends' greedy tokens exactly, for a batch that mixes
+the base model and two adapters. bfloat16 cannot match float32 token for token (near-tied logits of a
+random model flip), so each bfloat16 token is checked against peft in float32 by teacher forcing: it
+must be one of the tokens float32 ranks top within bfloat16's error.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import threading  # noqa: E402
+
+import pytest  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.request import Finished, FinishReason, TokenDelta  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(HAS_CUDA, reason="with CUDA the GPU tests run these backends natively")
+
+ADAPTERS = {
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=81),
+    "all": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], seed=82),
+}
+JOBS = [("Hello world, this is", ""), ("The quick brown fox", "qv"), ("1 2 3 4 5", "all")]  # one batch
+NUM_TOKENS = 4
+BF16_LOGIT_SLACK = 0.1  # measured: bf16 picks are within 0.04 of the best fp32 logit; logits spread ~1
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(make_adapter):
+    return {name: make_adapter(f"backends-{name}", **kwargs) for name, kwargs in ADAPTERS.items()}
+
+
+def run_batch(model_dir, adapter_dirs, tmp_path, **config) -> list[list[int]]:
+    """JOBS submitted together before the loop starts (one batch); each job's greedy tokens."""
+    adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
+    core = EngineCore.build(EngineConfig(model_dir=str(model_dir), adapters=adapters, work_dir=str(tmp_path / "work"), **config))
+    streams = []
+    for prompt, adapter in JOBS:
+        tokens, finals, done = [], [], threading.Event()
+
+        def sink(event, tokens=tokens, finals=finals, done=done):
+            if isinstance(event, TokenDelta):
+                tokens.extend(event.token_ids)
+            else:
+                finals.append(event)
+                done.set()
+
+        record = core.resolve_adapter(adapter) if adapter else None
+        params = SamplingParams(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+        core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink, adapter=record))
+        streams.append((tokens, finals, done))
+    core.loop.start()
+    try:
+        for _, finals, done in streams:
+            assert done.wait(300), "no final event"
+            assert finals == [Finished(FinishReason.LENGTH, "", finals[0].prompt_tokens, NUM_TOKENS, 0)]
+    finally:
+        core.loop.stop()
+    return [tokens for tokens, _, _ in streams]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, adapter_dirs, tmp_path_factory):
+    """The reference backends' float32 tokens (the CPU defaults: "ref" attention and LoRA)."""
+    return run_batch(tiny_llama_dir, adapter_dirs, tmp_path_factory.mktemp("ref"), attention_backend="ref", lora_backend="ref")
+
+
+@pytest.mark.parametrize("lora_backend", ["triton", "chunked"])
+def test_sdpa_and_sgmv_backends_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, lora_backend):
+    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, attention_backend="sdpa", lora_backend=lora_backend)
+    assert tokens == reference
+    assert len({tuple(t) for t in tokens}) == len(JOBS)  # base and adapters differ: LoRA was applied
+
+
+def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):
+    """dtype bfloat16 with SDPA and Triton SGMV (the CUDA defaults but graphs): at every step the token
+    chosen is within BF16_LOGIT_SLACK of the best float32 logit of peft for that adapter."""
+    from transformers import AutoTokenizer
+
+    from loramux.testing.peft_adapters import load_peft_model
+
+    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, dtype="bfloat16", attention_backend="sdpa", lora_backend="triton")
+    model = load_peft_model(tiny_llama_dir, adapter_dirs)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for (prompt, adapter), generated in zip(JOBS, tokens, strict=True):
+        prompt_ids = tokenizer(prompt).input_ids
+        ids = torch.tensor([prompt_ids + generated])
+        with torch.inference_mode():
+            logits = model(input_ids=ids, adapter_names=[adapter or "__base__"]).logits[0].float()
+        steps = logits[len(prompt_ids) - 1 : -1]  # [NUM_TOKENS, vocab]: the logits each token was chosen from
+        chosen = steps.gather(1, torch.tensor(generated)[:, None])[:, 0]
+        gaps = steps.max(dim=1).values - chosen
+        assert (gaps <= BF16_LOGIT_SLACK).all(), (prompt, adapter, gaps.tolist())
