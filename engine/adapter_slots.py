@@ -23,6 +23,7 @@ from engine.step_plan import LoadSlot
 class SlotState:
     index: int
     digest: str | None = None  # None: empty
+    rank: int = 0  # the loaded adapter's rank
     num_users: int = 0  # running requests that use the slot
     is_pinned: bool = False
     last_used: float = 0.0

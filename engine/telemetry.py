@@ -50,7 +50,7 @@ class StepSampler:
     def _sample_residency(self) -> None:
         """Per-adapter residency, recomputed only when a load, eviction, pin or host-cache change happened."""
         lora = self.lora
-        slots = [(s.digest, s.is_pinned, lora.pool.ranks[s.index]) for s in lora.slots.slots if s.digest is not None]
+        slots = [(s.digest, s.is_pinned, s.rank) for s in lora.slots.slots if s.digest is not None]
         cached = lora.host_cache.ranks()
         key = (tuple(slots), tuple(sorted(cached.items())))
         if key == self._residency_key:

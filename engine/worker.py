@@ -160,6 +160,7 @@ class ProcessWorkers:
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
         self._closing = threading.Event()
+        self._dead_lock = threading.Lock()
         try:
             _init_group(spec, store)
             self.local = ModelWorker.build(spec)
@@ -184,8 +185,7 @@ class ProcessWorkers:
     def wait_for_failure(self, timeout: float) -> str | None:
         """The failure if a rank exits within `timeout` seconds (after a step failed), else None."""
         if self.failure is None:
-            multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout)
-            self._note_dead()
+            self._note_dead(multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout))
         return self.failure
 
     def close(self, abandon: bool = False, timeout: float = 10.0) -> None:
@@ -219,17 +219,21 @@ class ProcessWorkers:
     def _watch(self) -> None:
         sentinels = [p.sentinel for p in self._procs]
         while not self._closing.is_set():
-            if multiprocessing.connection.wait(sentinels, 0.5) and not self._closing.is_set():
-                self._note_dead()
+            ready = multiprocessing.connection.wait(sentinels, 0.5)
+            if ready and not self._closing.is_set():
+                self._note_dead(ready)
                 if self.failure is not None and self.on_failure is not None:
                     self.on_failure(self.failure)
                 return
 
-    def _note_dead(self) -> None:
-        for rank, proc in enumerate(self._procs, start=1):
-            if self.failure is None and proc.exitcode is not None and not self._closing.is_set():
-                self.failure = f"model worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                log.error("%s", self.failure)
+    def _note_dead(self, ready: list) -> None:
+        """Record the first rank whose sentinel is ready (it exited). Under a lock: the watcher and the
+        loop thread may both get here, and only one of them can reap the process's exit code."""
+        with self._dead_lock:
+            for rank, proc in enumerate(self._procs, start=1):
+                if self.failure is None and proc.sentinel in ready and not self._closing.is_set():
+                    self.failure = f"model worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                    log.error("%s", self.failure)
 
 
 def start_workers(spec: WorkerSpec) -> LocalWorkers | ProcessWorkers:
