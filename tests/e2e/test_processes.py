@@ -117,6 +117,7 @@ def test_loramux_up_serves_the_demo_model_and_adapter(tmp_path):
         metrics = urllib.request.urlopen(f"http://{up.addresses['metrics']}/metrics", timeout=10).read().decode()
         assert 'loramux_engine_requests_total{adapter="demo",outcome="length"} 1.0' in metrics
         assert "loramux_registry_adapters_registered_total 1.0" in metrics
+        assert 'vllm:num_requests_waiting{model_name="loramux-demo"}' in metrics  # the model-server protocol too
         # Ctrl-C with a stream in flight: the stream ends with an error status, the process exits 0
         with EngineClient(up.addresses["engine"]) as client:
             stream = client.stream(generate_request("long", max_new_tokens=480, ignore_eos=True))
