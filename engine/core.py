@@ -194,6 +194,7 @@ class EngineCore:
         adapter: AdapterRecord | None = None,
         packed: PackedAdapter | None = None,
         deadline: float | None = None,
+        tenant: str = "",
     ) -> Request:
         params = params.resolve(len(prompt_ids), self.max_context)
         params.validate(self.model_config.vocab_size, self.max_context, len(prompt_ids))
@@ -210,6 +211,7 @@ class EngineCore:
             generator=None if params.is_greedy else make_generator(params.seed, self.config.device),
             eos_token_ids=frozenset(itertools.chain(self.tokenizer.eos_token_ids, self.model_config.eos_token_ids)),
             deadline=deadline,
+            tenant=tenant,
         )
 
 

@@ -69,6 +69,7 @@ class Request:
     eos_token_ids: frozenset[int]
     deadline: float | None = None  # time.monotonic() seconds
     adapter_ref: str = ""  # the resolved "name@version" reported in GenerateComplete
+    tenant: str = ""  # who asked (fair share between tenants); "" without authentication
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     kv_slots: list[int] = field(default_factory=list)

@@ -49,8 +49,11 @@ class EngineServer:
 
     def __init__(self, config: EngineConfig, core: EngineCore):
         check_exposure(config.host, config.auth, config.allow_unauthenticated, "engine")
-        if config.auth and not config.registry:
-            raise ValueError("engine: --auth needs --registry (keys are checked through the registry)")
+        if config.auth and not (config.registry and config.api_key):
+            raise ValueError(
+                "engine: --auth needs --registry and the engine's own key (--api-key or --api-key-file, role"
+                " engine): clients' keys are checked through the registry"
+            )
         self.config = config
         self.core = core
         self.admin = AdapterAdmin(core)
@@ -64,7 +67,7 @@ class EngineServer:
             self.metrics.model_server.set_lora_requests(len(core.lora.slots.slots), [], [])
         # Prompts over max_prompt_bytes get a clear INVALID_ARGUMENT rather than gRPC's size error.
         self.host = ServiceHost([SERVICE_NAME], max_receive_bytes=max(16 << 20, 2 * config.max_prompt_bytes))
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, self.admin, self.admission), self.host.server)
+        self.host.add_servicer(engine_pb2_grpc.add_EngineServicer_to_server, EngineServicer(core, self.admin, self.admission))
         credentials = config.tls.server_credentials() if config.tls.is_on else None
         self.port = self.host.bind(config.host, config.port, credentials)
         self.http: HttpFront | None = None

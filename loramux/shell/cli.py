@@ -78,6 +78,8 @@ def _server_security_flags(p: argparse.ArgumentParser, env: _EnvDefaults, regist
     if registry:
         p.add_argument("--admin-key-file", default=env("--admin-key-file", ""),
                        help="with --auth: where the first admin key is written (mode 0600) if absent (default: DATA_DIR/admin.key)")
+        p.add_argument("--engine-key-file", default=env("--engine-key-file", ""),
+                       help="with --auth: an engine key (role engine) made there at start if absent, adopted if present")
         p.add_argument("--import-allow-s3", action="append", default=[], metavar="s3://BUCKET[/PREFIX]",
                        help="S3 prefix source_uri imports may read (repeatable; without --auth and without any: every bucket)")
     _tls_flags(p, env, server=True)
@@ -92,6 +94,9 @@ def _add_key_commands(sub, env: _EnvDefaults) -> None:
     create.set_defaults(func=commands.keys_create)
     listing = keys.add_parser("list", help="every key (never their secrets)")
     listing.set_defaults(func=commands.keys_list)
+    generate = keys.add_parser("generate", help="print a new well-formed key without contacting the registry"
+                               " (for a Secret that --admin-key-file or --engine-key-file adopts)")
+    generate.set_defaults(func=commands.keys_generate)
     revoke = keys.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
     revoke.set_defaults(func=commands.keys_revoke)
@@ -181,6 +186,7 @@ def _add_engine_commands(sub, env: _EnvDefaults) -> None:
     _server_security_flags(serve, env, registry=False)
     serve.add_argument("--api-key", default=env("--api-key", ""),
                        help="this engine's own key (role engine) for the registry; with --auth it checks clients' keys")
+    serve.add_argument("--api-key-file", default=env("--api-key-file", ""), help="read --api-key from this file (a mounted Secret)")
     serve.set_defaults(func=commands.engine_serve)
 
 

@@ -25,6 +25,7 @@ def registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryCon
         import_allow_s3=tuple(getattr(args, "import_allow_s3", [])),
         auth=getattr(args, "auth", False),
         admin_key_file=Path(args.admin_key_file).expanduser() if getattr(args, "admin_key_file", "") else None,
+        engine_key_file=Path(args.engine_key_file).expanduser() if getattr(args, "engine_key_file", "") else None,
         allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
         tls=tls_files(args),
     )
@@ -65,7 +66,15 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_backend=args.lora_backend,
         registry=registry or getattr(args, "registry", ""),
         auth=getattr(args, "auth", False),
-        api_key=getattr(args, "api_key", ""),
+        api_key=api_key(args),
         allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
         tls=tls_files(args),
     )
+
+
+def api_key(args) -> str:
+    """--api-key, else the contents of --api-key-file (a mounted Secret), else ''."""
+    if getattr(args, "api_key", ""):
+        return args.api_key
+    path = getattr(args, "api_key_file", "")
+    return Path(path).read_text().strip() if path else ""

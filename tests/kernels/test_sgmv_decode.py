@@ -147,3 +147,38 @@ def test_decode_shrink_with_expand_is_the_lora_delta():
     sgmv_expand(sgmv_shrink_auto(x, A, meta, num_stack=1), B, meta, y, output_slices=((0, out_dim),))
     assert (y.double().cpu() - expected).abs().max().item() <= 1e-3 * expected.abs().max().item()
     assert (expected - y_before).abs().max().item() > 0.1  # a no-op shrink would fail above
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replay_follows_refilled_slots_and_ranks():
+    """Captured once (the engine's decode graphs), replayed after the metadata tensors were refilled
+    in place with other slots and ranks: the rank-bounded loops and the split workspace follow."""
+    batch, in_dim, num_slots = 12, 1000, 5
+    gen = torch.Generator().manual_seed(7)
+    A = (torch.randn(num_slots, 2 * MAX_RANK, in_dim, generator=gen) / in_dim**0.5).to(DEVICE, torch.bfloat16)
+    x = torch.randn(batch, in_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.zeros(batch, 2 * MAX_RANK, device=DEVICE, dtype=torch.bfloat16)
+    meta = SgmvMeta.from_lists([1] * batch, [0] * batch, [0, 16, 64, 4, 0], [1.0] * num_slots, DEVICE)
+    sgmv_shrink_decode(x, A, meta, num_stack=2, out=v)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sgmv_shrink_decode(x, A, meta, num_stack=2, out=v)
+    for slots, ranks in (
+        ([1, 2, 3, 0] * 3, [0, 16, 64, 4, 0]),
+        ([4] * 12, [0, 8, 8, 8, 32]),
+        ([2] * 12, [0, 1, 64, 1, 1]),
+    ):
+        meta.weight_indices.copy_(torch.tensor(slots, dtype=torch.int32))
+        meta.lora_ranks.copy_(torch.tensor(ranks, dtype=torch.int32))
+        v.zero_()
+        graph.replay()
+        expected = fp64_shrink(x, A, [1] * batch, slots, ranks, 2)
+        got = v.double().cpu()
+        for (row, col), value in expected.items():
+            assert abs(got[row, col].item() - value) <= 4e-2 * max(1.0, abs(value)), (row, col)
+        written = torch.zeros(got.shape, dtype=torch.bool)
+        for row, col in expected:
+            written[row, col] = True
+        assert (got[~written] == 0).all()

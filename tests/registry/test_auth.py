@@ -179,3 +179,23 @@ async def test_unauthenticated_service_refuses_a_public_address(tmp_path):
 def test_bearer_metadata_shape():
     assert auth_metadata("k") == (("authorization", "Bearer k"),)
     assert auth_metadata("") == ()
+
+
+async def test_key_files_are_written_once_or_adopted_from_a_secret(tmp_path):
+    from loramux.security import new_key, write_secret_file
+    from tests.registry.harness import running_registry
+
+    operator_key = new_key()[0]  # what `loramux keys generate` prints, put in a Secret by an operator
+    write_secret_file(tmp_path / "secret" / "admin.key", operator_key)
+    config = {"auth": True, "admin_key_file": tmp_path / "secret" / "admin.key", "engine_key_file": tmp_path / "keys" / "engine.key"}
+    async with running_registry(tmp_path / "d", **config) as registry:
+        assert registry.metadata == auth_metadata(operator_key)  # the adopted key is the admin's
+        listed = await registry.stub.ListKeys(pb.ListKeysRequest(), metadata=registry.metadata)
+        assert sorted(k.role for k in listed.keys) == ["admin", "engine"]
+        engine_key = (tmp_path / "keys" / "engine.key").read_text().strip()
+        assert stat.S_IMODE(os.stat(tmp_path / "keys" / "engine.key").st_mode) == 0o600
+        check = await registry.stub.CheckKey(pb.CheckKeyRequest(key=operator_key), metadata=auth_metadata(engine_key))
+        assert check.valid and check.key.role == "admin"
+    async with running_registry(tmp_path / "d", **config) as registry:  # a restart makes no new keys
+        listed = await registry.stub.ListKeys(pb.ListKeysRequest(), metadata=registry.metadata)
+        assert len(listed.keys) == 2 and (tmp_path / "keys" / "engine.key").read_text().strip() == engine_key
