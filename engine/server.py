@@ -69,7 +69,7 @@ class EngineServer:
             self.metrics.model_server.set_lora_requests(len(core.lora.slots.slots), [], [])
         # Prompts over max_prompt_bytes get a clear INVALID_ARGUMENT rather than gRPC's size error.
         self.host = ServiceHost([SERVICE_NAME], max_receive_bytes=max(16 << 20, 2 * config.max_prompt_bytes))
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, self.admin, self.admission), self.host.server)
+        self.host.add_servicer(engine_pb2_grpc.add_EngineServicer_to_server, EngineServicer(core, self.admin, self.admission))
         credentials = config.tls.server_credentials() if config.tls.is_on else None
         self.port = self.host.bind(config.host, config.port, credentials)
         self.http: HttpFront | None = None
