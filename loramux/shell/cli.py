@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import grpc
 
-from engine.config import DEFAULT_ENGINE_PORT, DEFAULT_HTTP_PORT
+from engine.config import DEFAULT_ENGINE_PORT, DEFAULT_HTTP_PORT, DEFAULT_LORA_DRAIN_WAIT_S
 from loraformat.errors import StatusError
 from loramux.shell import commands
 from registry.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_REGISTRY_PORT
@@ -207,8 +207,9 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")
     p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))
     p.add_argument(
-        "--lora-drain-wait-s", type=float, default=float(env("--lora-drain-wait-s", 0.0)),
-        help="drain a running adapter when another adapter's requests waited this long for a slot (0 = off)",
+        "--lora-drain-wait-s", type=float, default=float(env("--lora-drain-wait-s", DEFAULT_LORA_DRAIN_WAIT_S)),
+        help="starvation drain: when another adapter's requests waited this long for a slot, stop admitting"
+        " to the running adapter with the fewest remaining tokens; 0 turns it off",
     )
     p.add_argument("--lora-eviction-policy", default=env("--lora-eviction-policy", "lru"), choices=("lru", "fifo"))
     p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton, chunked or splitk (default: triton on cuda)")
