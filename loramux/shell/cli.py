@@ -249,7 +249,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(up, env)
     _server_security_flags(up, env, registry=True)
+    up.add_argument("--detach", action="store_true",
+                    help="run in the background (pid file, output and logs in --data-dir) and return once ready;"
+                    " `loramux down` stops it")
     up.set_defaults(func=commands.up)
+    down = sub.add_parser("down", help="stop the `loramux up --detach` of a data dir (Ctrl-C stops a foreground one)")
+    down.add_argument("--data-dir", default=env("--data-dir", DEFAULT_DATA_DIR), help="the data dir of that loramux up")
+    down.set_defaults(func=commands.down)
     _add_registry_commands(sub, env)
     _add_engine_commands(sub, env)
     _add_generate_command(sub, env)
@@ -261,6 +267,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(dict(os.environ)).parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args) or 0
     except grpc.RpcError as exc:

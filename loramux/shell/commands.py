@@ -96,10 +96,24 @@ def generate(args) -> int:
 
 
 def up(args) -> int:
+    from loramux.shell import background
     from loramux.shell.up import run_up
 
-    _setup_logging()
-    asyncio.run(run_up(args))
+    data_dir = Path(args.data_dir).expanduser()
+    if args.detach:
+        return background.detach([a for a in args.argv if a != "--detach"], data_dir)
+    with background.holding_pid_file(data_dir):
+        _setup_logging()
+        asyncio.run(run_up(args))
+    return 0
+
+
+def down(args) -> int:
+    from loramux.shell import background
+
+    data_dir = Path(args.data_dir).expanduser()
+    pid = background.stop(data_dir)
+    print(f"stopped loramux up (pid {pid}) of {data_dir}")
     return 0
 
 
