@@ -66,6 +66,7 @@ class Admission:
         self.core = core
         self.auth = auth or OpenDoor()
         self.is_open = False
+        self.num_fetching = 0  # admitted requests waiting for their adapter's fetch
 
     async def authenticate(self, key: str) -> Principal:
         """The holder of `key` (ANONYMOUS without authentication); AdmissionError UNAUTHENTICATED."""
@@ -102,10 +103,16 @@ class Admission:
             tenant=inp.caller.tenant,
         )
         limit = core.config.max_queued_requests
-        if core.loop.num_active >= limit:
+        # Requests still waiting for their adapter's fetch count too: they are queued, only not yet
+        # in the loop (the check and the count below run without an await between them).
+        if core.loop.num_active + self.num_fetching >= limit:
             raise AdmissionError(Code.RESOURCE_EXHAUSTED, f"the engine queue is full ({limit} requests)")
         if adapter is not None:  # fetched here, after every cheap check, so the engine loop never waits on it
-            req.packed_adapter = await core.prepare(adapter)
+            self.num_fetching += 1
+            try:
+                req.packed_adapter = await core.prepare(adapter)
+            finally:
+                self.num_fetching -= 1
         return req
 
 

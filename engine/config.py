@@ -39,6 +39,7 @@ class EngineConfig:
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
+    tensor_parallel_size: int = 1  # model workers (GPUs), one per tensor-parallel rank
     # Security: with auth, clients' keys are checked through the registry (answers cached key_cache_s);
     # api_key is the engine's own key for the registry; tls serves TLS and links to the registry with it.
     auth: bool = False
@@ -46,6 +47,10 @@ class EngineConfig:
     key_cache_s: float = 5.0
     allow_unauthenticated: bool = False
     tls: TlsFiles = field(default_factory=TlsFiles)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @property
     def resolved_base_model_name(self) -> str:

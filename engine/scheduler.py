@@ -66,6 +66,11 @@ class Scheduler:
         self.num_retractions = 0
         self._num_by_tenant: Counter[str] = Counter()  # requests waiting or running, per tenant
         self._counted: set[int] = set()  # id() of the requests _num_by_tenant counts
+        self.released: list[int] = []  # uids of requests finished since the last plan
+
+    def take_released(self) -> list[int]:
+        released, self.released = self.released, []
+        return released
 
     @property
     def num_requests(self) -> int:
@@ -103,6 +108,7 @@ class Scheduler:
             if not self._num_by_tenant[req.tenant]:
                 del self._num_by_tenant[req.tenant]
         req.is_finished = True
+        self.released.append(req.uid)
         self._release(req)
         if req in self.running:
             self.running.remove(req)

@@ -7,6 +7,11 @@ body. A family's model file (engine/models/llama.py, qwen3.py) picks or extends 
 Parameter names are Hugging Face's without the leading "model." and with q/k/v fused into
 `self_attn.qkv_proj` (rows: q, then k, then v) and gate/up into `mlp.gate_up_proj` (rows: gate, then up).
 
+Tensor parallelism (engine/parallel.py): q/k/v and gate/up are column-parallel, o and down row-parallel;
+a rank holds its heads, KV heads and MLP features (`self.config` is that rank's view, `full_config` the
+checkpoint's), and o's and down's partial sums are all-reduced after their LoRA delta is added.
+Embeddings and the LM head are replicated on every rank.
+
 LoRA seam: every linear is applied through one `project_*` method of its module (`Attention.project_qkv`,
 `Attention.project_o`, `MLP.project_gate_up`, `MLP.project_down`); the LoRA delta of a fused target is
 added there and nowhere else.
@@ -19,9 +24,8 @@ from torch import nn
 from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs
 from engine.model_config import ModelConfig
+from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, local_config
 from engine.rope import apply_rope, cos_sin_cache
-from kernels.attention_ref import extend_attention_ref
-from kernels.attention_sdpa import sdpa_extend_attention
 
 
 class RMSNorm(nn.Module):
@@ -50,12 +54,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, **factory):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE, **factory):
         super().__init__()
-        self.config, self.layer_id = config, layer_id
-        qkv_size = config.q_size + 2 * config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias, **factory)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias, **factory)
+        self.config, self.layer_id, self.tp = local_config(config, tp), layer_id, tp
+        q, kv = config.q_size, config.kv_size
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), config.qkv_bias, tp, **factory)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, config.o_bias, tp, **factory)
         self.scale = config.head_dim**-0.5
 
     def project_qkv(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
@@ -65,10 +69,10 @@ class Attention(nn.Module):
         return y
 
     def project_o(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        y = self.o_proj(x)  # x: [T, q_size] -> y: [T, hidden]
+        y = self.o_proj(x)  # x: [T, q_size] -> y: [T, hidden], this rank's partial sum
         if lora is not None:
             lora.add("o", self.layer_id, x, y)
-        return y
+        return self.tp.all_reduce(y)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A family's per-head transform of q and k before RoPE; none in the Llama family."""
@@ -98,7 +102,7 @@ class Attention(nn.Module):
                 qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             )  # fmt: skip
-            o = _attend(q, k_cache, v_cache, attn, self.scale)  # [T, H, D]
+            o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
             return self.project_o(o.reshape(-1, c.q_size), lora)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)  # [T, H, D]
@@ -108,46 +112,17 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, positions, cos_sin)
         k_cache[attn.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[attn.out_cache_loc] = v.to(v_cache.dtype)
-        o = _attend(q, k_cache, v_cache, attn, self.scale)  # [T, H, D]
+        o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
         return self.project_o(o.reshape(-1, c.q_size), lora)
 
 
-def _attend(
-    q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    attn: AttentionInputs,
-    scale: float,
-) -> torch.Tensor:  # [T, H, D]
-    if attn.decode_plan is not None:
-        from kernels.decode_attention import decode_attention  # Triton: only where graphs run (CUDA)
-
-        plan = attn.decode_plan
-        return decode_attention(
-            q, k_cache, v_cache, attn.req_to_token, plan.req_rows, plan.seq_lens, scale,
-            max_context=plan.max_context, workspace=plan.workspace,
-        )
-    if attn.sdpa_plan is not None:
-        return sdpa_extend_attention(q, k_cache, v_cache, attn.sdpa_plan, scale)
-    return extend_attention_ref(
-        q,
-        k_cache,
-        v_cache,
-        attn.req_to_token,
-        attn.req_pool_indices,
-        attn.prefix_lens,
-        attn.extend_lens,
-        scale,
-    )
-
-
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, **factory):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE, **factory):
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id, self.tp = layer_id, tp
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=config.mlp_bias, **factory)
-        self.down_proj = nn.Linear(inter, hidden, bias=config.mlp_bias, **factory)
+        self.gate_up_proj = ColumnParallelLinear(hidden, (inter, inter), config.mlp_bias, tp, **factory)
+        self.down_proj = RowParallelLinear(inter, hidden, config.mlp_bias, tp, **factory)
 
     def project_gate_up(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
         y = self.gate_up_proj(x)  # x: [T, hidden] -> y: [T, 2 * inter]
@@ -156,10 +131,10 @@ class MLP(nn.Module):
         return y
 
     def project_down(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        y = self.down_proj(x)  # x: [T, inter] -> y: [T, hidden]
+        y = self.down_proj(x)  # x: [T, inter] -> y: [T, hidden], this rank's partial sum
         if lora is not None:
             lora.add("down", self.layer_id, x, y)
-        return y
+        return self.tp.all_reduce(y)
 
     def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> torch.Tensor:  # x: [T, hidden]
         gate_up = self.project_gate_up(x, lora)  # [T, 2 * inter]
@@ -172,12 +147,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, attention: type[Attention] = Attention, **factory):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, attention: type[Attention] = Attention, tp: TensorParallel = SINGLE, **factory
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = attention(config, layer_id, **factory)
+        self.self_attn = attention(config, layer_id, tp, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = MLP(config, layer_id, **factory)
+        self.mlp = MLP(config, layer_id, tp, **factory)
 
     def forward(
         self,
@@ -205,14 +182,19 @@ class DecoderModel(nn.Module):
     attention: type[Attention] = Attention
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
-        self.config = config
+        self.config, self.full_config, self.tp = local_config(config, tp), config, tp
         factory = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.attention, **factory) for i in range(config.num_layers)
+            DecoderLayer(config, i, self.attention, tp, **factory) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.lm_head = None

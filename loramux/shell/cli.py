@@ -212,6 +212,10 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     )
     p.add_argument("--lora-eviction-policy", default=env("--lora-eviction-policy", "lru"), choices=("lru", "fifo"))
     p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton, chunked or splitk (default: triton on cuda)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=int(env("--tensor-parallel-size", 1)),
+        help="model workers, one per GPU (cuda:0..N-1); gloo processes on cpu",
+    )
 
 
 def _add_generate_command(sub, env: _EnvDefaults) -> None:

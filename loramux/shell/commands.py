@@ -44,12 +44,17 @@ def registry_serve(args) -> int:
 def registry_gc(args) -> int:
     from registry.server import build_service
 
-    service = build_service(registry_config(args))
-    result = service.collect_garbage(args.grace_s, dry_run=args.dry_run)
+    service = build_service(registry_config(args), reclaim=False)
+    try:
+        result = service.collect_garbage(args.grace_s, dry_run=args.dry_run)
+    finally:
+        service.close()
     verb = "would remove" if args.dry_run else "removed"
     for blob in result.removed:
         print(f"{verb} {blob.digest} ({blob.size} bytes)")
     print(f"{verb} {len(result.removed)} blobs; kept {result.kept_young} younger than {args.grace_s:g}s")
+    if not args.dry_run:
+        print(f"reclaimed {result.leftovers}")
     return 0
 
 

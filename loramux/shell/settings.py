@@ -65,6 +65,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_drain_wait_s=args.lora_drain_wait_s,
         lora_backend=args.lora_backend,
         registry=registry or getattr(args, "registry", ""),
+        tensor_parallel_size=args.tensor_parallel_size,
         auth=getattr(args, "auth", False),
         api_key=api_key(args),
         allow_unauthenticated=getattr(args, "allow_unauthenticated", False),

@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from engine.server import start_engine
+from engine.server import start_engine, stop_on_failure
 from loramux.grpc_server import stop_event_on_signals
 from loramux.metrics import start_metrics_server
 from loramux.ready import announce
@@ -89,9 +89,13 @@ async def run_up(args) -> None:
         print(f"try: loramux generate --engine {engine.address} 'Once upon a time'", flush=True)
     if engine.http is not None:
         print(f"     {curl_line(engine, 'demo' if not args.model else base_name)}", flush=True)
+    relay = stop_on_failure(engine, stop)
     await stop.wait()
+    relay.cancel()
     log.info("shutting down")
     await engine.stop()
     await registry.stop()
     if metrics_server is not None:
         await asyncio.to_thread(metrics_server.shutdown)
+    if engine.failure is not None:
+        raise SystemExit(f"engine failed: {engine.failure}")

@@ -98,6 +98,10 @@ def test_chat_equals_grpc_generate_on_the_templated_prompt(stack, client, model)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+    with_usage = list(client.chat.completions.create(model=model, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in with_usage if c.choices) == expected
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 8
+    assert with_usage[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same conversation again
 
 
 def test_stop_strings_end_the_text(stack, client):

@@ -3,6 +3,7 @@ LoRA slot a steady flow of one adapter's requests would otherwise hold forever."
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -21,17 +22,6 @@ from engine.sampling import SamplingParams
 WAIT_S = 2.0
 
 
-class FakePool:
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-
-    def load(self, slot, adapter) -> None:
-        pass
-
-    def clear(self, slot) -> None:
-        pass
-
-
 def load_nothing():
     """A packed adapter's stand-in: the slots read only its rank; the fake pool copies nothing."""
     return SimpleNamespace(rank=4)
@@ -41,7 +31,7 @@ class FakeLora:
     """LoraManager's surface over real AdapterSlots; loads nothing."""
 
     def __init__(self, num_slots: int):
-        self.slots = AdapterSlots(FakePool(num_slots))
+        self.slots = AdapterSlots(num_slots)
 
     def can_acquire(self, digest: str) -> bool:
         return self.slots.can_acquire(digest)
@@ -247,6 +237,7 @@ class Flow:
     def __init__(self, core: EngineCore, adapter: str):
         self.core = core
         self.record = core.resolve_adapter(adapter)
+        self.packed = asyncio.run(core.prepare(self.record))
         self.prompt = core.prompt_ids("The quick brown fox", None)
         self.submitted_at: list[float] = []
         self.num_finished = 0
@@ -276,7 +267,7 @@ class Flow:
             with self._lock:
                 self.num_active += 1
             params = SamplingParams(max_new_tokens=FLOW_TOKENS, ignore_eos=True)
-            self.core.loop.submit(self.core.new_request(self.prompt, params, self._sink(), adapter=self.record))
+            self.core.loop.submit(self.core.new_request(self.prompt, params, self._sink(), adapter=self.record, packed=self.packed))
             self.submitted_at.append(time.monotonic())
 
     def _sink(self):
@@ -308,7 +299,9 @@ def submit_b(core: EngineCore) -> dict:
             out["done"].set()
 
     params = SamplingParams(max_new_tokens=B_TOKENS, ignore_eos=True)
-    core.loop.submit(core.new_request(core.prompt_ids("Hello world", None), params, sink, adapter=core.resolve_adapter("b")))
+    record = core.resolve_adapter("b")
+    packed = asyncio.run(core.prepare(record))
+    core.loop.submit(core.new_request(core.prompt_ids("Hello world", None), params, sink, adapter=record, packed=packed))
     return out
 
 
