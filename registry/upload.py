@@ -73,7 +73,8 @@ async def _with_idle_timeout(requests: AsyncIterator[T], idle_timeout_s: float) 
     iterator = aiter(requests)
     while True:
         try:
-            item = await asyncio.wait_for(anext(iterator), idle_timeout_s)
+            async with asyncio.timeout(idle_timeout_s):  # no extra task: gRPC's reads stay in the handler's
+                item = await anext(iterator)
         except StopAsyncIteration:
             return
         except TimeoutError:
