@@ -11,6 +11,13 @@ DEFAULT_ENGINE_PORT = 50052
 DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible front of `loramux up` (vLLM's port)
 
 
+# On by default: without it one busy adapter can hold every slot while another adapter's requests wait
+# forever. 2 s is long next to a slot's normal turnover (a request of a few hundred tokens at decode
+# speed), so steady mixed traffic never drains, and short enough that a starved adapter waits seconds,
+# not minutes (tests/engine/test_drain.py runs the default configuration through both cases).
+DEFAULT_LORA_DRAIN_WAIT_S = 2.0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
@@ -34,7 +41,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_host_adapters: int = 64
     lora_eviction_policy: str = "lru"  # or "fifo"
-    lora_drain_wait_s: float = 0.0  # starvation drain threshold (DESIGN 7); 0 = off
+    lora_drain_wait_s: float = DEFAULT_LORA_DRAIN_WAIT_S  # starvation drain threshold (DESIGN 7); 0 = off
     lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked" / "splitk"
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only

@@ -20,6 +20,8 @@ def registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryCon
         object_store=getattr(args, "object_store", ""),
         max_lora_rank=getattr(args, "max_lora_rank", RegistryConfig.max_lora_rank),
         max_upload_bytes=getattr(args, "max_upload_bytes", RegistryConfig.max_upload_bytes),
+        max_concurrent_uploads=getattr(args, "max_concurrent_uploads", RegistryConfig.max_concurrent_uploads),
+        upload_idle_timeout_s=getattr(args, "upload_idle_timeout_s", RegistryConfig.upload_idle_timeout_s),
         import_allow_dirs=tuple(Path(d).resolve() for d in getattr(args, "import_allow_dir", [])),
         import_s3_endpoint_url=getattr(args, "import_s3_endpoint_url", ""),
         import_allow_s3=tuple(getattr(args, "import_allow_s3", [])),

@@ -167,3 +167,43 @@ def test_engine_process_with_cli_and_grpcurl(tiny_llama_dir, make_adapter):
         assert reply["choices"][0]["text"] == with_adapter.stdout.rstrip("\n") and reply["usage"]["completion_tokens"] == 5
     finally:
         assert engine.interrupt() == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_first_command_then_down(tmp_path):
+    """The README's first command as written (after its install step), on free ports and a fresh HOME:
+    `up --detach` returns once ready, the clients run, `loramux down` stops it and frees the ports."""
+    import os
+    import re as regex
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    first = regex.search(r"```bash\n(.*?)\n```", readme, flags=regex.S).group(1)
+    command = first[first.index(".venv/bin/loramux up --detach"):]
+    bin_dir = str(Path(sys.executable).parent) + "/"
+    ports = {name: _free_port() for name in ("REGISTRY_PORT", "ENGINE_PORT", "HTTP_PORT")}
+    command = command.replace(".venv/bin/", bin_dir).replace("127.0.0.1:8000", f"127.0.0.1:{ports['HTTP_PORT']}")
+    env = {**os.environ, "HOME": str(tmp_path), "NO_PROXY": "127.0.0.1,localhost"}
+    env.update({f"LORAMUX_{name}": str(port) for name, port in ports.items()})
+    env["LORAMUX_REGISTRY"] = f"127.0.0.1:{ports['REGISTRY_PORT']}"
+    env["LORAMUX_ENGINE"] = f"127.0.0.1:{ports['ENGINE_PORT']}"
+    data_dir = tmp_path / ".loramux"
+    try:
+        proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "loramux is up in the background" in proc.stdout and '"choices"' in proc.stdout
+        assert "INFO" not in proc.stdout + proc.stderr  # server logs go to the log file, not the terminal
+        assert (data_dir / "loramux.pid").is_file()
+    finally:
+        down = subprocess.run([bin_dir + "loramux", "down", "--data-dir", str(data_dir)], capture_output=True,
+                              text=True, env=env, timeout=120)
+    assert down.returncode == 0 and "stopped loramux up" in down.stdout, down.stderr
+    assert not (data_dir / "loramux.pid").exists()
+    again = subprocess.run([bin_dir + "loramux", "down", "--data-dir", str(data_dir)], capture_output=True, text=True, env=env)
+    assert again.returncode == 1 and again.stderr.strip() == f"error: no loramux up is running for {data_dir}"

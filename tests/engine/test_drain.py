@@ -309,15 +309,16 @@ def submit_b(core: EngineCore) -> dict:
 def engine(tiny_llama_dir, make_adapter, tmp_path):
     cores: list[EngineCore] = []
 
-    def build(drain_wait_s: float) -> EngineCore:
+    def build(drain_wait_s: float | None, num_slots: int = 1) -> EngineCore:
+        """drain_wait_s None = the default configuration's threshold."""
         dirs = {name: make_adapter(f"drain-{name}", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=seed)
                 for name, seed in (("a", 61), ("b", 62))}
         config = EngineConfig(
             model_dir=str(tiny_llama_dir),
             adapters=tuple((name, str(path)) for name, path in dirs.items()),
             work_dir=str(tmp_path / f"work-{len(cores)}"),
-            max_loras_per_batch=1,
-            lora_drain_wait_s=drain_wait_s,
+            max_loras_per_batch=num_slots,
+            **({} if drain_wait_s is None else {"lora_drain_wait_s": drain_wait_s}),
         )
         core = EngineCore.build(config)
         cores.append(core)
@@ -373,3 +374,26 @@ def test_without_drain_a_steady_flow_starves_the_other_adapter(engine):
     flow.stop()
     assert b["done"].wait(HANG_S) and isinstance(b["final"], Finished)
     assert b["end"] > stopped_at
+
+
+def test_the_default_configuration_drains_a_starving_adapter(engine):
+    """On by default: under the default threshold a steady flow of A no longer starves B."""
+    core = engine(None)
+    assert core.loop.scheduler.drain is not None
+    flow = start_flow(core)
+    b = submit_b(core)
+    assert b["done"].wait(HANG_S), "B starved under the default configuration"
+    assert isinstance(b["final"], Finished) and core.loop.scheduler.drain.num_drains >= 1
+    flow.stop()
+
+
+def test_the_default_threshold_never_drains_when_slots_suffice(engine):
+    """The same traffic with a slot for each adapter: the default threshold drains nothing."""
+    core = engine(None, num_slots=2)
+    flow = start_flow(core)
+    b = submit_b(core)
+    assert b["done"].wait(HANG_S) and isinstance(b["final"], Finished)
+    num_finished_at_b = flow.num_finished
+    until(lambda: flow.num_finished >= num_finished_at_b + 3, "the A flow runs on")
+    assert core.loop.scheduler.drain.num_drains == 0
+    flow.stop()

@@ -346,38 +346,31 @@ async def test_a_deadline_passed_during_compile_commits_nothing(tmp_path, tiny_l
         assert await registry.list_all() == []
 
 
-async def test_shutdown_finishes_registrations_within_the_grace(tmp_path, tiny_llama_dir, adapter_dir, monkeypatch):
+@pytest.mark.parametrize("is_within_grace", [True, False])
+async def test_shutdown_finishes_or_stops_registrations_within_the_grace(
+    tmp_path, tiny_llama_dir, adapter_dir, monkeypatch, is_within_grace
+):
+    """Compile ending inside the grace: the registration completes. Past it: the client hears that it
+    failed, stop() returns once the worker stopped at its gate, and nothing was committed."""
     data = tmp_path / "data"
     async with running_registry(data) as registry:
         await registry.register_base("tiny", tiny_llama_dir)
     with compile_held(monkeypatch) as (entered, release):
         async with _registry_stopped_by_hand(data) as (server, stub):
-            call = stub.RegisterAdapter(_aiter(upload_requests(pb.AdapterSpec(name="kept"), _files(adapter_dir))))
+            call = stub.RegisterAdapter(_aiter(upload_requests(pb.AdapterSpec(name="held"), _files(adapter_dir))))
             assert await asyncio.to_thread(entered.wait, 30)
-            stopping = asyncio.ensure_future(server.stop(grace=30))
-            release.set()  # compile ends inside the grace: the registration completes
-            assert (await call).version == 1
+            stopping = asyncio.ensure_future(server.stop(grace=30 if is_within_grace else 0.2))
+            if is_within_grace:
+                release.set()
+                assert (await call).version == 1
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call
+                assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                release.set()
             await stopping
     async with running_registry(data) as registry:
-        assert [a.name for a in await registry.list_all()] == ["kept"]
-
-
-async def test_shutdown_past_the_grace_commits_nothing(tmp_path, tiny_llama_dir, adapter_dir, monkeypatch):
-    data = tmp_path / "data"
-    async with running_registry(data) as registry:
-        await registry.register_base("tiny", tiny_llama_dir)
-    with compile_held(monkeypatch) as (entered, release):
-        async with _registry_stopped_by_hand(data) as (server, stub):
-            call = stub.RegisterAdapter(_aiter(upload_requests(pb.AdapterSpec(name="cut"), _files(adapter_dir))))
-            assert await asyncio.to_thread(entered.wait, 30)
-            stopping = asyncio.ensure_future(server.stop(grace=0.2))
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await call  # the client hears that it failed...
-            assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-            release.set()
-            await stopping  # ...and stop() returns once the worker stopped at its gate
-    async with running_registry(data) as registry:
-        assert await registry.list_all() == []  # ...so nothing was committed
+        assert [a.name for a in await registry.list_all()] == (["held"] if is_within_grace else [])
 
 
 @contextlib.asynccontextmanager
