@@ -1,10 +1,13 @@
-"""Decode-step time and prefill throughput of the engine's base-model path (scheduler + runner +
-model), with random weights in a named shape.
+"""Decode-step time and prefill throughput of the engine's path (scheduler -> step plan -> model
+workers -> sampled tokens), with random weights in a named shape, on 1..N tensor-parallel ranks.
 
     python benchmarks/engine_step.py --shape llama3-8b --device cuda --batch 1 32 --prompt-len 128
+    python benchmarks/engine_step.py --shape llama3-70b --tensor-parallel-size 2 --adapters 0 1 8 32
 
-Reports, per batch size, the median time of a decode step (every request computes one token and
-samples), next to the weight-read floor (parameter bytes / copy bandwidth), and prefill tokens/s.
+Reports, per batch size and number of distinct rank-16 adapters, the median time of a decode step
+(every request computes one token and samples), next to the weight-read floors: the whole model's
+parameter bytes / copy bandwidth, and one rank's (what each GPU reads per step), and prefill tokens/s.
+One engine per batch size (its slot pool sized for the most adapters) serves every adapter count.
 """
 
 from __future__ import annotations
@@ -13,23 +16,31 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
 from engine.adapter_cache import HostAdapterCache
 from engine.adapter_slots import AdapterSlots
-from engine.forward_inputs import KVBuffers
+from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
-from engine.lora_pool import LoraSlotPool, PackedAdapter
-from engine.model_runner import ModelRunner
+from engine.lora_pool import PackedAdapter, fused_targets
+from engine.model_config import ModelConfig
+from engine.named_shapes import NAMED_SHAPES
+from engine.parallel import TensorParallel
 from engine.radix_cache import RadixCache
 from engine.request import Request
 from engine.request_kv import RequestKV
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.text import StopMatcher
-from engine.weights import random_model
+from engine.worker import WorkerSpec, start_workers
+
+# Llama-3-70B: 80 layers, hidden 8192, 64 heads / 8 KV heads, MLP 28672, vocab 128256 (70.6 B parameters)
+LLAMA3_70B = replace(NAMED_SHAPES["llama3-8b"], hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64)
+SHAPES: dict[str, ModelConfig] = {**NAMED_SHAPES, "llama3-70b": LLAMA3_70B}
 
 
 class _NoText:
@@ -47,36 +58,39 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_packed(digest: str, pool: LoraSlotPool, rank: int, dtype: torch.dtype, seed: int) -> PackedAdapter:
-    """A random adapter of `rank` on all seven projections, packed for the pool (host memory)."""
+def random_packed(digest: str, config: ModelConfig, rank: int, dtype: torch.dtype, seed: int, share: bool) -> PackedAdapter:
+    """A random adapter of `rank` on all seven projections, packed at full size (host memory)."""
     gen = torch.Generator().manual_seed(seed)
-    num_layers = pool.a["qkv"].shape[0]
-    a = {n: (torch.randn(num_layers, t.num_stack * rank, t.in_dim, generator=gen) * 0.01).to(dtype) for n, t in pool.targets.items()}
-    b = {n: (torch.randn(num_layers, t.out_dim, rank, generator=gen) * 0.01).to(dtype) for n, t in pool.targets.items()}
+    targets, layers = fused_targets(config), config.num_layers
+    a = {t.name: (torch.randn(layers, t.num_stack * rank, t.in_dim, generator=gen) * 0.01).to(dtype) for t in targets}
+    b = {t.name: (torch.randn(layers, t.out_dim, rank, generator=gen) * 0.01).to(dtype) for t in targets}
+    if share:
+        for tensor in (*a.values(), *b.values()):
+            tensor.share_memory_()
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def lora_manager(model, num_adapters: int, rank: int, device: torch.device) -> LoraManager:
-    dtype = next(model.parameters()).dtype
-    pool = LoraSlotPool(model.config, num_adapters, rank, dtype, device)
-    adapters = {f"adapter-{i}": random_packed(f"adapter-{i}", pool, rank, dtype, i) for i in range(num_adapters)}
-    return LoraManager(pool, AdapterSlots(pool), HostAdapterCache(num_adapters), adapters.__getitem__)
-
-
-def build(shape: str, device: torch.device, max_reqs: int, max_context: int, num_slots: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool = False):
-    model = random_model(shape, device=device)
-    dtype = next(model.parameters()).dtype
-    allocator = PageAllocator(num_slots, 1)
-    req_pool = ReqToTokenPool(max_reqs, max_context, device=device)
-    kv = RequestKV(allocator, req_pool, RadixCache(1, allocator))
-    lora = lora_manager(model, num_adapters, 16, device) if num_adapters else None
-    scheduler = Scheduler(SchedulerConfig(max_reqs, max(8192, max_reqs)), kv, lora=lora)
-    kv_buffers = KVBuffers.allocate(model.config, allocator.num_slots, dtype, device)
-    pool = lora.pool if lora else None
-    runner = ModelRunner(model, kv_buffers, req_pool.table, device, attention, pool, lora_backend)
-    if graphs:
-        runner.enable_cuda_graphs(max_reqs, buckets=(max_reqs,))
-    return model, scheduler, runner
+def build(config: ModelConfig, device: torch.device, tp: int, max_reqs: int, max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool):
+    engine = EngineConfig(
+        model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
+        num_kv_slots=max_reqs * max_context + 8, attention_backend=attention, max_loras_per_batch=num_adapters,
+        max_lora_rank=16, lora_backend=lora_backend, cuda_graph_max_batch=max_reqs if graphs else 0, tensor_parallel_size=tp,
+    )  # fmt: skip
+    spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=(max_reqs,))
+    workers = start_workers(spec)
+    allocator = PageAllocator(workers.info.num_kv_slots, 1)
+    kv = RequestKV(allocator, ReqToTokenPool(max_reqs, max_context), RadixCache(1, allocator))
+    lora = None
+    if num_adapters:
+        dtype = next(workers.local.runner.model.parameters()).dtype
+        host = HostAdapterCache(num_adapters)
+        # One random draw serves every adapter (the kernels' cost does not depend on the values; drawing
+        # 32 adapters of a 70B shape on the host would take minutes); each still loads into its own slot.
+        first = random_packed("adapter-0", config, 16, dtype, 0, share=tp > 1)
+        for i in range(num_adapters):
+            host.put(PackedAdapter(f"adapter-{i}", first.rank, first.scaling, first.a, first.b))
+        lora = LoraManager(AdapterSlots(num_adapters), host)
+    return EngineLoop(Scheduler(SchedulerConfig(max_reqs, max(8192, max_reqs)), kv, lora=lora), workers)
 
 
 def make_request(i: int, prompt_len: int, vocab: int, max_new: int, namespace: str = "") -> Request:
@@ -84,76 +98,92 @@ def make_request(i: int, prompt_len: int, vocab: int, max_new: int, namespace: s
     return Request(
         rid=str(i), prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new, ignore_eos=True),
         namespace=namespace, sink=lambda event: None, detokenizer=_NoText(), stop_matcher=StopMatcher(()),
-        generator=None, eos_token_ids=frozenset(),
+        eos_token_ids=frozenset(),
     )
 
 
-def step(scheduler: Scheduler, runner: ModelRunner) -> int:
-    entries = scheduler.schedule()
-    tokens = runner.run(entries)
+def step(loop: EngineLoop) -> int:
+    entries = loop.scheduler.schedule()
+    plan, adapters = loop.plan(entries)
+    tokens = loop.workers.execute(plan, adapters)
     for req, token in zip((e.req for e in entries if e.samples), tokens, strict=True):
         req.output_ids.append(token)
+    for e in entries:
+        if len(e.req.output_ids) >= e.req.params.max_new_tokens:
+            loop.scheduler.finish(e.req, loop.scheduler.finished_event(e.req, None))
     return sum(e.extend_len for e in entries)
 
 
-def measure(shape: str, device: torch.device, batch: int, prompt_len: int, num_decode: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool) -> dict:
-    max_context = prompt_len + num_decode + 8
-    model, scheduler, runner = build(shape, device, batch, max_context, batch * max_context + 8, attention, num_adapters, lora_backend, graphs)
-    vocab = model.config.vocab_size
+def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int, num_decode: int, num_adapters: int) -> dict:
+    """One round: `batch` requests over `num_adapters` distinct adapters, prefilled together, then decoded."""
+    model = loop.workers.local.runner.model
     for i in range(batch):
         namespace = f"adapter-{i % num_adapters}" if num_adapters else ""
-        scheduler.add(make_request(i, prompt_len, vocab, num_decode + 4, namespace))
+        loop.scheduler.add(make_request(1000 * num_adapters + i, prompt_len, model.config.vocab_size, num_decode + 1, namespace))
     sync(device)
     start = time.perf_counter()
-    num_prefill = step(scheduler, runner)  # the whole batch's prompts in one extend step
+    num_prefill = step(loop)  # the whole batch's prompts in one extend step
     sync(device)
     prefill_s = time.perf_counter() - start
     times = []
-    for _ in range(num_decode):
+    while loop.scheduler.running:
         start = time.perf_counter()
-        step(scheduler, runner)
+        step(loop)
         sync(device)
         times.append(time.perf_counter() - start)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    del model, scheduler, runner
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    tp = model.tp.size
+    rank_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    replicated = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "proj" not in n)
     return {
         "batch": batch,
         "num_adapters": num_adapters,
         "decode_step_ms": statistics.median(times[3:]) * 1e3,
         "prefill_tokens": num_prefill,
         "prefill_tok_s": num_prefill / prefill_s,
-        "param_gb": param_bytes / 1e9,
+        "param_gb": (tp * (rank_bytes - replicated) + replicated) / 1e9,  # the whole model
+        "rank_param_gb": rank_bytes / 1e9,  # what one GPU holds and reads per step
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="tiny")
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs); ranks 1.. are spawned processes")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--num-decode", type=int, default=20)
     parser.add_argument("--attention", choices=("ref", "sdpa"), default="sdpa")
     parser.add_argument("--adapters", type=int, nargs="+", default=[0], help="distinct rank-16 adapters (0 = base)")
-    parser.add_argument("--lora-backend", default="triton", choices=("ref", "triton", "chunked"))
+    parser.add_argument("--lora-backend", default="triton", choices=("ref", "triton", "chunked", "splitk"))
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth for the floor")
     args = parser.parse_args()
     device = torch.device(args.device)
+    graphs = device.type == "cuda" and not args.no_cuda_graphs
+    tp = args.tensor_parallel_size
     for batch in args.batch:
+        max_context = args.prompt_len + args.num_decode + 8
+        loop = build(SHAPES[args.shape], device, tp, batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs)
         base_ms = None
-        for num_adapters in args.adapters:
-            graphs = device.type == "cuda" and not args.no_cuda_graphs
-            row = measure(args.shape, device, batch, args.prompt_len, args.num_decode, args.attention, num_adapters, args.lora_backend, graphs)
-            row["cuda_graphs"] = graphs
-            row["floor_ms"] = row["param_gb"] / args.copy_gbps * 1e3
-            base_ms = row["decode_step_ms"] if num_adapters == 0 else base_ms
-            if base_ms is not None:
-                row["throughput_vs_base"] = base_ms / row["decode_step_ms"]
-            row.update(shape=args.shape, attention=args.attention, lora_backend=args.lora_backend, device=str(device), torch=torch.__version__)
-            print(json.dumps(row), flush=True)
+        try:
+            for num_adapters in args.adapters:
+                row = measure(loop, device, batch, args.prompt_len, args.num_decode, num_adapters)
+                row["floor_ms"] = row["param_gb"] / args.copy_gbps * 1e3
+                row["rank_floor_ms"] = row["rank_param_gb"] / args.copy_gbps * 1e3
+                base_ms = row["decode_step_ms"] if num_adapters == 0 else base_ms
+                if base_ms is not None:
+                    row["throughput_vs_base"] = base_ms / row["decode_step_ms"]
+                row.update(
+                    shape=args.shape, tensor_parallel_size=tp, cuda_graphs=graphs, attention=args.attention,
+                    lora_backend=args.lora_backend, device=str(device), torch=torch.__version__,
+                )  # fmt: skip
+                print(json.dumps(row), flush=True)
+        finally:
+            loop.workers.close()
+            del loop
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

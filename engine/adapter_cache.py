@@ -15,8 +15,12 @@ from engine.lora_pool import FusedTarget, PackedAdapter
 from loraformat.peft_compile import CanonicalAdapter
 
 
-def pack_adapter(digest: str, adapter: CanonicalAdapter, targets: dict[str, FusedTarget], dtype: torch.dtype, pin: bool) -> PackedAdapter:
-    """Lay a canonical adapter out per fused target; projections it lacks become zeros."""
+def pack_adapter(
+    digest: str, adapter: CanonicalAdapter, targets: dict[str, FusedTarget], dtype: torch.dtype, pin: bool, share: bool = False
+) -> PackedAdapter:
+    """Lay a canonical adapter out per fused target (full, unsharded dims); projections it lacks become
+    zeros. pin: page-locked (async copies to one GPU); share: in shared memory, so that tensor-parallel
+    worker processes read this one copy."""
     rank, num_layers = adapter.rank, adapter.num_layers
     a, b = {}, {}
     for name, target in targets.items():
@@ -31,9 +35,14 @@ def pack_adapter(digest: str, adapter: CanonicalAdapter, targets: dict[str, Fuse
                 offset, size = target.output_slices[k]
                 a_t[layer, k * rank : (k + 1) * rank] = lora_a
                 b_t[layer, offset : offset + size] = lora_b
-        a[name] = a_t.pin_memory() if pin else a_t
-        b[name] = b_t.pin_memory() if pin else b_t
+        a[name], b[name] = (_place(t, pin, share) for t in (a_t, b_t))
     return PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b)
+
+
+def _place(t: torch.Tensor, pin: bool, share: bool) -> torch.Tensor:
+    if share:
+        return t.share_memory_()
+    return t.pin_memory() if pin else t
 
 
 class HostAdapterCache:

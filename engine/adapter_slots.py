@@ -3,28 +3,31 @@
 Invariants: a slot used by a running request (num_users > 0) or pinned is never evicted; at most
 num_slots - 1 slots are pinned, so one slot always stays available to unpinned adapters. The
 eviction policy is a named function over the evictable slots (LRU by default, FIFO selectable).
+
+Deciding only: placing an adapter records a `LoadSlot` command (and keeps its packed host copy) for the
+next step plan; the model workers perform the copies. An emptied slot needs no command: no segment of
+a plan names it until a later load, which zeroes it first.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.lora_pool import LoraSlotPool, PackedAdapter
+from engine.lora_pool import PackedAdapter
+from engine.step_plan import LoadSlot
 
 
 @dataclass
 class SlotState:
     index: int
     digest: str | None = None  # None: empty
+    rank: int = 0  # the loaded adapter's rank
     num_users: int = 0  # running requests that use the slot
     is_pinned: bool = False
     last_used: float = 0.0
     loaded_at: float = 0.0
-    rank: int = 0  # the loaded adapter's rank (metrics read it here, not from the GPU tables)
 
     @property
     def is_evictable(self) -> bool:
@@ -47,19 +50,24 @@ class SlotsExhausted(RuntimeError):
 
 
 class AdapterSlots:
-    def __init__(self, pool: LoraSlotPool, policy: str = "lru", clock: Callable[[], float] | None = None):
+    def __init__(self, num_slots: int, policy: str = "lru", clock: Callable[[], float] | None = None):
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy {policy!r} is not one of {sorted(EVICTION_POLICIES)}")
-        self.pool = pool
+        self.num_slots = num_slots
         self.choose_victim = EVICTION_POLICIES[policy]
         self.clock = clock or itertools.count().__next__
-        self.slots = [SlotState(i) for i in range(pool.num_slots)]
+        self.slots = [SlotState(i) for i in range(num_slots)]
         self._by_digest: dict[str, SlotState] = {}
+        self._loads: list[LoadSlot] = []  # decided, not yet handed to the workers
+        self._packed: dict[str, PackedAdapter] = {}  # the host copies those loads read
         self.num_loads = 0
-        # Seconds of each slot load (host copy and issuing the device copy; on CUDA the copy itself
-        # runs on a side stream), drained by the metrics sampler on the loop thread.
-        self.recent_load_seconds: deque[float] = deque(maxlen=1024)
         self.num_evictions = 0
+
+    def take_loads(self) -> tuple[tuple[LoadSlot, ...], dict[str, PackedAdapter]]:
+        """The loads decided since the last call, in order, with the packed adapters they copy."""
+        loads, packed = tuple(self._loads), self._packed
+        self._loads, self._packed = [], {}
+        return loads, packed
 
     def slot_of(self, digest: str) -> int | None:
         state = self._by_digest.get(digest)
@@ -86,8 +94,8 @@ class AdapterSlots:
         num_pinned = sum(s.is_pinned for s in self.slots)
         state = self._by_digest.get(digest)
         if state is None or not state.is_pinned:
-            if num_pinned >= self.pool.num_slots - 1:
-                raise SlotsExhausted(f"at most {self.pool.num_slots - 1} of {self.pool.num_slots} slots may be pinned")
+            if num_pinned >= self.num_slots - 1:
+                raise SlotsExhausted(f"at most {self.num_slots - 1} of {self.num_slots} slots may be pinned")
             state = state or self._place(digest, load)
             state.is_pinned = True
         return state.index
@@ -121,10 +129,8 @@ class AdapterSlots:
         if state.digest is not None:
             self._empty(state)
             self.num_evictions += 1
-        started = time.perf_counter()
-        packed = load()
-        self.pool.load(state.index, packed)
-        self.recent_load_seconds.append(time.perf_counter() - started)
+        packed = self._packed[digest] = load()
+        self._loads.append(LoadSlot(state.index, digest))
         state.digest, state.rank = digest, packed.rank
         state.loaded_at = state.last_used = self.clock()
         self._by_digest[digest] = state
@@ -133,5 +139,4 @@ class AdapterSlots:
 
     def _empty(self, state: SlotState) -> None:
         del self._by_digest[state.digest]
-        self.pool.clear(state.index)
         state.digest = None

@@ -66,6 +66,7 @@ class Admission:
         self.core = core
         self.auth = auth or OpenDoor()
         self.is_open = False
+        self.num_fetching = 0  # admitted requests waiting for their adapter's fetch
 
     async def authenticate(self, key: str) -> Principal:
         """The holder of `key` (ANONYMOUS without authentication); AdmissionError UNAUTHENTICATED."""
@@ -97,12 +98,21 @@ class Admission:
         token_ids = None if inp.token_ids is None else list(inp.token_ids)
         prompt_ids = await asyncio.to_thread(core.prompt_ids, inp.text, token_ids)
         sink = _thread_safe_sink(asyncio.get_running_loop(), events)
-        req = core.new_request(prompt_ids, inp.params, sink, rid=inp.request_id, adapter=adapter, deadline=inp.deadline)
+        req = core.new_request(
+            prompt_ids, inp.params, sink, rid=inp.request_id, adapter=adapter, deadline=inp.deadline,
+            tenant=inp.caller.tenant,
+        )
         limit = core.config.max_queued_requests
-        if core.loop.num_active >= limit:
+        # Requests still waiting for their adapter's fetch count too: they are queued, only not yet
+        # in the loop (the check and the count below run without an await between them).
+        if core.loop.num_active + self.num_fetching >= limit:
             raise AdmissionError(Code.RESOURCE_EXHAUSTED, f"the engine queue is full ({limit} requests)")
         if adapter is not None:  # fetched here, after every cheap check, so the engine loop never waits on it
-            req.packed_adapter = await core.prepare(adapter)
+            self.num_fetching += 1
+            try:
+                req.packed_adapter = await core.prepare(adapter)
+            finally:
+                self.num_fetching -= 1
         return req
 
 

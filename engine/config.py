@@ -11,6 +11,13 @@ DEFAULT_ENGINE_PORT = 50052
 DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible front of `loramux up` (vLLM's port)
 
 
+# On by default: without it one busy adapter can hold every slot while another adapter's requests wait
+# forever. 2 s is long next to a slot's normal turnover (a request of a few hundred tokens at decode
+# speed), so steady mixed traffic never drains, and short enough that a starved adapter waits seconds,
+# not minutes (tests/engine/test_drain.py runs the default configuration through both cases).
+DEFAULT_LORA_DRAIN_WAIT_S = 2.0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
@@ -34,11 +41,12 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_host_adapters: int = 64
     lora_eviction_policy: str = "lru"  # or "fifo"
-    lora_drain_wait_s: float = 0.0  # starvation drain threshold (DESIGN 7); 0 = off
-    lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked"
+    lora_drain_wait_s: float = DEFAULT_LORA_DRAIN_WAIT_S  # starvation drain threshold (DESIGN 7); 0 = off
+    lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked" / "splitk"
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
+    tensor_parallel_size: int = 1  # model workers (GPUs), one per tensor-parallel rank
     # Security: with auth, clients' keys are checked through the registry (answers cached key_cache_s);
     # api_key is the engine's own key for the registry; tls serves TLS and links to the registry with it.
     auth: bool = False
@@ -46,6 +54,10 @@ class EngineConfig:
     key_cache_s: float = 5.0
     allow_unauthenticated: bool = False
     tls: TlsFiles = field(default_factory=TlsFiles)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @property
     def resolved_base_model_name(self) -> str:

@@ -22,26 +22,24 @@ from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
 from engine.errors import NotFound
-from engine.forward_inputs import KVBuffers
-from engine.kv_pool import PageAllocator, ReqToTokenPool, num_slots_for_memory
+from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
-from engine.lora_pool import LoraSlotPool, PackedAdapter
+from engine.lora_pool import PackedAdapter, fused_targets
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.parallel import TensorParallel, local_config
 from engine.radix_cache import RadixCache
 from engine.registry_link import RegistryLink
 from engine.request import Request, Sink
 from engine.request_kv import RequestKV
-from engine.sampling import SamplingParams, make_generator
+from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
-from engine.weights import load_model
+from engine.weights import default_dtype
+from engine.worker import WorkerSpec, read_model_config, start_workers
 from loraformat.model_shapes import ModelShape
-from loraformat.peft_compile import read_canonical
 from loramux.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
-CPU_KV_SLOTS = 16384
 
 
 class InvalidPrompt(ValueError):
@@ -65,31 +63,37 @@ class EngineCore:
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineCore:
-        device = torch.device(config.device)
-        dtype = getattr(torch, config.dtype) if config.dtype else None
-        model, model_config = load_model(config.model_dir, device=device, dtype=dtype)
+        model_config = read_model_config(config.model_dir)
+        tp = TensorParallel(0, config.tensor_parallel_size)
+        local_config(model_config, tp)  # a size that does not divide the model fails here, before any rank starts
         tokenizer = Tokenizer.from_dir(config.model_dir)
         max_context = config.max_context or model_config.max_position_embeddings
-        num_slots = config.num_kv_slots or _auto_kv_slots(model_config, device, next(model.parameters()).dtype, config)
-        num_pages = max(2, num_slots // config.page_size)
-        allocator = PageAllocator(num_pages, config.page_size)
-        req_pool = ReqToTokenPool(config.max_running_requests, max_context, device=device)
-        kv_buffers = KVBuffers.allocate(model_config, allocator.num_slots, next(model.parameters()).dtype, device)
+        adapters = _local_adapters(config)
+        workers = start_workers(WorkerSpec(config, max_context, tp))
+        allocator = PageAllocator(workers.info.num_kv_slots // config.page_size, config.page_size)
+        req_pool = ReqToTokenPool(config.max_running_requests, max_context)
         kv = RequestKV(allocator, req_pool, RadixCache(config.page_size, allocator))
         scheduler_config = SchedulerConfig(config.max_running_requests, config.max_batch_tokens)
-        adapters = _local_adapters(config)
-        lora = _lora_manager(config, model_config, adapters, next(model.parameters()).dtype, device)
-        lora_pool = lora.pool if lora is not None else None
-        runner = ModelRunner(
-            model, kv_buffers, req_pool.table, device, _attention_backend(config, device), lora_pool, _lora_backend(config, device)
-        )
+        lora = None
+        if config.max_loras_per_batch > 0:
+            slots = AdapterSlots(config.max_loras_per_batch, config.lora_eviction_policy)
+            lora = LoraManager(slots, HostAdapterCache(config.max_host_adapters))
         drain = StarvationDrain(config.lora_drain_wait_s) if lora is not None and config.lora_drain_wait_s > 0 else None
-        if device.type == "cuda" and config.cuda_graph_max_batch > 0:
-            runner.enable_cuda_graphs(min(config.cuda_graph_max_batch, config.max_running_requests))
-        loop = EngineLoop(Scheduler(scheduler_config, kv, lora=lora, drain=drain), runner)
-        log.info("engine: %s on %s, %d KV slots (page %d), context %d, %s attention", config.model_dir, device, allocator.num_slots, config.page_size, max_context, runner.attention_backend)
+        loop = EngineLoop(Scheduler(scheduler_config, kv, lora=lora, drain=drain), workers)
+        log.info(
+            "engine: %s on %s x%d, %d KV slots (page %d), context %d, %s attention",
+            config.model_dir, config.device, tp.size, allocator.num_slots, config.page_size, max_context, workers.info.attention_backend,
+        )  # fmt: skip
         shape = ModelShape.from_config(json.loads((Path(config.model_dir) / "config.json").read_text()))
         return cls(config, model_config, tokenizer, loop, max_context, adapters, lora, shape)
+
+    @property
+    def workers(self):
+        return self.loop.workers
+
+    def close(self) -> None:
+        """Stop the loop and every model worker."""
+        self.loop.stop()
 
     @property
     def base_model_name(self) -> str:
@@ -146,15 +150,16 @@ class EngineCore:
         return await asyncio.shield(task)
 
     async def _load(self, record: AdapterRecord) -> PackedAdapter:
+        """The one loading path of local and registry adapters: artifact bytes -> checked -> packed -> cached."""
         started = time.monotonic()
         if record.path is not None:
-            packed = await asyncio.to_thread(self.lora.fetch, record.digest)
+            data = await asyncio.to_thread(record.path.read_bytes)
         else:
             data = await self.link.fetch(record)
             if self.metrics is not None:
                 self.metrics.adapter_fetch_bytes.inc(len(data))
                 self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
-            packed = await asyncio.to_thread(self._pack, record.digest, data)
+        packed = await asyncio.to_thread(self._pack, record.digest, data)
         self.lora.host_cache.put(packed)
         if self.metrics is not None:
             self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)
@@ -162,8 +167,12 @@ class EngineCore:
 
     def _pack(self, digest: str, artifact: bytes) -> PackedAdapter:
         adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {digest[:12]}")
-        pool = self.lora.pool
-        return pack_adapter(digest, adapter, pool.targets, pool.a["qkv"].dtype, pool.device.type == "cuda")
+        targets = {t.name: t for t in fused_targets(self.model_config)}
+        device = torch.device(self.config.device)
+        dtype = getattr(torch, self.config.dtype) if self.config.dtype else default_dtype(device)
+        # One rank copies from pinned memory (async); several read one shared-memory copy across processes.
+        shared = self.config.tensor_parallel_size > 1
+        return pack_adapter(digest, adapter, targets, dtype, pin=device.type == "cuda" and not shared, share=shared)
 
     async def on_registry_event(self, kind: str, record: AdapterRecord) -> None:
         """WatchAdapters events, in order: deletions, pins and unpins (RegistryLink filters deletes of
@@ -194,6 +203,7 @@ class EngineCore:
         adapter: AdapterRecord | None = None,
         packed: PackedAdapter | None = None,
         deadline: float | None = None,
+        tenant: str = "",
     ) -> Request:
         params = params.resolve(len(prompt_ids), self.max_context)
         params.validate(self.model_config.vocab_size, self.max_context, len(prompt_ids))
@@ -207,9 +217,9 @@ class EngineCore:
             sink=sink,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stop_matcher=StopMatcher(params.stop),
-            generator=None if params.is_greedy else make_generator(params.seed, self.config.device),
             eos_token_ids=frozenset(itertools.chain(self.tokenizer.eos_token_ids, self.model_config.eos_token_ids)),
             deadline=deadline,
+            tenant=tenant,
         )
 
 
@@ -220,35 +230,3 @@ def _local_adapters(config: EngineConfig) -> LocalAdapters:
     base_model = config.resolved_base_model_name
     specs = [(name, Path(path)) for name, path in config.adapters]
     return LocalAdapters.compile_all(specs, Path(config.model_dir), base_model, config.max_lora_rank, work_dir)
-
-
-def _lora_manager(config: EngineConfig, model_config: ModelConfig, adapters: LocalAdapters, dtype: torch.dtype, device: torch.device) -> LoraManager | None:
-    if config.max_loras_per_batch <= 0:
-        return None
-    pool = LoraSlotPool(model_config, config.max_loras_per_batch, config.max_lora_rank, dtype, device)
-    slots = AdapterSlots(pool, config.lora_eviction_policy)
-    pin = device.type == "cuda"
-
-    def fetch(digest: str) -> PackedAdapter:  # local files; registry adapters arrive packed (EngineCore.prepare)
-        canonical = read_canonical(adapters.by_digest(digest).path)
-        return pack_adapter(digest, canonical, pool.targets, dtype, pin)
-
-    return LoraManager(pool, slots, HostAdapterCache(config.max_host_adapters), fetch)
-
-
-def _lora_backend(config: EngineConfig, device: torch.device) -> str:
-    return config.lora_backend or ("triton" if device.type == "cuda" else "ref")
-
-
-def _auto_kv_slots(model_config: ModelConfig, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> int:
-    if device.type != "cuda":
-        return CPU_KV_SLOTS
-    free, _ = torch.cuda.mem_get_info(device)
-    c = model_config
-    return num_slots_for_memory(free, config.kv_memory_fraction, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
-
-
-def _attention_backend(config: EngineConfig, device: torch.device) -> str:
-    if config.attention_backend not in ("", "ref", "sdpa"):
-        raise ValueError(f"attention_backend must be '', 'ref' or 'sdpa', not {config.attention_backend!r}")
-    return config.attention_backend or ("sdpa" if device.type == "cuda" else "ref")

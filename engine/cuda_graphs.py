@@ -1,8 +1,8 @@
 """CUDA-graph replay of decode steps: one captured graph per padded batch size (and per LoRA on/off).
 
 Every input the graph reads lives in a static buffer allocated here once: token ids, positions, the
-KV slot of each new token, each request's table row and length, the LoRA segment metadata, and the
-decode-attention workspace. A step copies its values into the first n rows, pads the rest (length 0,
+KV slot of each new token, each request's table row and length, and the LoRA segment metadata; the
+attention backend builds its own graph metadata over the row and length buffers (`capture_metadata`). A step copies its values into the first n rows, pads the rest (length 0,
 KV slot 0 of the reserved page, the base LoRA slot) and replays; logits of the n real rows come out.
 """
 
@@ -13,11 +13,11 @@ import logging
 
 import torch
 
-from engine.forward_inputs import AttentionInputs, DecodePlan, KVBuffers
+from engine.attention import DecodeKernelBackend
+from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers
 from engine.lora_pool import LoraSlotPool
 from engine.models.blocks import DecoderModel
-from kernels.decode_attention import DecodeAttentionWorkspace, default_num_splits
 
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -28,16 +28,15 @@ class DecodeGraphs:
         self,
         model: DecoderModel,
         kv: KVBuffers,
-        req_to_token: torch.Tensor,
+        attention: DecodeKernelBackend,
         max_batch: int,
         lora_pool: LoraSlotPool | None,
         lora_ops: tuple,
         buckets: tuple[int, ...] | None = None,  # padded batch sizes to capture; default BATCH_BUCKETS
     ):
-        self.model, self.kv, self.req_to_token = model, kv, req_to_token
+        self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops = lora_pool, lora_ops
-        self.device = req_to_token.device
-        self.max_context = req_to_token.shape[1]
+        self.device = attention.req_to_token.device
         self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
         n = max_batch
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -85,18 +84,8 @@ class DecodeGraphs:
         return logits[:n]
 
     def _capture(self, batch: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        num_splits = default_num_splits(batch, self.model.config.num_kv_heads, self.max_context, self.device)
-        workspace = DecodeAttentionWorkspace.allocate(
-            batch, self.model.config.num_heads, self.model.config.head_dim, num_splits, self.device
-        )
-        attn = AttentionInputs(
-            out_cache_loc=self.out_cache_loc[:batch],
-            req_to_token=self.req_to_token,
-            req_pool_indices=self.req_rows[:batch],
-            prefix_lens=self.seq_lens[:batch],  # unused by the decode kernel
-            extend_lens=self.seq_lens[:batch],  # unused by the decode kernel
-            decode_plan=DecodePlan(self.req_rows[:batch], self.seq_lens[:batch], self.max_context, workspace),
-        )
+        metadata = self.attention.capture_metadata(self.req_rows[:batch], self.seq_lens[:batch])
+        attn = AttentionInputs(out_cache_loc=self.out_cache_loc[:batch], metadata=metadata)
         lora = None
         if with_lora:
             pool = self.lora_pool

@@ -1,7 +1,13 @@
-"""The owner thread of the model: schedule -> forward -> sample -> post-process, over and over.
+"""The owner thread of the front: schedule -> plan -> workers execute -> post-process, over and over.
 
 Other threads only `submit` requests and `cancel` them; everything else, including every KV and
-prefix-cache change, happens on this thread. Events reach each request's sink from here.
+prefix-cache change, happens on this thread. Events reach each request's sink from here. The step's
+`StepPlan` is the only thing the workers see of the requests.
+
+A model worker that dies ends the engine: `abort` (from the workers' watcher thread, or this thread
+after a failed step) ends every live stream with UNAVAILABLE and calls `on_fatal` once. It does not wait
+for this thread, which may be stuck in a collective with the dead rank: a live request's final event is
+sent once, by whoever ends it first (see `submit`).
 """
 
 from __future__ import annotations
@@ -14,55 +20,83 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from engine.errors import Code
-from engine.model_runner import ModelRunner
 from engine.request import Failed, FinishReason, Request, TokenDelta
 from engine.scheduler import BatchEntry, Scheduler
+from engine.step_plan import PlanEntry, build_plan
+from engine.worker import WorkerDied
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.05  # deadlines are checked at least this often while idle
+DEATH_GRACE_S = 5.0  # after a failed step, how long a worker's death may take to be seen
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+    def __init__(self, scheduler: Scheduler, workers):  # workers: engine.worker.LocalWorkers | ProcessWorkers
         self.scheduler = scheduler
-        self.runner = runner
+        self.workers = workers
+        workers.on_failure = self.abort
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._lock = threading.Lock()
-        self._num_active = 0  # submitted and not yet finished (read by other threads for admission)
+        self._live: dict[int, Request] = {}  # uid -> submitted and not yet ended (under _lock)
         self.num_steps = 0
         self.after_step: Callable[[], None] | None = None  # e.g. a metrics sampler, run on this thread
+        self.failure: str | None = None  # why the engine cannot serve any more (a worker died)
+        self.on_fatal: Callable[[str], None] | None = None  # called once, from any thread, on failure
 
     @property
     def num_active(self) -> int:
-        return self._num_active
+        return len(self._live)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop (live streams end with UNAVAILABLE) and every model worker."""
         self._stopping.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout if self.failure is None else 1.0)
+        self.workers.close(abandon=self._thread.is_alive())
 
     def submit(self, req: Request) -> None:
-        with self._lock:
-            self._num_active += 1
+        if self.failure is not None:
+            req.emit(Failed(Code.UNAVAILABLE, self.failure))
+            return
         sink = req.sink
 
-        def counted(event, sink=sink):
-            if not isinstance(event, TokenDelta):
-                with self._lock:
-                    self._num_active -= 1
+        def once(event, sink=sink, uid=req.uid):
+            with self._lock:
+                if uid not in self._live:  # ended already (by an abort): nothing more reaches the stream
+                    return
+                if not isinstance(event, TokenDelta):
+                    del self._live[uid]
             sink(event)
 
-        req.sink = counted
+        req.sink = once
+        with self._lock:
+            self._live[req.uid] = req
         self._inbox.put(req)
         self._wake.set()
+
+    def abort(self, message: str) -> None:
+        """A model worker died (any thread): end every live stream with UNAVAILABLE, stop, report once."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = message
+            live = list(self._live.values())
+        log.error("engine failed: %s", message)
+        self._stopping.set()
+        self._wake.set()
+        for req in live:
+            req.emit(Failed(Code.UNAVAILABLE, f"the engine failed: {message}"))
+        if self.on_fatal is not None:
+            self.on_fatal(message)
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run fn on the loop thread before its next step (thread-safe); the future holds its result."""
@@ -96,7 +130,8 @@ class EngineLoop:
                 entries = []
             if not entries:
                 self._wake.wait(IDLE_WAIT_S)
-        self._fail_all(Code.UNAVAILABLE, "the engine is shutting down")
+        if self.failure is None:
+            self._fail_all(Code.UNAVAILABLE, "the engine is shutting down")
         self._run_calls()
 
     def _run_calls(self) -> None:
@@ -108,10 +143,24 @@ class EngineLoop:
                 except Exception as exc:  # the caller sees it through the future
                     future.set_exception(exc)
 
+    def plan(self, entries: list[BatchEntry]):
+        """The step's plan and the packed adapters its loads copy (host memory, keyed by digest)."""
+        lora = self.scheduler.lora
+        loads, adapters = lora.take_loads() if lora is not None else ((), {})
+        plan = build_plan(
+            (_plan_entry(e) for e in entries), loads, self.scheduler.kv.req_pool.take_writes(), self.scheduler.take_released()
+        )
+        return plan, adapters
+
     def _step(self, entries: list[BatchEntry]) -> None:
+        plan, adapters = self.plan(entries)
         try:
-            tokens = self.runner.run(entries)
-        except Exception:
+            tokens = self.workers.execute(plan, adapters)
+        except Exception as exc:
+            failure = str(exc) if isinstance(exc, WorkerDied) else self.workers.wait_for_failure(DEATH_GRACE_S)
+            if failure is not None:
+                self.abort(failure)
+                return
             log.exception("forward step failed")
             for entry in entries:  # this step's KV was never (fully) written: it must not be cached
                 self.scheduler.kv.truncate(entry.req, entry.start)
@@ -152,3 +201,11 @@ class EngineLoop:
             if not keep_kv:
                 self.scheduler.kv.truncate(req, req.cached_len)
             self.scheduler.finish(req, Failed(code, message))
+
+
+def _plan_entry(e: BatchEntry) -> PlanEntry:
+    req = e.req
+    return PlanEntry(
+        uid=req.uid, all_ids=req.all_ids, kv_slots=req.kv_slots, req_row=req.req_row, start=e.start,
+        extend_len=e.extend_len, params=req.params if e.samples else None, lora_slot=req.lora_slot,
+    )  # fmt: skip

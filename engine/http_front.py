@@ -104,21 +104,12 @@ class HttpFront:
         return await self.admission.authenticate(bearer_key(request.headers.items()))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        caller = await self._caller(request)
-        body = await _json_body(request)
-        req, adapter = api.parse_request("completion", body, self.core.base_model_name)
-        with admission_errors():
-            params = api.sampling_params("completion", body)
+        body, req, prompt_of = await self._parse(request, "completion")
         text, token_ids = api.completion_prompt(body)
-        inp = GenerateInput(adapter=adapter, params=params, text=text, token_ids=token_ids, request_id=req.id, caller=caller)
-        return await self._generate(request, req, inp)
+        return await self._generate(request, req, prompt_of(text=text, token_ids=token_ids))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        caller = await self._caller(request)
-        body = await _json_body(request)
-        req, adapter = api.parse_request("chat", body, self.core.base_model_name)
-        with admission_errors():
-            params = api.sampling_params("chat", body)
+        body, req, prompt_of = await self._parse(request, "chat")
         messages = api.chat_messages(body)
         add_generation_prompt = body.get("add_generation_prompt", True) is not False  # vLLM's extra field
         if self.chat_template is None:
@@ -129,8 +120,21 @@ class HttpFront:
             raise api.bad_request(str(exc)) from None
         # The template wrote the special tokens itself: encode without adding any (as transformers does).
         token_ids = await asyncio.to_thread(self.core.tokenizer.encode, prompt, False)
-        inp = GenerateInput(adapter=adapter, params=params, token_ids=tuple(token_ids), request_id=req.id, caller=caller)
-        return await self._generate(request, req, inp)
+        return await self._generate(request, req, prompt_of(token_ids=tuple(token_ids)))
+
+    async def _parse(self, request: web.Request, kind: str):
+        """What both generation routes read: the caller, the body, the reply's settings, and a function
+        from the prompt (text or token ids) to the GenerateInput."""
+        caller = await self._caller(request)
+        body = await _json_body(request)
+        req, adapter = api.parse_request(kind, body, self.core.base_model_name)
+        with admission_errors():
+            params = api.sampling_params(kind, body)
+
+        def prompt_of(**prompt) -> GenerateInput:
+            return GenerateInput(adapter=adapter, params=params, request_id=req.id, caller=caller, **prompt)
+
+        return body, req, prompt_of
 
     async def _generate(self, request: web.Request, req: api.OpenAIRequest, inp: GenerateInput) -> web.StreamResponse:
         generation = await self.admission.start(inp)  # refusals leave as JSON errors before any byte is sent

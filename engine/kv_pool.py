@@ -103,15 +103,17 @@ class PageAllocator:
 class ReqToTokenPool:
     """Owns the rows of the request-to-token table: `table[row, i]` is the KV slot of token i.
 
-    table: [max_reqs, max_context] int64. A row belongs to one running request between `alloc` and
-    `free`; its content past the request's length is stale and must not be read. The table does not own
-    the slots it names: the request (or the radix cache) does.
+    table: [max_reqs, max_context] int64, on the host. A row belongs to one running request between
+    `alloc` and `free`; its content past the request's length is stale and must not be read. The table
+    does not own the slots it names: the request (or the radix cache) does. Every write is also logged
+    for the next step plan (`take_writes`): each model worker keeps its own device copy of the table.
     """
 
-    def __init__(self, max_reqs: int, max_context: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, max_reqs: int, max_context: int) -> None:
         self.max_reqs = max_reqs
         self.max_context = max_context
-        self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64, device=device)
+        self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64)
+        self._writes: list[tuple[int, int, tuple[int, ...]]] = []
         self._free_rows: list[int] = list(range(max_reqs - 1, -1, -1))
         self._is_free = [True] * max_reqs
 
@@ -143,6 +145,12 @@ class ReqToTokenPool:
         if not 0 <= start <= end <= self.max_context:
             raise ValueError(f"tokens [{start}, {end}) do not fit max_context {self.max_context}")
         self.table[row, start:end] = torch.as_tensor(slots, dtype=torch.int64)
+        self._writes.append((row, start, tuple(int(s) for s in slots)))
+
+    def take_writes(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(row, start, slots) of every write since the last call, in order."""
+        writes, self._writes = self._writes, []
+        return writes
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.table[row, start:end]

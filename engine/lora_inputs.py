@@ -18,7 +18,9 @@ from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 
 
 def sgmv_ops(backend: str) -> tuple[Callable, Callable]:
-    """(shrink, expand) of a backend: 'ref' (PyTorch, the CPU default), 'triton', or 'chunked'."""
+    """(shrink, expand) of a backend: 'ref' (PyTorch, the CPU default), 'triton', 'chunked', or 'splitk'
+    (Triton, with the split-K shrink of kernels/sgmv_decode.py for steps of segments of at most 4 tokens:
+    decode steps and their CUDA graphs)."""
     if backend == "ref":
         return sgmv_shrink_ref, sgmv_expand_ref
     if backend == "triton":
@@ -29,7 +31,12 @@ def sgmv_ops(backend: str) -> tuple[Callable, Callable]:
         from kernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked
 
         return sgmv_shrink_chunked, sgmv_expand_chunked
-    raise ValueError(f"lora backend must be 'ref', 'triton' or 'chunked', not {backend!r}")
+    if backend == "splitk":
+        from kernels.sgmv import sgmv_expand
+        from kernels.sgmv_decode import sgmv_shrink_auto
+
+        return sgmv_shrink_auto, sgmv_expand
+    raise ValueError(f"lora backend must be 'ref', 'triton', 'chunked' or 'splitk', not {backend!r}")
 
 
 @dataclass

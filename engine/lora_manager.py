@@ -1,40 +1,42 @@
-"""Adapter residency for the scheduler: host cache -> GPU slot, keyed by digest.
+"""Adapter residency for the scheduler: which digest sits in which slot, and the host cache, keyed by digest.
 
-Composes the slot assignment (AdapterSlots), the host cache and the adapter source; the scheduler asks
-`can_acquire` before admitting a request and `acquire`/`release` around its run.
+Composes the slot assignment (AdapterSlots) and the host cache; the scheduler asks `can_acquire` before
+admitting a request and `acquire`/`release` around its run. It only decides: the slot loads it decides
+leave through `take_loads` in the next step plan, and the workers copy them. Every packed adapter comes
+from one path, `EngineCore.prepare` (local file or registry fetch -> pack -> host cache), before its
+request is submitted or its pin applied; here a missing host copy is a bug, not a reason to fetch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from engine.adapter_cache import HostAdapterCache
 from engine.adapter_slots import AdapterSlots
-from engine.lora_pool import LoraSlotPool, PackedAdapter
+from engine.lora_pool import PackedAdapter
+from engine.step_plan import LoadSlot
 
 
 class LoraManager:
-    def __init__(self, pool: LoraSlotPool, slots: AdapterSlots, host_cache: HostAdapterCache, fetch: Callable[[str], PackedAdapter]):
-        self.pool = pool
+    def __init__(self, slots: AdapterSlots, host_cache: HostAdapterCache):
         self.slots = slots
         self.host_cache = host_cache
-        self.fetch = fetch  # digest -> packed adapter, on a host-cache miss
         self._retired: set[str] = set()  # deleted in the registry: dropped once no request uses them
 
-    def packed(self, digest: str) -> PackedAdapter:
-        adapter = self.host_cache.get(digest)
-        if adapter is None:
-            adapter = self.fetch(digest)
-            self.host_cache.put(adapter)
-        return adapter
+    @property
+    def num_slots(self) -> int:
+        return self.slots.num_slots
+
+    @property
+    def base_slot(self) -> int:
+        """The slot index of base-model rows in SGMV metadata: rank 0 forever (see LoraSlotPool)."""
+        return self.slots.num_slots
 
     def can_acquire(self, digest: str) -> bool:
         return self.slots.can_acquire(digest)
 
     def acquire(self, digest: str, packed: PackedAdapter | None = None) -> int:
-        """The slot of digest for one more running request; `packed` (if given) spares a host lookup."""
+        """The slot of digest for one more running request; `packed` is the request's host copy."""
         self._retired.discard(digest)  # the same content may come back under another name
-        return self.slots.acquire(digest, lambda: packed or self.packed(digest))
+        return self.slots.acquire(digest, lambda: self._host_copy(digest, packed))
 
     def release(self, digest: str) -> None:
         self.slots.release(digest)
@@ -42,7 +44,7 @@ class LoraManager:
             self._retired.discard(digest)
 
     def pin(self, digest: str, packed: PackedAdapter | None = None) -> int:
-        return self.slots.pin(digest, lambda: packed or self.packed(digest))
+        return self.slots.pin(digest, lambda: self._host_copy(digest, packed))
 
     def unpin(self, digest: str) -> None:
         self.slots.unpin(digest)
@@ -56,3 +58,12 @@ class LoraManager:
             return True
         self._retired.add(digest)
         return False
+
+    def take_loads(self) -> tuple[tuple[LoadSlot, ...], dict[str, PackedAdapter]]:
+        return self.slots.take_loads()
+
+    def _host_copy(self, digest: str, packed: PackedAdapter | None) -> PackedAdapter:
+        packed = packed or self.host_cache.get(digest)
+        if packed is None:
+            raise LookupError(f"adapter {digest[:12]} has no packed host copy (EngineCore.prepare it first)")
+        return packed

@@ -6,6 +6,11 @@ Allocated once at start; addresses never change (CUDA graphs capture them). Per 
     A[t]: [num_layers, num_slots + 1, stack * max_rank, in_dim]     rows k*max_rank .. k*max_rank+r: A of projection k
     B[t]: [num_layers, num_slots + 1, out_dim_total, max_rank]      columns 0 .. r of projection k's output rows
 
+Under tensor parallelism each rank holds its shard of every slot, the S-LoRA way: for a column-parallel
+target (qkv, gate_up) A is whole and B holds this rank's output rows of each projection; for a
+row-parallel target (o, down) A holds this rank's input columns and B is whole, so the rank's delta is a
+partial sum that the layer's all-reduce completes. The dims above are then the rank's (`local_config`).
+
 Slot index `num_slots` is the base-model slot: rank 0 forever, so base-model tokens take the same
 kernels and contribute exactly nothing. An EMPTY slot (no adapter) is a different thing: rank 0 until
 an adapter is loaded into it. `ranks[s]` / `scalings[s]` hold each slot's rank and scaling.
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_config import ModelConfig
+from engine.parallel import SINGLE, TensorParallel, local_config
 from loraformat.architectures import FusedTarget as FusedTargetSpec
 from loraformat.architectures import Split
 
@@ -75,12 +81,15 @@ class PackedAdapter:
 class LoraSlotPool:
     """Owns the slot buffers and each slot's rank/scaling; knows nothing of which adapter is where."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE
+    ):
         self.num_slots = num_slots
         self.base_slot = num_slots
         self.max_rank = max_rank
         self.device = torch.device(device)
-        self.targets = {t.name: t for t in fused_targets(config)}
+        self.tp = tp
+        self.targets = {t.name: t for t in fused_targets(local_config(config, tp))}  # this rank's dims
         total = num_slots + 1
         layers = config.num_layers
         self.a = {t.name: torch.zeros(layers, total, t.num_stack * max_rank, t.in_dim, dtype=dtype, device=device) for t in self.targets.values()}
@@ -121,8 +130,18 @@ class LoraSlotPool:
                 current.wait_event(event)
             self._pending.clear()
 
+    def _shard(self, target: FusedTarget, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed (full) target -> this rank's A and B; see the module doc."""
+        # a: [L, stack * rank, in_full]; b: [L, out_full, rank]
+        if self.tp.size == 1:
+            return a, b
+        if target.split is Split.ROW:
+            return a[:, :, self.tp.part(a.shape[2])], b
+        rows = [b[:, offset : offset + size][:, self.tp.part(size)] for offset, size in _full_slices(target, self.tp)]
+        return a, torch.cat(rows, dim=1)
+
     def _copy_target(self, slot: int, target: FusedTarget, a: torch.Tensor, b: torch.Tensor, rank: int) -> None:
-        # a: [L, stack * rank, in]; b: [L, out, rank]
+        a, b = self._shard(target, a, b)  # a: [L, stack * rank, in]; b: [L, out, rank]
         dst_a, dst_b = self.a[target.name][:, slot], self.b[target.name][:, slot]
         dst_a.zero_()
         dst_b.zero_()
@@ -130,3 +149,12 @@ class LoraSlotPool:
             rows = slice(k * self.max_rank, k * self.max_rank + rank)
             dst_a[:, rows].copy_(a[:, k * rank : (k + 1) * rank], non_blocking=True)
         dst_b[:, :, :rank].copy_(b, non_blocking=True)
+
+
+def _full_slices(target: FusedTarget, tp: TensorParallel) -> list[tuple[int, int]]:
+    """The (offset, size) of each projection in the full (unsharded) fused output of a column target."""
+    slices, offset = [], 0
+    for _, size in target.output_slices:
+        slices.append((offset, size * tp.size))
+        offset += size * tp.size
+    return slices

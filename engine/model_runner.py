@@ -1,21 +1,25 @@
-"""Turns a scheduled step into tensors, runs the model, and samples the next tokens.
+"""A model worker's step: a StepPlan -> tensors -> forward -> sampled tokens.
 
-Per-step metadata is built on the CPU from Python lists (no device sync) into one AttentionInputs.
+Reads nothing but the plan and what the worker owns: the model (shard), the KV buffers, its device copy
+of the request-to-token table, the LoRA slot pool, the attention backends and the sampling generators.
+Per-step metadata is built on the CPU from the plan's lists (no device sync).
 """
 
 from __future__ import annotations
 
-import itertools
+import time
+from collections import deque
+from collections.abc import Mapping
 
 import torch
 
+from engine.attention import AttentionBackend, DecodeKernelBackend
 from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, sgmv_ops
-from engine.lora_pool import LoraSlotPool
+from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.models.blocks import DecoderModel
-from engine.sampling import sample
-from engine.scheduler import BatchEntry
-from kernels.attention_sdpa import SdpaPlan
+from engine.sampling import make_generator, sample
+from engine.step_plan import StepPlan
 
 
 class ModelRunner:
@@ -23,25 +27,32 @@ class ModelRunner:
         self,
         model: DecoderModel,
         kv: KVBuffers,
-        req_to_token: torch.Tensor,
-        device: torch.device | str,
-        attention_backend: str = "ref",  # "ref" (kernels/attention_ref.py) or "sdpa" (kernels/attention_sdpa.py)
+        req_to_token: torch.Tensor,  # [max_reqs, max_context] int64 on the device: this worker's copy
+        attention: AttentionBackend,
         lora_pool: LoraSlotPool | None = None,
         lora_backend: str = "ref",  # SGMV ops: "ref" (PyTorch), "triton" or "chunked"
+        samples: bool = True,  # False on tensor-parallel ranks > 0: rank 0's tokens are the step's
     ):
-        if attention_backend not in ("ref", "sdpa"):
-            raise ValueError(f"attention_backend must be 'ref' or 'sdpa', not {attention_backend!r}")
         self.model = model
         self.kv = kv
-        self.req_to_token = req_to_token  # [max_reqs, max_context]: the ReqToTokenPool's table
-        self.device = torch.device(device)
-        self.attention_backend = attention_backend
+        self.req_to_token = req_to_token
+        self.device = req_to_token.device
+        self.attention = attention
         self.lora_pool = lora_pool
         self.lora_ops = sgmv_ops(lora_backend)
+        self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.lora_meta = None
         if lora_pool is not None:  # one segment per request at most
             self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device)
+        self.generators: dict[int, torch.Generator] = {}  # request uid -> its sampling generator
+        # Seconds of each slot load (zeroing and issuing the copies; on CUDA they run on a side stream),
+        # drained by the front's metrics sampler (rank 0 lives in the front's process).
+        self.recent_load_seconds: deque[float] = deque(maxlen=1024)
+
+    @property
+    def attention_backend(self) -> str:
+        return self.attention.name
 
     def enable_cuda_graphs(self, max_batch: int, buckets: tuple[int, ...] | None = None) -> None:
         """Capture decode steps of up to max_batch requests; later all-decode steps replay them."""
@@ -50,75 +61,82 @@ class ModelRunner:
         # The chunked backend re-segments on the host per step, which a captured graph cannot follow;
         # for decode (one token per segment) it computes what the plain Triton ops compute.
         ops = sgmv_ops("triton") if self.lora_ops == sgmv_ops("chunked") else self.lora_ops
-        self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, max_batch, self.lora_pool, ops, buckets)
+        c = self.model.config
+        decode = DecodeKernelBackend(self.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
+        self.graphs = DecodeGraphs(self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets)
         self.graphs.capture()
 
     @torch.inference_mode()
-    def run(self, entries: list[BatchEntry]) -> list[int]:
-        """Forward the step; returns one sampled token per entry whose `samples` is true, in order."""
-        if self.graphs is not None and self._is_decode(entries):
-            return self._run_graph(entries)
-        input_ids, positions, out_cache_loc = [], [], []
-        for e in entries:
-            input_ids += e.req.all_ids[e.start : e.start + e.extend_len]
-            positions += range(e.start, e.start + e.extend_len)
-            out_cache_loc += e.req.kv_slots[e.start : e.start + e.extend_len]
-        attn = self._attention_inputs(entries, out_cache_loc)
-        lora = self._lora_inputs(entries)
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), attn, self.kv, lora)  # [T, hidden]
-        ends = list(itertools.accumulate(e.extend_len for e in entries))
-        sampling = [(end - 1, e.req) for end, e in zip(ends, entries, strict=True) if e.samples]
-        if not sampling:
+    def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter] | None = None) -> list[int]:
+        """Apply the plan's slot loads and table writes, forward its tokens; one sampled token per
+        sampling row, in order (none on a worker that does not sample)."""
+        self._load_adapters(plan, adapters or {})
+        self._write_table(plan.table_writes)
+        for uid in plan.released:
+            self.generators.pop(uid, None)
+        if not plan.num_requests:
             return []
-        rows = self._tensor([row for row, _ in sampling])
-        logits = self.model.compute_logits(hidden[rows])  # [N, vocab] fp32
-        reqs = [req for _, req in sampling]
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        return tokens.tolist()
+        if self.graphs is not None and plan.is_decode and self.graphs.can_run(plan.num_requests):
+            logits = self._run_graph(plan)
+        else:
+            logits = self._run_eager(plan)
+        if logits is None or not self.samples:
+            return []
+        rows = [s for s in plan.samples if s is not None]
+        generators = [None if s.params.is_greedy else self._generator(s.uid, s.params.seed) for s in rows]
+        return sample(logits, [s.params for s in rows], generators).tolist()
 
-    def _attention_inputs(self, entries: list[BatchEntry], out_cache_loc: list[int]) -> AttentionInputs:
-        req_rows = [e.req.req_row for e in entries]
-        prefix_lens = [e.start for e in entries]
-        extend_lens = [e.extend_len for e in entries]
-        plan = None
-        if self.attention_backend == "sdpa":
-            plan = SdpaPlan.build(req_rows, prefix_lens, extend_lens, self.req_to_token, self.device)
-        return AttentionInputs(
-            out_cache_loc=self._tensor(out_cache_loc),
-            req_to_token=self.req_to_token,
-            req_pool_indices=self._tensor(req_rows),
-            prefix_lens=self._tensor(prefix_lens),
-            extend_lens=self._tensor(extend_lens),
-            sdpa_plan=plan,
-        )
+    def _run_eager(self, plan: StepPlan) -> torch.Tensor | None:
+        metadata = self.attention.prepare(list(plan.req_rows), list(plan.prefix_lens), list(plan.extend_lens))
+        attn = AttentionInputs(self._tensor(plan.out_cache_loc), metadata)
+        hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), attn, self.kv, self._lora_inputs(plan))
+        rows = plan.sample_rows
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(rows)])  # [N, vocab] fp32
 
-    def _is_decode(self, entries: list[BatchEntry]) -> bool:
-        return self.graphs.can_run(len(entries)) and all(e.extend_len == 1 and e.samples for e in entries)
-
-    def _run_graph(self, entries: list[BatchEntry]) -> list[int]:
-        pool = self.lora_pool
+    def _run_graph(self, plan: StepPlan) -> torch.Tensor:
         lora_slots = None
-        if pool is not None and any(e.req.lora_slot >= 0 for e in entries):
-            lora_slots = [e.req.lora_slot if e.req.lora_slot >= 0 else pool.base_slot for e in entries]
-        logits = self.graphs.run(
-            [e.req.all_ids[e.start] for e in entries],
-            [e.start for e in entries],
-            [e.req.kv_slots[e.start] for e in entries],
-            [e.req.req_row for e in entries],
-            lora_slots,
-        )
-        reqs = [e.req for e in entries]
-        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        if self.lora_pool is not None and plan.lora_slots is not None:
+            self.lora_pool.wait_for_loads()
+            lora_slots = self._slots(plan.lora_slots)
+        return self.graphs.run(list(plan.input_ids), list(plan.positions), list(plan.out_cache_loc), list(plan.req_rows), lora_slots)
 
-    def _lora_inputs(self, entries: list[BatchEntry]) -> LoraInputs | None:
+    def _lora_inputs(self, plan: StepPlan) -> LoraInputs | None:
         """One segment per request (its tokens are contiguous); None when no request uses an adapter."""
         pool = self.lora_pool
-        if pool is None or all(e.req.lora_slot < 0 for e in entries):
+        if pool is None or plan.lora_slots is None:
             return None
         pool.wait_for_loads()
-        slots = [e.req.lora_slot if e.req.lora_slot >= 0 else pool.base_slot for e in entries]
-        meta = self.lora_meta.fill([e.extend_len for e in entries], slots, pool.ranks, pool.scalings)
+        meta = self.lora_meta.fill(list(plan.extend_lens), self._slots(plan.lora_slots), pool.ranks, pool.scalings)
         return LoraInputs(pool, meta, *self.lora_ops)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:
+        base = self.lora_pool.base_slot
+        return [slot if slot >= 0 else base for slot in lora_slots]
+
+    def _load_adapters(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> None:
+        for load in plan.loads:
+            if load.digest not in adapters:
+                raise LookupError(f"the plan loads adapter {load.digest[:12]} into slot {load.slot} without its packed copy")
+            started = time.perf_counter()
+            self.lora_pool.load(load.slot, adapters[load.digest])
+            self.recent_load_seconds.append(time.perf_counter() - started)
+
+    def _write_table(self, writes: tuple[tuple[int, int, tuple[int, ...]], ...]) -> None:
+        if not writes:
+            return
+        cells: dict[tuple[int, int], int] = {}  # the last write of a cell wins, as in the front's table
+        for row, start, slots in writes:
+            cells.update(((row, start + i), slot) for i, slot in enumerate(slots))
+        rows, cols = zip(*cells, strict=True)
+        self.req_to_token[self._tensor(rows), self._tensor(cols)] = self._tensor(list(cells.values()))
+
+    def _generator(self, uid: int, seed: int | None) -> torch.Generator:
+        generator = self.generators.get(uid)
+        if generator is None:
+            generator = self.generators[uid] = make_generator(seed, self.device)
+        return generator
+
+    def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -10,11 +10,10 @@ Token bookkeeping (one vocabulary everywhere):
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from engine.errors import Code
 from engine.sampling import SamplingParams
@@ -54,6 +53,7 @@ class Failed:
 
 Event = TokenDelta | Finished | Failed
 Sink = Callable[[Event], None]
+_uids = itertools.count()
 
 
 @dataclass(eq=False)
@@ -65,10 +65,12 @@ class Request:
     sink: Sink
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopMatcher
-    generator: torch.Generator | None
     eos_token_ids: frozenset[int]
     deadline: float | None = None  # time.monotonic() seconds
     adapter_ref: str = ""  # the resolved "name@version" reported in GenerateComplete
+    # The key of the request's sampling generator on the worker: unique for the process's life, unlike rid.
+    uid: int = field(default_factory=_uids.__next__)
+    tenant: str = ""  # who asked (fair share between tenants); "" without authentication
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     kv_slots: list[int] = field(default_factory=list)

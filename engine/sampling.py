@@ -14,6 +14,7 @@ import torch
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 _MAX_SEED = 2**64  # torch.Generator.manual_seed takes any uint64
 # Below this the scaled softmax is practically one-hot, and dividing by a tinier temperature can overflow
 # the logits to inf (NaN probabilities): such rows take the argmax.
@@ -115,6 +116,11 @@ def _check_stop(stop: tuple[str, ...]) -> None:
 
 
 def _check_stop_token_ids(stop_token_ids: tuple[int, ...], vocab_size: int) -> None:
+    # Every decode step checks the new token against them: millions of ids slowed every other request.
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidSampling(
+            "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stop_token_ids)}"
+        )
     for i, token_id in enumerate(stop_token_ids):
         if not 0 <= token_id < vocab_size:
             raise InvalidSampling(

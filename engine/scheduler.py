@@ -1,5 +1,6 @@
-"""Continuous batching with chunked prefill under a per-step token budget, FCFS admission, and
-retraction of running requests when KV runs out.
+"""Continuous batching with chunked prefill under a per-step token budget, admission FCFS within a
+tenant and by fair share between tenants (engine/fair_share.py), and retraction of running requests
+when KV runs out.
 
 A step is a list of `BatchEntry`: running requests first (decodes and unfinished prefill chunks, in
 arrival order), then newly admitted ones while the token budget, the running cap and KV allow.
@@ -8,12 +9,13 @@ arrival order), then newly admitted ones while the token budget, the running cap
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.drain import StarvationDrain
 from engine.errors import Code
+from engine.fair_share import FairShare
 from engine.lora_manager import LoraManager
 from engine.request import Failed, Finished, FinishReason, Request
 from engine.request_kv import RequestKV
@@ -51,21 +53,33 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         lora: LoraManager | None = None,
         drain: StarvationDrain | None = None,  # None: no starvation drain
+        fair_share: FairShare | None = None,  # None: the default weights
     ):
         self.config = config
         self.kv = kv
         self.lora = lora
         self.drain = drain
         self.clock = clock
+        self.fair_share = fair_share or FairShare()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_retractions = 0
+        self._num_by_tenant: Counter[str] = Counter()  # requests waiting or running, per tenant
+        self._counted: set[int] = set()  # id() of the requests _num_by_tenant counts
+        self.released: list[int] = []  # uids of requests finished since the last plan
+
+    def take_released(self) -> list[int]:
+        released, self.released = self.released, []
+        return released
 
     @property
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def add(self, req: Request) -> None:
+        self.fair_share.on_arrival(req.tenant, self._num_by_tenant)
+        self._num_by_tenant[req.tenant] += 1
+        self._counted.add(id(req))
         self.waiting.append(req)
 
     def schedule(self) -> list[BatchEntry]:
@@ -79,6 +93,8 @@ class Scheduler:
             if extend_len and self._grow_or_retract(req, extend_len):
                 entries.append(BatchEntry.grown(req, extend_len))
                 budget -= extend_len
+        for entry in entries:  # charged before admission, so the running tenants' service counts now
+            self._charge(entry)
         if self.drain is not None and self.lora is not None:
             self.drain.update(self.waiting, self.running, self.lora)
         entries += self._admit_waiting(budget)
@@ -86,7 +102,13 @@ class Scheduler:
 
     def finish(self, req: Request, event: Finished | Failed) -> None:
         """End req: cache its KV, free the rest, and send its last event."""
+        if id(req) in self._counted:
+            self._counted.discard(id(req))
+            self._num_by_tenant[req.tenant] -= 1
+            if not self._num_by_tenant[req.tenant]:
+                del self._num_by_tenant[req.tenant]
         req.is_finished = True
+        self.released.append(req.uid)
         self._release(req)
         if req in self.running:
             self.running.remove(req)
@@ -103,11 +125,11 @@ class Scheduler:
         return len(self.running) < self.config.max_running_requests and self.kv.can_admit()
 
     def _admit_waiting(self, budget: int) -> list[BatchEntry]:
-        """FCFS admission; a request whose adapter cannot get a slot now (or is being drained) waits
-        without blocking others."""
+        """Admission in fair-share order (FCFS within a tenant); a request whose adapter cannot get a
+        slot now (or is being drained) waits without blocking others."""
         entries, slot_blocked = [], []
         while self.waiting and budget > 0 and self._can_admit_more():
-            req = self.waiting.popleft()
+            req = self._pop_next()
             no_slot = req.namespace and self.lora is not None and not self.lora.can_acquire(req.namespace)
             if no_slot or (self.drain is not None and self.drain.blocks(req)):
                 slot_blocked.append(req)
@@ -121,9 +143,21 @@ class Scheduler:
                 continue
             self.running.append(req)
             entries.append(entry)
+            self._charge(entry)
             budget -= entry.extend_len
         self.waiting.extendleft(reversed(slot_blocked))
         return entries
+
+    def _pop_next(self) -> Request:
+        index = self.fair_share.pick(self.waiting)
+        req = self.waiting[index]
+        del self.waiting[index]
+        return req
+
+    def _charge(self, entry: BatchEntry) -> None:
+        prompt_len = len(entry.req.prompt_ids)
+        num_prompt = max(0, min(entry.start + entry.extend_len, prompt_len) - entry.start)
+        self.fair_share.charge(entry.req.tenant, num_prompt, entry.extend_len - num_prompt)
 
     def _admit(self, req: Request, budget: int) -> BatchEntry | None:
         self.kv.admit(req)

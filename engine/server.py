@@ -41,7 +41,7 @@ def warm_up(core: EngineCore, timeout: float = 600.0) -> None:
     core.loop.submit(core.new_request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True), sink, rid="warm-up"))
     if not done.wait(timeout):
         raise RuntimeError("the engine did not finish its warm-up generation")
-    log.info("engine warm: %s", events[-1])
+    log.info("engine warm: a %d-token warm-up generation ran", len(prompt) + 2)
 
 
 class EngineServer:
@@ -49,25 +49,42 @@ class EngineServer:
 
     def __init__(self, config: EngineConfig, core: EngineCore):
         check_exposure(config.host, config.auth, config.allow_unauthenticated, "engine")
-        if config.auth and not config.registry:
-            raise ValueError("engine: --auth needs --registry (keys are checked through the registry)")
+        if config.auth and not (config.registry and config.api_key):
+            raise ValueError(
+                "engine: --auth needs --registry and the engine's own key (--api-key or --api-key-file, role"
+                " engine): clients' keys are checked through the registry"
+            )
         self.config = config
         self.core = core
         self.admin = AdapterAdmin(core)
         self.admission = Admission(core)
         self.metrics = EngineMetrics(base_model_name=core.base_model_name)
         core.metrics = self.metrics
-        core.loop.after_step = StepSampler(self.metrics, core.loop.scheduler, core.lora, core.refs)
+        core.loop.after_step = StepSampler(
+            self.metrics, core.loop.scheduler, core.lora, core.refs, core.workers.local.runner.recent_load_seconds
+        )
         allocator = core.loop.scheduler.kv.allocator
         self.metrics.model_server.set_cache_config(allocator.page_size, allocator.num_usable_pages)
         if core.lora is not None:
             self.metrics.model_server.set_lora_requests(len(core.lora.slots.slots), [], [])
         # Prompts over max_prompt_bytes get a clear INVALID_ARGUMENT rather than gRPC's size error.
         self.host = ServiceHost([SERVICE_NAME], max_receive_bytes=max(16 << 20, 2 * config.max_prompt_bytes))
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, self.admin, self.admission), self.host.server)
+        self.host.add_servicer(engine_pb2_grpc.add_EngineServicer_to_server, EngineServicer(core, self.admin, self.admission))
         credentials = config.tls.server_credentials() if config.tls.is_on else None
         self.port = self.host.bind(config.host, config.port, credentials)
         self.http: HttpFront | None = None
+        # A dead model worker ends the engine: health NOT_SERVING, admission closed, `failed` set (the
+        # serving function then stops and exits non-zero). The loop reports it from another thread.
+        self.failure: str | None = None
+        self.failed = asyncio.Event()
+        event_loop = asyncio.get_running_loop()
+        core.loop.on_fatal = lambda message: event_loop.call_soon_threadsafe(self._on_fatal, message)
+
+    def _on_fatal(self, message: str) -> None:
+        self.failure = message
+        self.admission.is_open = False
+        self.failed.set()
+        self._health_task = asyncio.ensure_future(self.host.set_serving(False))
 
     @property
     def address(self) -> str:
@@ -115,15 +132,34 @@ class EngineServer:
 
 async def start_engine(config: EngineConfig) -> EngineServer:
     core = await asyncio.to_thread(EngineCore.build, config)
-    server = EngineServer(config, core)
-    await server.start()
+    try:
+        server = EngineServer(config, core)
+        await server.start()
+    except BaseException:
+        await asyncio.to_thread(core.close)  # spawned model workers must not outlive a failed start
+        raise
     return server
+
+
+def stop_on_failure(server: EngineServer, stop: asyncio.Event) -> asyncio.Task:
+    """Set `stop` when the engine fails (a model worker died)."""
+
+    async def relay() -> None:
+        await server.failed.wait()
+        stop.set()
+
+    return asyncio.create_task(relay())
 
 
 async def serve(config: EngineConfig, stop: asyncio.Event, metrics_port: int | None = None, http_port: int | None = None) -> None:
     """Run until `stop` is set, then stop gracefully; /metrics on config.host:metrics_port and the
-    OpenAI-compatible HTTP front on config.host:http_port if given."""
+    OpenAI-compatible HTTP front on config.host:http_port if given. Exits non-zero (SystemExit) when
+    the engine failed (a model worker died) rather than was stopped."""
     server = await start_engine(config)
     if http_port is not None:
         await server.start_http(http_port)
+    relay = stop_on_failure(server, stop)
     await serve_until_stopped("engine", server, stop, metrics_port)
+    relay.cancel()
+    if server.failure is not None:
+        raise SystemExit(f"engine failed: {server.failure}")

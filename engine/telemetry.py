@@ -3,6 +3,8 @@ gauges and counter deltas sampled on the loop thread (owners keep plain integer 
 
 from __future__ import annotations
 
+from collections import deque
+
 from engine.lora_manager import LoraManager
 from engine.scheduler import Scheduler
 from loramux.metrics import AdapterResidence, EngineMetrics
@@ -11,8 +13,11 @@ from loramux.metrics import AdapterResidence, EngineMetrics
 class StepSampler:
     """Called after every engine step; turns the owners' running totals into metric increments."""
 
-    def __init__(self, metrics: EngineMetrics, scheduler: Scheduler, lora: LoraManager | None, refs: dict[str, str]):
+    def __init__(
+        self, metrics: EngineMetrics, scheduler: Scheduler, lora: LoraManager | None, refs: dict[str, str], load_seconds: deque[float] | None = None
+    ):
         self.metrics = metrics
+        self.load_seconds = load_seconds if load_seconds is not None else deque()  # rank 0's slot loads
         self.scheduler = scheduler
         self.lora = lora
         self.refs = refs  # digest -> "name@version" (EngineCore.refs)
@@ -38,8 +43,8 @@ class StepSampler:
         self._add(m.host_cache_misses, "misses", lora.host_cache.num_misses)
         self._add(m.adapter_loads, "loads", lora.slots.num_loads)
         self._add(m.adapter_evictions, "evictions", lora.slots.num_evictions)
-        while lora.slots.recent_load_seconds:
-            m.lora_load_latency.labels("gpu").observe(lora.slots.recent_load_seconds.popleft())
+        while self.load_seconds:
+            m.lora_load_latency.labels("gpu").observe(self.load_seconds.popleft())
         self._sample_residency()
 
     def _sample_residency(self) -> None:

@@ -17,6 +17,7 @@ from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models.blocks import DecoderModel
 from engine.named_shapes import NAMED_SHAPES
+from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from loraformat.architectures import FusedTarget
 
 _LM_HEAD = "lm_head.weight"
@@ -28,24 +29,40 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, tp: TensorParallel = SINGLE
 ) -> tuple[DecoderModel, ModelConfig]:
     """Read config.json and model.safetensors (or the shards of model.safetensors.index.json) of
     `model_dir` onto `device`. Ties the embeddings when config.json says so or lm_head is absent.
-    Raises ValueError naming every missing, unexpected or misshapen tensor."""
+    Raises ValueError naming every missing, unexpected or misshapen tensor. With tensor parallelism the
+    checkpoint is read on the host and each parallel linear keeps its rank's slice (`shard_full`)."""
     model_dir = Path(model_dir)
     dtype = dtype or default_dtype(device)
     config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    tensors = read_safetensors(model_dir, device)
+    tensors = read_safetensors(model_dir, device if tp.size == 1 else "cpu")
     if _LM_HEAD not in tensors and not config.tie_word_embeddings:
         config = replace(config, tie_word_embeddings=True)
     if config.tie_word_embeddings:
         tensors.pop(_LM_HEAD, None)
-    model = build_model(config, dtype=dtype, device="meta")
-    state = fuse_hf_tensors(tensors, model.state_dict(), config)
-    model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, strict=True, assign=True)
+    full = build_model(config, dtype=dtype, device="meta")
+    state = fuse_hf_tensors(tensors, full.state_dict(), config)
+    model = build_model(config, dtype=dtype, device="meta", tp=tp)
+    state = shard_state(model, state)
+    model.load_state_dict({name: t.to(device=device, dtype=dtype) for name, t in state.items()}, strict=True, assign=True)
     model.set_rope_device(device)
     return model.eval(), config
+
+
+def shard_state(model: DecoderModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full fused tensors -> this rank's: each parallel linear's weight loader slices its own."""
+    if model.tp.size == 1:
+        return state
+    loaders = {
+        f"{name}.{kind}": module.shard_full
+        for name, module in model.named_modules()
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear)
+        for kind in ("weight", "bias")
+    }
+    return {name: loaders[name](t) if name in loaders else t for name, t in state.items()}
 
 
 def read_safetensors(model_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -133,12 +150,13 @@ def random_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    tp: TensorParallel = SINGLE,
 ) -> DecoderModel:
     """A model of a named shape (NAMED_SHAPES) or config with seeded random weights drawn on `device`:
     linears and embeddings ~ N(0, 1/in_dim), norms 1, biases 0, so activations keep about unit scale."""
     config = NAMED_SHAPES[shape] if isinstance(shape, str) else shape
     dtype = dtype or default_dtype(device)
-    model = build_model(config, dtype=dtype, device="meta").to_empty(device=device)
+    model = build_model(config, dtype=dtype, device="meta", tp=tp).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -190,15 +190,10 @@ def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config) -> Non
     )  # fmt: skip
 
 
-def sgmv_shrink(
-    x: torch.Tensor,  # [T, in_dim]
-    A: torch.Tensor,  # [num_slots, num_stack * R, in_dim], x.dtype
-    meta: SgmvMeta,
-    *,
-    num_stack: int,
-    out: torch.Tensor | None = None,  # [T, num_stack * R], x.dtype
-) -> torch.Tensor:  # v [T, num_stack * R], x.dtype; entries outside the LoRA rows/ranks left as they were
-    """v[seg, k*R : k*R + r] = x[seg] @ A[w, k*R : k*R + r, :]^T for every target k < num_stack."""
+def shrink_output(
+    x: torch.Tensor, A: torch.Tensor, meta: SgmvMeta, num_stack: int, out: torch.Tensor | None
+) -> torch.Tensor:  # v [T, num_stack * R], x.dtype
+    """A shrink's checks (shapes, dtypes, metadata) and its output: `out` when given, else a new tensor."""
     if x.dim() != 2 or A.dim() != 3 or A.shape[2] != x.shape[1]:
         raise ValueError(
             f"want x [T, in_dim], A [slots, stack*R, in_dim]; got {tuple(x.shape)}, {tuple(A.shape)}"
@@ -209,11 +204,24 @@ def sgmv_shrink(
         raise ValueError(f"x is {x.dtype}, A is {A.dtype}")
     _check_meta(meta, x.device)
     if out is None:
-        out = torch.empty(x.shape[0], A.shape[1], dtype=x.dtype, device=x.device)
-    elif out.shape != (x.shape[0], A.shape[1]) or out.dtype != x.dtype:
+        return torch.empty(x.shape[0], A.shape[1], dtype=x.dtype, device=x.device)
+    if out.shape != (x.shape[0], A.shape[1]) or out.dtype != x.dtype:
         raise ValueError(
             f"out must be [{x.shape[0]}, {A.shape[1]}] {x.dtype}, got {tuple(out.shape)} {out.dtype}"
         )
+    return out
+
+
+def sgmv_shrink(
+    x: torch.Tensor,  # [T, in_dim]
+    A: torch.Tensor,  # [num_slots, num_stack * R, in_dim], x.dtype
+    meta: SgmvMeta,
+    *,
+    num_stack: int,
+    out: torch.Tensor | None = None,  # [T, num_stack * R], x.dtype
+) -> torch.Tensor:  # v [T, num_stack * R], x.dtype; entries outside the LoRA rows/ranks left as they were
+    """v[seg, k*R : k*R + r] = x[seg] @ A[w, k*R : k*R + r, :]^T for every target k < num_stack."""
+    out = shrink_output(x, A, meta, num_stack, out)
     max_rank = A.shape[1] // num_stack
     slices = tuple((k * max_rank, max_rank) for k in range(num_stack))
     config = _shrink_config(meta.max_seg_len, max_rank)

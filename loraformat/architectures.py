@@ -127,10 +127,6 @@ class ArchSpec:
         return tuple(p.name for p in self.projections)
 
     @property
-    def module_groups(self) -> dict[str, str]:
-        return {p.name: p.group for p in self.projections}
-
-    @property
     def other_layer_modules(self) -> tuple[str, ...]:
         """Suffixes (after `model.layers.{i}`) of the layer's submodules that LoRA cannot adapt."""
         norms = (".self_attn.q_norm", ".self_attn.k_norm") if self.qk_norm else ()
@@ -151,9 +147,6 @@ class ArchSpec:
             o=attention_bias if self.o_bias is None else self.o_bias,
             mlp=bool(cfg.get("mlp_bias", False)) if self.mlp_bias is None else self.mlp_bias,
         )
-
-    def fused_target(self, name: str) -> FusedTarget:
-        return next(t for t in self.fused if t.name == name)
 
 
 LLAMA = ArchSpec(

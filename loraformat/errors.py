@@ -24,7 +24,7 @@ class Code(enum.StrEnum):  # a str: a kind compares equal to its name
     UNAVAILABLE = "UNAVAILABLE"
     UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
-    # Only requests already running end with these (the engine's loop): past their deadline, or a step failed.
+    # Past a deadline (a running request, or a registration's client) / a failed engine step.
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     INTERNAL = "INTERNAL"
 

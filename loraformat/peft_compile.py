@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from loraformat.errors import FailedPrecondition, InvalidArgument
+from loraformat.errors import FailedPrecondition, InvalidArgument, quote
 from loraformat.model_shapes import MODULE_GROUPS, SUPPORTED_MODULES, ModelShape, module_path
 from loraformat.peft_config import LoraSpec, parse_peft_config, resolve_targets
 from loraformat.peft_files import is_pickle_weights, pickle_refusal
@@ -74,19 +74,19 @@ def _locate(name: str, shape: ModelShape) -> tuple[int, str, str]:
     """(layer, module, "A" | "B") of a PEFT tensor name."""
     for marker, what in _UNSERVABLE_TENSORS.items():
         if f".{marker}" in name:
-            raise FailedPrecondition(f"tensor {name!r}: {what} is not supported")
+            raise FailedPrecondition(f"tensor {quote(name)}: {what} is not supported")
     if name.endswith(".bias"):
-        raise FailedPrecondition(f"tensor {name!r}: biases are not supported")
+        raise FailedPrecondition(f"tensor {quote(name)}: biases are not supported")
     lora = _LORA_NAME.fullmatch(name)
     if lora is None:
-        raise InvalidArgument(f"tensor {name!r}: not a LoRA weight (expected e.g. {_example_name()!r})")
+        raise InvalidArgument(f"tensor {quote(name)}: not a LoRA weight (expected e.g. {_example_name()!r})")
     layer_path = _LAYER_PATH.fullmatch(lora["path"])
     if layer_path is None or MODULE_GROUPS.get(layer_path["module"]) != layer_path["group"]:
         raise _unknown_module(name, lora["path"], shape)
     layer = int(layer_path["layer"])
     if layer >= shape.num_layers:
         raise FailedPrecondition(
-            f"tensor {name!r}: layer {layer} is out of range (the base model has {shape.num_layers})"
+            f"tensor {quote(name)}: layer {layer} is out of range (the base model has {shape.num_layers})"
         )
     return layer, layer_path["module"], lora["part"]
 
@@ -100,9 +100,9 @@ def _unknown_module(name: str, path: str, shape: ModelShape) -> Exception:
     # served; a path the model does not have at all is a malformed name.
     if path in shape.all_module_paths():
         return FailedPrecondition(
-            f"tensor {name!r}: LoRA on {path!r} is not supported (supported: {', '.join(SUPPORTED_MODULES)})"
+            f"tensor {quote(name)}: LoRA on {path!r} is not supported (supported: {', '.join(SUPPORTED_MODULES)})"
         )
-    return InvalidArgument(f"tensor {name!r}: {path!r} is not a module of the base model")
+    return InvalidArgument(f"tensor {quote(name)}: {path!r} is not a module of the base model")
 
 
 def _pair_tensors(
@@ -114,10 +114,10 @@ def _pair_tensors(
         layer, module, part = _locate(name, shape)
         path = module_path(layer, module)
         if path not in targets:
-            raise InvalidArgument(f"tensor {name!r}: {path} is not in the config's target_modules")
+            raise InvalidArgument(f"tensor {quote(name)}: {path} is not in the config's target_modules")
         pair = pairs.setdefault((layer, module), {})
         if part in pair:
-            raise InvalidArgument(f"tensors {pair[part]!r} and {name!r} are both lora_{part} of {path}")
+            raise InvalidArgument(f"tensors {quote(pair[part])} and {quote(name)} are both lora_{part} of {path}")
         pair[part] = name
     return pairs
 
@@ -138,7 +138,7 @@ def _plan_module(
     path = module_path(layer, module)
     for part, other in (("A", "B"), ("B", "A")):
         if part not in pair:
-            raise InvalidArgument(f"tensor {pair[other]!r}: lora_{other} of {path} has no lora_{part}")
+            raise InvalidArgument(f"tensor {quote(pair[other])}: lora_{other} of {path} has no lora_{part}")
     rank = spec.rank_of(path)
     in_dim, out_dim = shape.module_dims(module)
     _check_shape(sf, pair["A"], (rank, in_dim))
@@ -150,7 +150,7 @@ def _check_shape(sf: SafetensorsFile, name: str, expected: tuple[int, int]) -> N
     actual = sf.infos[name].shape
     if actual != expected:
         raise FailedPrecondition(
-            f"tensor {name!r}: shape {list(actual)} does not match the expected {list(expected)} "
+            f"tensor {quote(name)}: shape {list(actual)} does not match the expected {list(expected)} "
             "(lora_A: [rank, in_dim], lora_B: [out_dim, rank], from the base model and the config's rank)"
         )
 
@@ -204,12 +204,12 @@ def _check_finite(sf: SafetensorsFile, plans: list[_ModulePlan], dtype: torch.dt
     for plan in plans:
         for name in (plan.a_name, plan.b_name):
             if not bool(torch.isfinite(sf.tensor(name)).all()):
-                raise InvalidArgument(f"tensor {name!r}: holds NaN or Inf values")
+                raise InvalidArgument(f"tensor {quote(name)}: holds NaN or Inf values")
         if plan.fold != 1.0 and not bool(
             torch.isfinite(_fold(sf.tensor(plan.b_name), plan.fold, dtype)).all()
         ):
             raise FailedPrecondition(
-                f"tensor {plan.b_name!r}: its alpha_pattern scale overflows {dtype} once folded into lora_B"
+                f"tensor {quote(plan.b_name)}: its alpha_pattern scale overflows {dtype} once folded into lora_B"
             )
 
 
@@ -381,7 +381,7 @@ def _canonical_fields(label: str, metadata: dict[str, str]) -> dict[str, Any]:
     for key, expected in (("format", FORMAT), ("format_version", FORMAT_VERSION)):
         if metadata.get(key) != expected:
             raise InvalidArgument(
-                f"{label}: metadata {key!r} is {metadata.get(key)!r}, expected {expected!r}"
+                f"{label}: metadata {quote(key)} is {metadata.get(key)!r}, expected {expected!r}"
             )
     return {
         "base_model": _meta(label, metadata, "base_model", str),
@@ -396,11 +396,11 @@ def _canonical_fields(label: str, metadata: dict[str, str]) -> dict[str, Any]:
 
 def _meta(label: str, metadata: dict[str, str], key: str, convert: Callable[[str], Any]) -> Any:
     if key not in metadata:
-        raise InvalidArgument(f"{label}: metadata {key!r} is missing")
+        raise InvalidArgument(f"{label}: metadata {quote(key)} is missing")
     try:
         return convert(metadata[key])
     except (KeyError, ValueError):
-        raise InvalidArgument(f"{label}: metadata {key!r} has a bad value {metadata[key]!r}") from None
+        raise InvalidArgument(f"{label}: metadata {quote(key)} has a bad value {metadata[key]!r}") from None
 
 
 def _module_list(value: str) -> tuple[str, ...]:
@@ -421,11 +421,11 @@ def _check_canonical_tensors(
         layer, module, part = _canonical_location(sf.label, name, adapter)
         other = f"layers.{layer}.{module}.lora_{'B' if part == 'A' else 'A'}"
         if other not in sf.infos:
-            raise InvalidArgument(f"{sf.label}: tensor {name!r} has no {other!r}")
+            raise InvalidArgument(f"{sf.label}: tensor {quote(name)} has no {other!r}")
         rank_dim = 0 if part == "A" else 1  # A: [rank, in_dim], B: [out_dim, rank]
         if len(info.shape) != 2 or info.shape[rank_dim] != adapter.rank:
             raise InvalidArgument(
-                f"{sf.label}: tensor {name!r} has shape {list(info.shape)}, not 2-D with rank {adapter.rank}"
+                f"{sf.label}: tensor {quote(name)} has shape {list(info.shape)}, not 2-D with rank {adapter.rank}"
             )
         if shape is not None:
             _check_canonical_dims(sf.label, name, info.shape, module, part, shape)
@@ -434,11 +434,11 @@ def _check_canonical_tensors(
 def _canonical_location(label: str, name: str, adapter: CanonicalAdapter) -> tuple[int, str, str]:
     match = _CANONICAL_NAME.fullmatch(name)
     if match is None or match["module"] not in adapter.target_modules:
-        raise InvalidArgument(f"{label}: tensor {name!r} does not name a target module's lora_A or lora_B")
+        raise InvalidArgument(f"{label}: tensor {quote(name)} does not name a target module's lora_A or lora_B")
     layer = int(match["layer"])
     if layer >= adapter.num_layers:
         raise InvalidArgument(
-            f"{label}: tensor {name!r}: layer {layer} is out of range ({adapter.num_layers})"
+            f"{label}: tensor {quote(name)}: layer {layer} is out of range ({adapter.num_layers})"
         )
     return layer, match["module"], match["part"]
 
@@ -450,5 +450,5 @@ def _check_canonical_dims(
     expected = (actual[0], in_dim) if part == "A" else (out_dim, actual[1])
     if actual != expected:
         raise FailedPrecondition(
-            f"{label}: tensor {name!r} has shape {list(actual)}, the base model needs {list(expected)}"
+            f"{label}: tensor {quote(name)} has shape {list(actual)}, the base model needs {list(expected)}"
         )

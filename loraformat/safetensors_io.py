@@ -26,7 +26,7 @@ from typing import IO, Any
 import torch
 
 from loraformat import bounded_json
-from loraformat.errors import InvalidArgument, ResourceExhausted
+from loraformat.errors import InvalidArgument, ResourceExhausted, quote
 
 DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
@@ -109,7 +109,7 @@ class SafetensorsFile:
         """A view of the tensor's bytes; it keeps the mapping alive on its own."""
         info = self.infos.get(name)
         if info is None:
-            raise InvalidArgument(f"{self.label}: no tensor named {name!r}")
+            raise InvalidArgument(f"{self.label}: no tensor named {quote(name)}")
         if self._buffer is None:
             raise ValueError(f"{self.label}: read after close()")
         if info.numel == 0:
@@ -223,12 +223,12 @@ def _parse_metadata(label: str, raw: Any) -> dict[str, str]:
         raise InvalidArgument(f"{label}: {METADATA_KEY} is not an object")
     for key, value in raw.items():
         if not isinstance(value, str):
-            raise InvalidArgument(f"{label}: {METADATA_KEY}[{key!r}] is not a string")
+            raise InvalidArgument(f"{label}: {METADATA_KEY}[{quote(key)}] is not a string")
     return raw
 
 
 def _parse_entry(label: str, name: str, entry: Any, data_len: int) -> TensorInfo:
-    where = f"{label}: tensor {name!r}"
+    where = f"{label}: tensor {quote(name)}"
     if not isinstance(entry, dict):
         raise InvalidArgument(f"{where}: entry is not an object")
     missing = [field for field in _REQUIRED_FIELDS if field not in entry]
@@ -275,10 +275,10 @@ def _check_layout(label: str, infos: dict[str, TensorInfo], data_len: int) -> No
     covered, previous = 0, None
     for info in sorted(infos.values(), key=lambda i: (i.start, i.end)):
         if info.start < covered:
-            raise InvalidArgument(f"{label}: tensors {previous!r} and {info.name!r} overlap")
+            raise InvalidArgument(f"{label}: tensors {quote(previous)} and {quote(info.name)} overlap")
         if info.start > covered:
             raise InvalidArgument(
-                f"{label}: hole of {info.start - covered} bytes in the data region before {info.name!r}"
+                f"{label}: hole of {info.start - covered} bytes in the data region before {quote(info.name)}"
             )
         covered, previous = info.end, info.name
     if covered != data_len:
@@ -325,7 +325,7 @@ def encode_header(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str]) 
     for name in sorted(specs):
         spec = specs[name]
         if name == METADATA_KEY or spec.dtype not in DTYPE_CODES:
-            raise InvalidArgument(f"tensor {name!r}: cannot write name or dtype {spec.dtype}")
+            raise InvalidArgument(f"tensor {quote(name)}: cannot write name or dtype {spec.dtype}")
         nbytes = _numel(spec.shape) * spec.dtype.itemsize
         entry = {"dtype": DTYPE_CODES[spec.dtype], "shape": list(spec.shape)}
         header[name] = entry | {"data_offsets": [offset, offset + nbytes]}
@@ -337,7 +337,7 @@ def encode_header(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str]) 
 def _checked_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise InvalidArgument(f"metadata entry {key!r}: keys and values must be strings")
+            raise InvalidArgument(f"metadata entry {quote(key)}: keys and values must be strings")
     return dict(metadata)
 
 
@@ -351,7 +351,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _tensor_bytes(name: str, tensor: torch.Tensor, spec: TensorSpec) -> memoryview:
     if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
         raise InvalidArgument(
-            f"tensor {name!r}: produced {tensor.dtype} {list(tensor.shape)}, "
+            f"tensor {quote(name)}: produced {tensor.dtype} {list(tensor.shape)}, "
             f"header promised {spec.dtype} {list(spec.shape)}"
         )
     # Raw little-endian bytes without an extra copy when the tensor is already contiguous on the CPU.

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -30,6 +33,9 @@ class ServiceHost:
             options=[
                 ("grpc.max_receive_message_length", max_receive_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # gRPC Python turns SO_REUSEPORT on: a second server on a taken port would start
+                # silently and the kernel would split connections between the two.
+                ("grpc.so_reuseport", 0),
             ]
         )
         self.health = health.aio.HealthServicer()
@@ -43,13 +49,27 @@ class ServiceHost:
         """Bind host:port (0 = pick a free port), with TLS when credentials are given; returns the port."""
         self.bound_host = host
         address = f"{host}:{port}"
-        if credentials is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            self.port = self.server.add_secure_port(address, credentials)
+        if port and not _can_listen(host, port):  # before gRPC, which would log its own C++ error line
+            raise OSError(port_taken_message(host, port))
+        try:
+            if credentials is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, credentials)
+        except RuntimeError:  # grpcio raises "Failed to bind to address ..." here
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise OSError(port_taken_message(host, port))
         return self.port
+
+    def add_servicer(self, add_to_server: Callable, servicer: object) -> None:
+        """Register a generated servicer (`add_XServicer_to_server`) so that request bytes which do not
+        parse end as INVALID_ARGUMENT naming the method, not as gRPC's UNKNOWN "Unexpected DecodeError"."""
+        capture = _HandlerCapture()
+        add_to_server(servicer, capture)
+        handlers = {name: _tolerant(name, h) for name, h in capture.handlers.items()}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
+        self.server.add_registered_method_handlers(capture.service, handlers)
 
     @property
     def address(self) -> str:
@@ -66,6 +86,80 @@ class ServiceHost:
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         await self.set_serving(False)
         await self.server.stop(grace)
+
+
+def _can_listen(host: str, port: int) -> bool:
+    """Whether nothing listens on host:port (SO_REUSEADDR: connections in TIME_WAIT do not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.errno != errno.EADDRINUSE
+    return True
+
+
+def port_taken_message(host: str, port: int) -> str:
+    return f"cannot listen on {host}:{port}: the port is taken (another loramux? `loramux down`, or pick another port)"
+
+
+class Malformed:
+    """What a request that failed to parse becomes; the method wrapper answers INVALID_ARGUMENT."""
+
+    def __init__(self, num_bytes: int):
+        self.num_bytes = num_bytes
+
+
+class _HandlerCapture:
+    """Stands in for the server while generated code registers its handlers."""
+
+    def __init__(self):
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same handlers arrive through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def _tolerant(name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError:
+            return Malformed(len(data))
+
+    if handler.unary_unary:
+        respond = handler.unary_unary
+
+        async def unary(request, context):
+            await _refuse_malformed(name, request, context)
+            return await respond(request, context)
+
+        return handler._replace(request_deserializer=deserialize, unary_unary=unary)
+    if handler.unary_stream:
+        stream = handler.unary_stream
+
+        async def streamed(request, context):
+            await _refuse_malformed(name, request, context)
+            async for item in stream(request, context):
+                yield item
+
+        return handler._replace(request_deserializer=deserialize, unary_stream=streamed)
+    return handler._replace(request_deserializer=deserialize)  # request streams meet Malformed items themselves
+
+
+async def _refuse_malformed(name: str, request, context) -> None:
+    if isinstance(request, Malformed):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{name}: the request ({request.num_bytes} bytes) is not a valid protobuf message",
+        )
 
 
 def stop_event_on_signals(signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> asyncio.Event:

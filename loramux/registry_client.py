@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -135,6 +136,11 @@ class RegistryClient:
         return list(self.stub.ListAudit(pb.ListAuditRequest(limit=limit), timeout=self.timeout).entries)
 
 
+def _utc_time(seconds: float) -> str:
+    """An epoch time as ISO 8601 in UTC (what a person reads; JSON tools parse it too)."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="seconds")
+
+
 def adapter_to_dict(adapter: pb.Adapter) -> dict:
     return {
         "name": adapter.name,
@@ -147,7 +153,7 @@ def adapter_to_dict(adapter: pb.Adapter) -> dict:
         "target_modules": list(adapter.target_modules),
         "pinned": adapter.pinned,
         "size_bytes": adapter.size_bytes,
-        "created_at": adapter.created_at,
+        "created_at": _utc_time(adapter.created_at),
         "description": adapter.description,
         "labels": dict(adapter.labels),
         "tenant": adapter.tenant,

@@ -123,15 +123,40 @@ class AccessStore:
         return Principal(row.key_id, row.tenant, Role(row.role))
 
     def ensure_key_file(self, path: Path, tenant: str, role: Role, system: Principal) -> bool:
-        """Create a key and write it to `path` (mode 0600) when the file does not exist; True if made.
-        Two processes starting together: the loser's key is revoked at once."""
+        """Make sure the key in `path` exists; True when a new key was made and written.
+
+        No file: a new key is created and written there (mode 0600); two processes starting together
+        both write at most once, and the loser's key is revoked at once. A file that holds a key this
+        database does not know (an operator's Secret, a replica's shared file) is adopted with
+        `tenant` and `role`; a revoked key stays revoked."""
         if path.exists():
+            self._adopt(path.read_text().strip(), tenant, role, system, path)
             return False
         key, info = self.create_key(system, tenant, role.value, f"written to {path.name} at first start")
         if write_secret_file(path, key):
             return True
         self.revoke_key(system, info.key_id)
+        self._adopt(path.read_text().strip(), tenant, role, system, path)
         return False
+
+    def _adopt(self, key: str, tenant: str, role: Role, system: Principal, path: Path) -> None:
+        parts = split_key(key)
+        if parts is None:
+            raise ValueError(f"{path} does not hold a loramux key (lmx_<12 hex digits>_<43 characters>)")
+        key_id, secret_hash = parts
+        with Session(self.engine, expire_on_commit=False) as s, s.begin():
+            row = s.scalar(select(ApiKeyRow).where(ApiKeyRow.key_id == key_id).with_for_update())
+            if row is not None:
+                if not same_hash(row.secret_sha256, secret_hash):
+                    raise ValueError(f"{path}: key {key_id} exists with another secret")
+                return
+            s.add(
+                ApiKeyRow(
+                    key_id=key_id, secret_sha256=secret_hash, tenant=check_tenant(tenant), role=role.value,
+                    description=f"adopted from {path.name}", created_at=time.time(), revoked_at=None,
+                )
+            )
+            audit_in(s, system, "key_create", f"{key_id} {tenant} {role.value} (from {path.name})")
 
     # ---- audit -------------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ class Catalog:
 
     # ---- base models -------------------------------------------------------------------------
 
-    def register_base_model(self, name: str, config_json: str) -> BaseModelInfo:
+    def register_base_model(self, name: str, config_json: str, caller: Principal = ANONYMOUS) -> BaseModelInfo:
         """Insert a base model; idempotent for an identical config (compared as parsed JSON)."""
         parsed = json.loads(config_json)
 
@@ -68,6 +68,7 @@ class Catalog:
             row = s.scalar(select(BaseModelRow).where(BaseModelRow.name == name))
             if row is None:
                 s.add(BaseModelRow(name=name, config_json=config_json, created_at=time.time()))
+                audit_in(s, caller, "register_base_model", name)
                 return BaseModelInfo(name, config_json)
             if json.loads(row.config_json) != parsed:
                 raise AlreadyExists(f"base model {name!r} is already registered with a different config")
@@ -219,6 +220,11 @@ class Catalog:
             rows = s.scalars(query.order_by(AdapterEventRow.id).limit(limit)).all()
             return [AdapterEventInfo(r.id, r.kind, _info_from_json(r.adapter_json)) for r in rows]
 
+    def ping(self) -> None:
+        """One round trip to the database; raises when it cannot be reached."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
     def last_event_id(self) -> int:
         with Session(self.engine) as s:
             return s.scalar(select(func.max(AdapterEventRow.id))) or 0
@@ -245,7 +251,9 @@ class Catalog:
                 with Session(self.engine, expire_on_commit=False) as s, s.begin():
                     return txn(s)
             except (IntegrityError, OperationalError) as exc:
-                if attempt == _RETRIES - 1 or not _is_retryable(exc):
+                if not _is_retryable(exc):
+                    raise  # e.g. the database is down: registry.faults says UNAVAILABLE
+                if attempt == _RETRIES - 1:
                     raise RegistryError(
                         f"database conflict, try again: {exc.orig}", Code.UNAVAILABLE
                     ) from exc

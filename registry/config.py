@@ -10,6 +10,9 @@ from loramux.security import TlsFiles
 DEFAULT_REGISTRY_PORT = 50051
 DEFAULT_MAX_LORA_RANK = 64
 DEFAULT_MAX_UPLOAD_BYTES = 2 << 30
+DEFAULT_MAX_CONCURRENT_UPLOADS = 16
+DEFAULT_UPLOAD_IDLE_TIMEOUT_S = 60.0
+DEFAULT_HEALTH_PROBE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -23,10 +26,15 @@ class RegistryConfig:
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     import_allow_dirs: tuple[Path, ...] = ()
     import_s3_endpoint_url: str = ""  # "" = the object store's endpoint when it is S3
+    # Each upload in flight holds a spool directory and file handles: a bounded number, and none idle.
+    max_concurrent_uploads: int = DEFAULT_MAX_CONCURRENT_UPLOADS
+    upload_idle_timeout_s: float = DEFAULT_UPLOAD_IDLE_TIMEOUT_S
+    health_probe_s: float = DEFAULT_HEALTH_PROBE_S  # how often health checks the database
     watch_poll_s: float = 1.0  # events reach watchers at once; this poll only covers a lost notification
     import_allow_s3: tuple[str, ...] = ()  # s3://bucket[/prefix] imports may read; none = any without auth
     auth: bool = False
     admin_key_file: Path | None = None  # None = <data_dir>/admin.key
+    engine_key_file: Path | None = None  # with auth: an engine key made (or adopted) there at start
     allow_unauthenticated: bool = False  # listen beyond loopback without --auth
     tls: TlsFiles = field(default_factory=TlsFiles)
 

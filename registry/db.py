@@ -9,6 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from sqlalchemy import (
@@ -118,7 +119,8 @@ class AuditRow(Base):
 def make_engine(url: str) -> Engine:
     """Create the SQLAlchemy engine; SQLite gets WAL, a busy timeout and immediate transactions."""
     if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True, future=True)
+        # A bounded connect: an unreachable server must fail a request (UNAVAILABLE), not hang it.
+        return create_engine(url, pool_pre_ping=True, future=True, connect_args={"connect_timeout": 5})
     path = url.split("///", 1)[-1]
     if path and path != ":memory:":
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +151,9 @@ def migrate(engine: Engine) -> None:
     from alembic import command
     from alembic.config import Config
 
+    # Alembic logs every step at INFO ("Context impl", "Will assume transactional DDL", each upgrade):
+    # seven lines at every start say nothing to an operator. Warnings still show.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
     with engine.begin() as connection:

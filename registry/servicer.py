@@ -34,6 +34,8 @@ from loramux.v1 import registry_pb2_grpc as pb_grpc
 from registry.access import KeyInfo
 from registry.errors import InvalidArgument, RegistryError, StatusError
 from registry.event_feed import EventFeed
+from registry.faults import as_status_error
+from registry.inflight import CommitGate, Registrations
 from registry.service import RegistryService
 from registry.types import MAX_EVENT_ID, AdapterEventInfo, AdapterInfo, check_name, check_version
 from registry.upload import receive_upload
@@ -47,6 +49,9 @@ def _status_of(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.St
     """The status an RPC ends with when `exc` leaves its handler (after the wrappers below)."""
     if isinstance(exc, RegistryError):
         return getattr(grpc.StatusCode, exc.code.value)
+    fault = as_status_error(exc)
+    if fault is not None:
+        return getattr(grpc.StatusCode, fault.code.value)
     if isinstance(exc, grpc.aio.AbortError):
         code = context.code()  # set by context.abort
         return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
@@ -61,6 +66,10 @@ async def _abort(exc: Exception, name: str, context: grpc.aio.ServicerContext) -
         raise exc
     if isinstance(exc, RegistryError):
         await context.abort(_status_of(exc, context), str(exc))  # raises AbortError
+    fault = as_status_error(exc)
+    if fault is not None:  # infrastructure, not a bug: one line in the log, the reason to the client
+        log.warning("%s: %s (%s)", name, fault, type(exc).__name__)
+        await context.abort(_status_of(exc, context), str(fault))
     log.error("%s failed", name, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error (see the registry log)")
 
@@ -115,6 +124,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         self.access = service.access
         self.feed = EventFeed(self.catalog, service.config.watch_poll_s)
         self.metrics = metrics or RegistryMetrics()
+        self.registrations = Registrations(service.config.max_concurrent_uploads)
 
     async def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
         """Who calls: ANONYMOUS without --auth; else the key's holder, or UNAUTHENTICATED (audited)."""
@@ -153,6 +163,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
 
     @_statuses
     async def ListBaseModels(self, request, context) -> pb.ListBaseModelsResponse:
+        await self._caller(context)
         infos = await asyncio.to_thread(self.catalog.list_base_models)
         return pb.ListBaseModelsResponse(
             base_models=[pb.BaseModel(name=i.name, config_json=i.config_json) for i in infos]
@@ -168,16 +179,20 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         async with self._audited(caller, "register", "upload"):
             if caller.role not in (Role.ADMIN, Role.PUBLISHER):  # refused before a byte is spooled
                 raise PermissionDenied(f"registering adapters needs a publisher or admin key, not {caller.role.value}")
-        with tempfile.TemporaryDirectory(dir=config.spool_dir) as tmp:
-            upload = await receive_upload(request_iterator, Path(tmp), config.max_upload_bytes)
+        gate = CommitGate(context.time_remaining())
+        run = self.registrations.run
+        with self.registrations.slot(), tempfile.TemporaryDirectory(dir=self.service.spool.path) as tmp:
+            upload = await receive_upload(
+                request_iterator, Path(tmp), config.max_upload_bytes, config.upload_idle_timeout_s
+            )
             spec = upload.spec
             async with self._audited(caller, "register", spec.name):
                 if upload.files is None:
-                    info = await asyncio.to_thread(self.service.import_adapter, spec, caller)
+                    info = await run(gate, self.service.import_adapter, spec, caller, gate.check)
                 else:
                     files = upload.files
                     self.metrics.uploaded_bytes.inc(files.config_path.stat().st_size + files.weights_path.stat().st_size)
-                    info = await asyncio.to_thread(self.service.register_adapter, spec, files, caller)
+                    info = await run(gate, self.service.register_adapter, spec, files, caller, gate.check)
         self.feed.wake()
         self.metrics.adapters_registered.inc()
         self.metrics.registration_latency.observe(time.perf_counter() - started)

@@ -30,6 +30,7 @@ DEFAULT_CHUNK_SIZE = MiB
 DEFAULT_PART_SIZE = 8 * MiB
 MIN_PART_SIZE = 5 * MiB  # S3 refuses smaller parts, except the last one
 BLOB_DIR = "blobs/sha256"
+TEMP_PREFIX = ".tmp-"
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 # S3 bucket naming rules (3-63 characters); also keeps a URL's host part from smuggling in odd values.
@@ -66,6 +67,10 @@ class ObjectStore(Protocol):
     def delete(self, digest: str) -> None: ...
 
     def list_blobs(self) -> Iterator[BlobInfo]: ...
+
+    def remove_leftovers(self, older_than: float) -> tuple[int, int]:
+        """Remove partial writes (of crashed puts) begun before `older_than`; (count, bytes)."""
+        ...
 
 
 def check_digest(digest: str) -> str:
@@ -159,9 +164,22 @@ class LocalDirStore:
                     yield BlobInfo(path.name, st.st_size, st.st_mtime)
 
 
+    def remove_leftovers(self, older_than: float) -> tuple[int, int]:
+        """Hidden temp files of puts that never finished (a crash between write and link)."""
+        count = num_bytes = 0
+        for path in (self.root / BLOB_DIR).glob(f"*/{TEMP_PREFIX}*"):
+            with contextlib.suppress(FileNotFoundError):
+                st = path.stat()
+                if st.st_mtime < older_than:
+                    path.unlink()
+                    count += 1
+                    num_bytes += st.st_size
+        return count, num_bytes
+
+
 def _write_temp_copy(src: Path, directory: Path) -> Path:
     """Copy `src` to a durable, read-only hidden temp file in `directory` (same filesystem as the blob)."""
-    fd, name = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    fd, name = tempfile.mkstemp(dir=directory, prefix=TEMP_PREFIX)
     tmp = Path(name)
     try:
         with os.fdopen(fd, "wb") as dst, src.open("rb") as f:
@@ -361,8 +379,26 @@ class S3Store:
     def delete(self, digest: str) -> None:
         self._client.delete_object(Bucket=self.bucket, Key=self.key(digest))
 
+    def remove_leftovers(self, older_than: float) -> tuple[int, int]:
+        """Abort multipart uploads of crashed puts (their parts cost storage until aborted)."""
+        count = 0
+        pages = self._client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=self._blob_root()
+        )
+        for page in pages:
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"].timestamp() < older_than:
+                    self._client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                    count += 1
+        return count, 0
+
+    def _blob_root(self) -> str:
+        return f"{self.prefix}/{BLOB_DIR}/" if self.prefix else f"{BLOB_DIR}/"
+
     def list_blobs(self) -> Iterator[BlobInfo]:
-        root = f"{self.prefix}/{BLOB_DIR}/" if self.prefix else f"{BLOB_DIR}/"
+        root = self._blob_root()
         for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root):
             for obj in page.get("Contents", []):
                 shard, _, name = obj["Key"][len(root) :].partition("/")

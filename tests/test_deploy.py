@@ -37,6 +37,7 @@ DEPLOY_README = ROOT / "deploy" / "README.md"
 LORAMUX_SERVICES = ("registry", "engine", "engine-cpu")
 ENGINES = {"engine": ("gpu", "cuda", "Dockerfile.cuda"), "engine-cpu": ("cpu", "cpu", "Dockerfile")}
 PORTS = {"registry": (50051, 9101), "engine": (50052, 9102), "engine-cpu": (50052, 9102)}
+HTTP_PORTS = {"engine": 8000, "engine-cpu": 8000}  # the engines' OpenAI-compatible HTTP API
 
 
 @pytest.fixture(scope="module")
@@ -227,12 +228,15 @@ def test_ports_published_match_the_commands(services):
         assert int(_flag(args, "--port")) == grpc_port
         assert int(_flag(args, "--metrics-port")) == metrics_port
         assert _flag(args, "--host") == "0.0.0.0"
-        assert _published(services[name]) == {grpc_port: grpc_port, metrics_port: metrics_port}
+        http = {HTTP_PORTS[name]: HTTP_PORTS[name]} if name in HTTP_PORTS else {}
+        if http:
+            assert int(_flag(args, "--http-port")) == HTTP_PORTS[name]
+        assert _published(services[name]) == {grpc_port: grpc_port, metrics_port: metrics_port, **http}
 
 
 def test_every_long_running_service_has_a_healthcheck(services):
     one_shot = {name for name, service in services.items() if service.get("restart") == "no"}
-    assert one_shot == {"create-bucket"}
+    assert one_shot == {"create-bucket", "load-model"}
     for name, service in services.items():
         if name in one_shot:
             continue
@@ -264,7 +268,7 @@ def test_named_volumes_are_declared(compose, services):
     for service in services.values():
         for volume in service.get("volumes", []):
             source = volume["source"] if isinstance(volume, dict) else str(volume).split(":")[0]
-            if not source.startswith((".", "/", "~")):
+            if not source.startswith((".", "/", "~", "${")):  # "${VAR:-path}": a host path
                 used.add(source)
     assert used == declared
     assert {"postgres-data", "seaweedfs-data", "models"} <= declared
@@ -468,3 +472,86 @@ def test_readme_commands_parse():
     assert any(c[0] == "generate" for c in commands)
     for argv in commands:
         _parse(argv)
+
+
+def _compose_runs() -> list[tuple[str, dict[str, str], list[str]]]:
+    """(service, environment, command) of every `docker compose run` line in deploy/README.md."""
+    text = DEPLOY_README.read_text().replace("\\\n", " ")
+    runs = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            words = shlex.split(line.split(" #", 1)[0])
+            env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-") and w.split("=")[0].isupper())
+            words = [w for w in words if w.split("=")[0] not in env]
+            if words[:3] != ["docker", "compose", "run"]:
+                continue
+            rest, entrypoint = words[3:], []
+            while rest and rest[0].startswith("-"):
+                if rest[0] == "--entrypoint":
+                    entrypoint = [rest[1]]
+                rest = rest[2:] if rest[0] in ("-v", "--volume", "-e", "--entrypoint", "-w") else rest[1:]
+            runs.append((rest[0], env, entrypoint + rest[1:]))
+    return runs
+
+
+def _written_paths(service: dict, argv: list[str]) -> list[str]:
+    """Where the run writes: the destination of a `cp` (in argv or in the service's entrypoint)."""
+    entry = service.get("entrypoint", [])
+    script = " ".join(entry if isinstance(entry, list) else [entry]) + " " + " ".join(argv)
+    return [m.group(1) for m in re.finditer(r"\bcp\s+(?:-\w+\s+)*\S+\s+(/\S+)", script)]
+
+
+def test_readme_copies_models_through_a_writable_mount(services):
+    """The model-copy step of deploy/README.md must not write into a read-only mount (the engines'
+    `models:/models:ro`): a copy through `engine-cpu` failed on a real stack."""
+    runs = _compose_runs()
+    assert runs, "deploy/README.md has no `docker compose run` step"
+    for name, _env, argv in runs:
+        service = services[name]
+        written = _written_paths(service, argv)
+        assert written, f"{name}: the run writes nothing this test can see"
+        for path in written:
+            mounts = [v.split(":") for v in service.get("volumes", [])]
+            covering = [m for m in mounts if path.rstrip("/").startswith(m[1].rstrip("/"))]
+            assert covering, f"{name}: {path} is on no mount"
+            assert all(len(m) < 3 or "ro" not in m[2].split(",") for m in covering), f"{name}: {path} is read-only"
+
+
+def test_cpu_images_take_the_cpu_wheel_index(services):
+    for name in ("registry", "engine-cpu"):
+        args = services[name]["build"].get("args", {})
+        assert args.get("TORCH_INDEX_URL") == "${TORCH_INDEX_URL:-}", name
+    text = DOCKERFILES["cpu"].read_text()
+    assert 'elif [ "$ALLOW_DEFAULT_TORCH" != "1" ]' in text and "exit 1" in text
+
+
+def test_no_healthcheck_needs_a_recent_docker_engine(compose):
+    """`start_interval` needs Docker Engine 25+; older engines refuse the whole file."""
+    assert "start_interval" not in json.dumps(compose)
+
+
+# --- authentication: on, with keys from files the registry writes, never inline ------------------------
+
+
+def _mount_target(service: dict, volume: str) -> tuple[str, bool]:
+    """(where `volume` is mounted in `service`, read-only?)."""
+    for mount in service.get("volumes", []):
+        parts = mount.split(":")
+        if parts[0] == volume:
+            return parts[1], parts[2:] == ["ro"]
+    raise AssertionError(f"{volume} is not mounted")
+
+
+def test_services_run_with_auth_and_keys_from_files(services):
+    registry = _parse(_args(services["registry"]))
+    assert registry.auth and not registry.allow_unauthenticated
+    registry_mount, _ = _mount_target(services["registry"], "registry-keys")
+    engine_key = Path(registry.engine_key_file)
+    assert Path(registry.admin_key_file).parent == engine_key.parent == Path(registry_mount)
+    for name in ENGINES:
+        engine = _parse(_args(services[name]))
+        assert engine.auth and not engine.allow_unauthenticated
+        assert engine.api_key == "" and "--api-key" not in _args(services[name])  # no key inline
+        engine_mount, read_only = _mount_target(services[name], "registry-keys")
+        assert read_only and Path(engine.api_key_file) == Path(engine_mount) / engine_key.name
+    assert all("LORAMUX_API_KEY" not in services[n].get("environment", {}) for n in LORAMUX_SERVICES)

@@ -291,3 +291,30 @@ def test_images_are_set_by_the_kustomization(objects):
     images = {c["image"] for o in objects.values() if o["kind"] == "Deployment" for c in o["spec"]["template"]["spec"]["containers"]}
     assert "ghcr.io/your-org/loramux:cuda" in images and "ghcr.io/your-org/loramux:cpu" in images
     assert not {"loramux", "loramux-cpu"} & images
+
+
+def _secret_mount(pod: dict, container: dict) -> tuple[str, dict]:
+    """(mount path, secret volume) of the container's Secret volume."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [mount] = [m for m in container["volumeMounts"] if "secret" in volumes[m["name"]]]
+    assert mount.get("readOnly")
+    return mount["mountPath"], volumes[mount["name"]]["secret"]
+
+
+def test_both_services_require_keys_from_the_keys_secret(objects):
+    keys = _one(objects, "Secret", "loramux-keys")["stringData"]
+    registry_pod = _one(objects, "Deployment", "loramux-registry")["spec"]["template"]["spec"]
+    [registry] = registry_pod["containers"]
+    args = _parse(registry, _secret_env(objects))
+    assert args.auth and not args.allow_unauthenticated
+    path, secret = _secret_mount(registry_pod, registry)
+    assert secret["secretName"] == "loramux-keys"
+    assert {Path(args.admin_key_file).name, Path(args.engine_key_file).name} == set(keys)
+    assert Path(args.admin_key_file).parent == Path(args.engine_key_file).parent == Path(path)
+    engine_pod = _one(objects, "Deployment", "loramux-engine")["spec"]["template"]["spec"]
+    [engine] = engine_pod["containers"]
+    engine_args = _parse(engine, {})
+    assert engine_args.auth and not engine_args.allow_unauthenticated and engine_args.api_key == ""
+    path, secret = _secret_mount(engine_pod, engine)
+    assert secret["secretName"] == "loramux-keys" and [i["key"] for i in secret["items"]] == ["engine.key"]
+    assert Path(engine_args.api_key_file) == Path(path) / "engine.key"

@@ -7,6 +7,11 @@ body. A family's model file (engine/models/llama.py, qwen3.py) picks or extends 
 Parameter names are Hugging Face's without the leading "model." and with q/k/v fused into
 `self_attn.qkv_proj` (rows: q, then k, then v) and gate/up into `mlp.gate_up_proj` (rows: gate, then up).
 
+Tensor parallelism (engine/parallel.py): q/k/v and gate/up are column-parallel, o and down row-parallel;
+a rank holds its heads, KV heads and MLP features (`self.config` is that rank's view, `full_config` the
+checkpoint's), and o's and down's partial sums are all-reduced after their LoRA delta is added.
+Embeddings and the LM head are replicated on every rank.
+
 LoRA seam: every linear is applied through one `project_*` method of its module (`Attention.project_qkv`,
 `Attention.project_o`, `MLP.project_gate_up`, `MLP.project_down`); the LoRA delta of a fused target is
 added there and nowhere else.
@@ -19,9 +24,8 @@ from torch import nn
 from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs
 from engine.model_config import ModelConfig
+from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, local_config
 from engine.rope import apply_rope, cos_sin_cache
-from kernels.attention_ref import extend_attention_ref
-from kernels.attention_sdpa import sdpa_extend_attention
 
 
 class RMSNorm(nn.Module):
@@ -36,14 +40,26 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: [T, hidden] -> (normed, residual + x)
+        """Add x to the residual stream (None: x starts it) and normalise the sum; one kernel on CUDA,
+        rounding where the PyTorch path rounds (kernels/rmsnorm.py)."""
+        if x.is_cuda:
+            from kernels.rmsnorm import add_rmsnorm  # Triton: imported only where it runs
+
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        s = x if residual is None else residual + x
+        return self(s), s
+
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, **factory):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE, **factory):
         super().__init__()
-        self.config, self.layer_id = config, layer_id
-        qkv_size = config.q_size + 2 * config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias, **factory)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias, **factory)
+        self.config, self.layer_id, self.tp = local_config(config, tp), layer_id, tp
+        q, kv = config.q_size, config.kv_size
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), config.qkv_bias, tp, **factory)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, config.o_bias, tp, **factory)
         self.scale = config.head_dim**-0.5
 
     def project_qkv(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
@@ -53,14 +69,19 @@ class Attention(nn.Module):
         return y
 
     def project_o(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        y = self.o_proj(x)  # x: [T, q_size] -> y: [T, hidden]
+        y = self.o_proj(x)  # x: [T, q_size] -> y: [T, hidden], this rank's partial sum
         if lora is not None:
             lora.add("o", self.layer_id, x, y)
-        return y
+        return self.tp.all_reduce(y)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A family's per-head transform of q and k before RoPE; none in the Llama family."""
         return q, k
+
+    def _can_fuse_rope(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """RoPE and the KV write in one kernel (kernels/rope_kv.py): on CUDA, when nothing transforms q
+        and k between the projection and RoPE and the cache holds the model dtype."""
+        return qkv.is_cuda and type(self).norm_qk is Attention.norm_qk and k_cache.dtype == qkv.dtype
 
     def forward(
         self,
@@ -72,55 +93,36 @@ class Attention(nn.Module):
         lora: LoraInputs | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         c = self.config
-        q, k, v = self.project_qkv(x, lora).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        qkv = self.project_qkv(x, lora)  # [T, q_size + 2 * kv_size]
+        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
+        if self._can_fuse_rope(qkv, k_cache):
+            from kernels.rope_kv import rope_kv_write  # Triton: imported only where it runs
+
+            q = rope_kv_write(
+                qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
+                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            )  # fmt: skip
+            o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
+            return self.project_o(o.reshape(-1, c.q_size), lora)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)  # [T, H, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = v.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         q, k = self.norm_qk(q, k)
         q, k = apply_rope(q, k, positions, cos_sin)
-        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         k_cache[attn.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[attn.out_cache_loc] = v.to(v_cache.dtype)
-        o = _attend(q, k_cache, v_cache, attn, self.scale)  # [T, H, D]
+        o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
         return self.project_o(o.reshape(-1, c.q_size), lora)
 
 
-def _attend(
-    q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    attn: AttentionInputs,
-    scale: float,
-) -> torch.Tensor:  # [T, H, D]
-    if attn.decode_plan is not None:
-        from kernels.decode_attention import decode_attention  # Triton: only where graphs run (CUDA)
-
-        plan = attn.decode_plan
-        return decode_attention(
-            q, k_cache, v_cache, attn.req_to_token, plan.req_rows, plan.seq_lens, scale,
-            max_context=plan.max_context, workspace=plan.workspace,
-        )
-    if attn.sdpa_plan is not None:
-        return sdpa_extend_attention(q, k_cache, v_cache, attn.sdpa_plan, scale)
-    return extend_attention_ref(
-        q,
-        k_cache,
-        v_cache,
-        attn.req_to_token,
-        attn.req_pool_indices,
-        attn.prefix_lens,
-        attn.extend_lens,
-        scale,
-    )
-
-
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, **factory):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE, **factory):
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id, self.tp = layer_id, tp
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=config.mlp_bias, **factory)
-        self.down_proj = nn.Linear(inter, hidden, bias=config.mlp_bias, **factory)
+        self.gate_up_proj = ColumnParallelLinear(hidden, (inter, inter), config.mlp_bias, tp, **factory)
+        self.down_proj = RowParallelLinear(inter, hidden, config.mlp_bias, tp, **factory)
 
     def project_gate_up(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
         y = self.gate_up_proj(x)  # x: [T, hidden] -> y: [T, 2 * inter]
@@ -129,27 +131,47 @@ class MLP(nn.Module):
         return y
 
     def project_down(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        y = self.down_proj(x)  # x: [T, inter] -> y: [T, hidden]
+        y = self.down_proj(x)  # x: [T, inter] -> y: [T, hidden], this rank's partial sum
         if lora is not None:
             lora.add("down", self.layer_id, x, y)
-        return y
+        return self.tp.all_reduce(y)
 
     def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.project_gate_up(x, lora).chunk(2, dim=-1)  # each [T, inter]
+        gate_up = self.project_gate_up(x, lora)  # [T, 2 * inter]
+        if gate_up.is_cuda:
+            from kernels.silu_mul import silu_mul  # Triton: imported only where it runs
+
+            return self.project_down(silu_mul(gate_up), lora)
+        gate, up = gate_up.chunk(2, dim=-1)  # each [T, inter]
         return self.project_down(F.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, attention: type[Attention] = Attention, **factory):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, attention: type[Attention] = Attention, tp: TensorParallel = SINGLE, **factory
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = attention(config, layer_id, **factory)
+        self.self_attn = attention(config, layer_id, tp, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = MLP(config, layer_id, **factory)
+        self.mlp = MLP(config, layer_id, tp, **factory)
 
-    def forward(self, x, positions, cos_sin, attn: AttentionInputs, kv: KVBuffers, lora: LoraInputs | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos_sin, attn, kv, lora)  # x: [T, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous sublayer's output (the embeddings in layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before x; None in layer 0
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        attn: AttentionInputs,
+        kv: KVBuffers,
+        lora: LoraInputs | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
+        """`h = h + attn(norm(h)); h = h + mlp(norm(h))`, with each add fused into the following norm:
+        the stream h is `residual + x` until the next layer (or the final norm) adds it."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(h, positions, cos_sin, attn, kv, lora)
+        h, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(h, lora), residual
 
 
 class DecoderModel(nn.Module):
@@ -160,14 +182,19 @@ class DecoderModel(nn.Module):
     attention: type[Attention] = Attention
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
-        self.config = config
+        self.config, self.full_config, self.tp = local_config(config, tp), config, tp
         factory = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.attention, **factory) for i in range(config.num_layers)
+            DecoderLayer(config, i, self.attention, tp, **factory) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.lm_head = None
@@ -184,10 +211,10 @@ class DecoderModel(nn.Module):
         kv: KVBuffers,
         lora: LoraInputs | None = None,  # None: no LoRA in this step (base-model tokens only)
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, positions, self.cos_sin, attn, kv, lora)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.cos_sin, attn, kv, lora)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

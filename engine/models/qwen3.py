@@ -6,11 +6,12 @@ import torch
 
 from engine.model_config import ModelConfig
 from engine.models.blocks import Attention, DecoderModel, RMSNorm
+from engine.parallel import SINGLE, TensorParallel
 
 
 class Qwen3Attention(Attention):
-    def __init__(self, config: ModelConfig, layer_id: int, **factory):
-        super().__init__(config, layer_id, **factory)
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE, **factory):
+        super().__init__(config, layer_id, tp, **factory)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, **factory)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, **factory)
 

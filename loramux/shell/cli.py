@@ -9,12 +9,45 @@ from collections.abc import Mapping
 
 import grpc
 
-from engine.config import DEFAULT_ENGINE_PORT, DEFAULT_HTTP_PORT
+from engine.config import DEFAULT_ENGINE_PORT, DEFAULT_HTTP_PORT, DEFAULT_LORA_DRAIN_WAIT_S
 from loraformat.errors import StatusError
 from loramux.shell import commands
-from registry.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_REGISTRY_PORT
+from registry.config import (
+    DEFAULT_MAX_CONCURRENT_UPLOADS,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_REGISTRY_PORT,
+    DEFAULT_UPLOAD_IDLE_TIMEOUT_S,
+)
 
 DEFAULT_DATA_DIR = "~/.loramux"
+INT32_MAX = (1 << 31) - 1
+UINT64_MAX = (1 << 64) - 1
+
+
+def _int_in(low: int, high: int):
+    """An argparse type: an integer within [low, high] (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _float_in(low: float, high: float, open_low: bool = False):
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (low < value if open_low else low <= value) or not value <= high:
+            bound = f"({low:g}, {high:g}]" if open_low else f"[{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{value:g} is outside {bound}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
 
 
 class _EnvDefaults:
@@ -78,6 +111,8 @@ def _server_security_flags(p: argparse.ArgumentParser, env: _EnvDefaults, regist
     if registry:
         p.add_argument("--admin-key-file", default=env("--admin-key-file", ""),
                        help="with --auth: where the first admin key is written (mode 0600) if absent (default: DATA_DIR/admin.key)")
+        p.add_argument("--engine-key-file", default=env("--engine-key-file", ""),
+                       help="with --auth: an engine key (role engine) made there at start if absent, adopted if present")
         p.add_argument("--import-allow-s3", action="append", default=[], metavar="s3://BUCKET[/PREFIX]",
                        help="S3 prefix source_uri imports may read (repeatable; without --auth and without any: every bucket)")
     _tls_flags(p, env, server=True)
@@ -92,6 +127,9 @@ def _add_key_commands(sub, env: _EnvDefaults) -> None:
     create.set_defaults(func=commands.keys_create)
     listing = keys.add_parser("list", help="every key (never their secrets)")
     listing.set_defaults(func=commands.keys_list)
+    generate = keys.add_parser("generate", help="print a new well-formed key without contacting the registry"
+                               " (for a Secret that --admin-key-file or --engine-key-file adopts)")
+    generate.set_defaults(func=commands.keys_generate)
     revoke = keys.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
     revoke.set_defaults(func=commands.keys_revoke)
@@ -111,6 +149,12 @@ def _add_registry_commands(sub, env: _EnvDefaults) -> None:
     serve.add_argument("--port", type=int, default=int(env("--port", DEFAULT_REGISTRY_PORT)))
     serve.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     serve.add_argument("--max-upload-bytes", type=int, default=int(env("--max-upload-bytes", DEFAULT_MAX_UPLOAD_BYTES)))
+    serve.add_argument("--max-concurrent-uploads", type=int,
+                       default=int(env("--max-concurrent-uploads", DEFAULT_MAX_CONCURRENT_UPLOADS)),
+                       help="uploads in flight at once; more are refused with RESOURCE_EXHAUSTED")
+    serve.add_argument("--upload-idle-timeout-s", type=float,
+                       default=float(env("--upload-idle-timeout-s", DEFAULT_UPLOAD_IDLE_TIMEOUT_S)),
+                       help="drop an upload stream that sent nothing for this long")
     serve.add_argument("--import-allow-dir", action="append", default=[], help="local dir source_uri may read (repeatable)")
     serve.add_argument("--import-s3-endpoint-url", default=env("--import-s3-endpoint-url", ""))
     _server_security_flags(serve, env, registry=True)
@@ -130,7 +174,7 @@ def _add_base_model_commands(sub, env: _EnvDefaults) -> None:
     register.add_argument("--name", default="", help="default: the directory's name")
     _registry_flags(register, env)
     register.set_defaults(func=commands.base_models_register)
-    listing = base.add_parser("list")
+    listing = base.add_parser("list", help="list the registered base models")
     _registry_flags(listing, env)
     listing.set_defaults(func=commands.base_models_list)
 
@@ -147,18 +191,21 @@ def _add_adapter_commands(sub, env: _EnvDefaults) -> None:
     register.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     register.add_argument("--json", action="store_true")
     register.set_defaults(func=commands.adapters_register)
-    listing = adapters.add_parser("list")
+    listing = adapters.add_parser("list", help="list adapters (the latest version of each, by name)")
     listing.add_argument("--base-model", default="")
     listing.add_argument("--prefix", default="")
     listing.add_argument("--all-versions", action="store_true")
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(func=commands.adapters_list)
-    for action, func in (("show", commands.adapters_show), ("delete", commands.adapters_delete)):
-        p = adapters.add_parser(action)
+    for action, func, what in (
+        ("show", commands.adapters_show, "print one adapter version as JSON"),
+        ("delete", commands.adapters_delete, "delete one version (NAME@N) or every version (NAME)"),
+    ):
+        p = adapters.add_parser(action, help=what)
         p.add_argument("adapter", metavar="NAME[@N]")
         p.set_defaults(func=func)
     for action, pinned in (("pin", True), ("unpin", False)):
-        p = adapters.add_parser(action)
+        p = adapters.add_parser(action, help=f"{action} an adapter: pinned adapters stay loaded on engines")
         p.add_argument("adapter", metavar="NAME[@N]")
         p.set_defaults(func=commands.adapters_pin, pinned=pinned)
     for p in (register, listing, *(adapters.choices[a] for a in ("show", "delete", "pin", "unpin"))):
@@ -181,6 +228,7 @@ def _add_engine_commands(sub, env: _EnvDefaults) -> None:
     _server_security_flags(serve, env, registry=False)
     serve.add_argument("--api-key", default=env("--api-key", ""),
                        help="this engine's own key (role engine) for the registry; with --auth it checks clients' keys")
+    serve.add_argument("--api-key-file", default=env("--api-key-file", ""), help="read --api-key from this file (a mounted Secret)")
     serve.set_defaults(func=commands.engine_serve)
 
 
@@ -201,11 +249,16 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")
     p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))
     p.add_argument(
-        "--lora-drain-wait-s", type=float, default=float(env("--lora-drain-wait-s", 0.0)),
-        help="drain a running adapter when another adapter's requests waited this long for a slot (0 = off)",
+        "--lora-drain-wait-s", type=float, default=float(env("--lora-drain-wait-s", DEFAULT_LORA_DRAIN_WAIT_S)),
+        help="starvation drain: when another adapter's requests waited this long for a slot, stop admitting"
+        " to the running adapter with the fewest remaining tokens; 0 turns it off",
     )
     p.add_argument("--lora-eviction-policy", default=env("--lora-eviction-policy", "lru"), choices=("lru", "fifo"))
-    p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton or chunked (default: triton on cuda)")
+    p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton, chunked or splitk (default: triton on cuda)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=int(env("--tensor-parallel-size", 1)),
+        help="model workers, one per GPU (cuda:0..N-1); gloo processes on cpu",
+    )
 
 
 def _add_generate_command(sub, env: _EnvDefaults) -> None:
@@ -213,12 +266,14 @@ def _add_generate_command(sub, env: _EnvDefaults) -> None:
     gen.add_argument("prompt")
     gen.add_argument("--engine", default=env("--engine", f"127.0.0.1:{DEFAULT_ENGINE_PORT}"), help="HOST:PORT")
     gen.add_argument("--adapter", default="", help="NAME or NAME@VERSION; empty = the base model")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--max-new-tokens", type=_int_in(1, INT32_MAX), default=None,
+                     help="at most N new tokens (default: the engine's, 256, within the model's context)")
+    gen.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=_float_in(0.0, 1.0, open_low=True), default=1.0,
+                     help="nucleus sampling: keep the smallest set of tokens whose probability reaches P (0 < P <= 1)")
+    gen.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=0, help="keep the K most likely tokens (0 = all)")
+    gen.add_argument("--seed", type=_int_in(0, UINT64_MAX), default=None, help="a seed for reproducible sampling")
+    gen.add_argument("--stop", action="append", default=[], help="stop at this text (repeatable)")
     gen.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for the engine to be ready")
     _client_security_flags(gen, env)
     gen.set_defaults(func=commands.generate)
@@ -238,22 +293,113 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument("--max-lora-rank", type=int, default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)))
     _engine_tuning_flags(up, env)
     _server_security_flags(up, env, registry=True)
+    up.add_argument("--detach", action="store_true",
+                    help="run in the background (pid file, output and logs in --data-dir) and return once ready;"
+                    " `loramux down` stops it")
     up.set_defaults(func=commands.up)
+    down = sub.add_parser("down", help="stop the `loramux up --detach` of a data dir (Ctrl-C stops a foreground one)")
+    down.add_argument("--data-dir", default=env("--data-dir", DEFAULT_DATA_DIR), help="the data dir of that loramux up")
+    down.set_defaults(func=commands.down)
     _add_registry_commands(sub, env)
     _add_engine_commands(sub, env)
     _add_generate_command(sub, env)
     _add_base_model_commands(sub, env)
     _add_adapter_commands(sub, env)
     _add_key_commands(sub, env)
+    _describe(parser)
     return parser
+
+
+# What each flag or argument without its own help means, by destination (the same meaning everywhere).
+_HELP = {
+    "data_dir": "where SQLite, the local object store, the spool and (for up) the demo model, pid file and logs live",
+    "registry_port": "the registry's gRPC port (0 = pick a free one)",
+    "engine_port": "the engine's gRPC port (0 = pick a free one)",
+    "max_lora_rank": "the highest adapter rank accepted (and the slots' rank on an engine)",
+    "page_size": "tokens per KV-cache page",
+    "max_running_requests": "requests decoded together at most",
+    "max_batch_tokens": "tokens a step computes at most (chunked prefill splits longer prompts)",
+    "max_queued_requests": "requests admitted and not finished at most (waiting, fetching or running); more get RESOURCE_EXHAUSTED",
+    "max_host_adapters": "adapters kept packed in host memory (LRU) behind the GPU slots",
+    "lora_eviction_policy": "which unpinned, idle adapter leaves a slot first",
+    "host": "the address to listen on",
+    "port": "the gRPC port to listen on (0 = pick a free one)",
+    "max_upload_bytes": "the largest upload (both files together); reading stops there",
+    "import_s3_endpoint_url": "the S3 endpoint source_uri imports read from (default: the object store's)",
+    "dry_run": "list what would be removed, remove nothing",
+    "prompt": "the prompt text",
+    "dir": "a directory holding adapter_config.json and adapter_model.safetensors (or s3://bucket/prefix)",
+    "name": "the adapter's name (a-z, 0-9, '.', '_', '-')",
+    "base_model": "the base model's name (default: the registry's only one)",
+    "pinned": "keep it loaded on engines",
+    "description": "free text kept with it",
+    "label": "a KEY=VALUE label (repeatable)",
+    "json": "print JSON",
+    "prefix": "only names starting with this",
+    "all_versions": "every version, not only the latest",
+    "adapter": "NAME (the latest version) or NAME@N",
+    "tenant": "the tenant the key belongs to",
+    "role": "what the key may do",
+    "key_id": "the key's id (from `keys list`)",
+    "limit": "rows at most",
+}
+
+# One line of what each command does, shown at the top of its --help.
+_DESCRIPTIONS = {
+    "up": "Run the registry and the engine on this machine with no outside services: SQLite, a local object "
+    "store and (without --model) a demo model under --data-dir (default ~/.loramux); registry on 127.0.0.1:50051, "
+    "engine on 127.0.0.1:50052, HTTP on 127.0.0.1:8000. Foreground (Ctrl-C stops it) or --detach (then `loramux "
+    "down`). Every flag can also be set as a LORAMUX_* variable: --data-dir is LORAMUX_DATA_DIR, --engine-port "
+    "LORAMUX_ENGINE_PORT.",
+}
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Help with each flag's default, when it has one worth printing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        meaningful = action.default not in (None, "", False, [], argparse.SUPPRESS)
+        if meaningful and "default" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _describe(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> None:
+    """Fill in help and descriptions left out where flags are declared, and show defaults everywhere."""
+    parser.formatter_class = _Formatter
+    if path and parser.description is None:
+        parser.description = _DESCRIPTIONS.get(" ".join(path))
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                if sub.description is None and not _DESCRIPTIONS.get(" ".join((*path, name))):
+                    sub.description = helps.get(name)
+                _describe(sub, (*path, name))
+        elif action.help is None:
+            action.help = _HELP.get(action.dest)
+
+
+def _hint(args, exc: grpc.RpcError) -> str:
+    """What to do about a refused call whose cause is where it went, not what it asked."""
+    target = "engine" if args.command == "generate" else "registry"
+    address = getattr(args, target, "") or "?"
+    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+        ports = f"the registry's default port is {DEFAULT_REGISTRY_PORT}, the engine's {DEFAULT_ENGINE_PORT}"
+        return f" ({address} is not a loramux {target}? {ports})"
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
+        return f" (nothing answers at {address}: start loramux with `loramux up --detach`, or point --{target} at it)"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(dict(os.environ)).parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args) or 0
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"error: {exc.code().name}: {exc.details()}{_hint(args, exc)}", file=sys.stderr)
     except StatusError as exc:
         print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
     except (OSError, ValueError) as exc:

@@ -44,12 +44,17 @@ def registry_serve(args) -> int:
 def registry_gc(args) -> int:
     from registry.server import build_service
 
-    service = build_service(registry_config(args))
-    result = service.collect_garbage(args.grace_s, dry_run=args.dry_run)
+    service = build_service(registry_config(args), reclaim=False)
+    try:
+        result = service.collect_garbage(args.grace_s, dry_run=args.dry_run)
+    finally:
+        service.close()
     verb = "would remove" if args.dry_run else "removed"
     for blob in result.removed:
         print(f"{verb} {blob.digest} ({blob.size} bytes)")
     print(f"{verb} {len(result.removed)} blobs; kept {result.kept_young} younger than {args.grace_s:g}s")
+    if not args.dry_run:
+        print(f"reclaimed {result.leftovers}")
     return 0
 
 
@@ -70,7 +75,7 @@ def generate(args) -> int:
     request = generate_request(
         args.prompt,
         adapter=args.adapter,
-        max_new_tokens=args.max_new_tokens,
+        **({"max_new_tokens": args.max_new_tokens} if args.max_new_tokens is not None else {}),
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -82,7 +87,7 @@ def generate(args) -> int:
             client.wait_ready(args.wait)
         for response in client.stream(request):
             if response.WhichOneof("event") == "chunk":
-                print(response.chunk.text, end="", flush=True)
+                print(printable(response.chunk.text), end="", flush=True)
             else:
                 done = response.complete
                 reason = engine_pb2.FinishReason.Name(done.finish_reason).removeprefix("FINISH_REASON_").lower()
@@ -91,10 +96,24 @@ def generate(args) -> int:
 
 
 def up(args) -> int:
+    from loramux.shell import background
     from loramux.shell.up import run_up
 
-    _setup_logging()
-    asyncio.run(run_up(args))
+    data_dir = Path(args.data_dir).expanduser()
+    if args.detach:
+        return background.detach([a for a in args.argv if a != "--detach"], data_dir)
+    with background.holding_pid_file(data_dir):
+        _setup_logging()
+        asyncio.run(run_up(args))
+    return 0
+
+
+def down(args) -> int:
+    from loramux.shell import background
+
+    data_dir = Path(args.data_dir).expanduser()
+    pid = background.stop(data_dir)
+    print(f"stopped loramux up (pid {pid}) of {data_dir}")
     return 0
 
 
@@ -186,7 +205,7 @@ def _progress_printer(verb: str):
         return None
 
     def show(done: int, total: int) -> None:
-        print(f"\r{verb} {done / 1e6:.1f}/{total / 1e6:.1f} MB", end="", file=sys.stderr, flush=True)
+        print(f"\r{verb} {human_bytes(done)} of {human_bytes(total)}", end="", file=sys.stderr, flush=True)
 
     return show
 
@@ -205,6 +224,13 @@ def keys_create(args) -> int:
     k = created.key
     print(f"created key {k.key_id} for tenant {k.tenant} with role {k.role}; it is shown only now:", file=sys.stderr)
     print(created.secret)  # the last line of stdout: scripts take it with `| tail -n 1`
+    return 0
+
+
+def keys_generate(args) -> int:
+    from loramux.security import new_key
+
+    print(new_key()[0])
     return 0
 
 
@@ -235,3 +261,20 @@ def audit_list(args) -> int:
         at = datetime.datetime.fromtimestamp(e.at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
         print(f"{at:<20} {e.key_id or '-':<14} {e.tenant or '-':<16} {e.action:<20} {e.outcome:<18} {e.target}")
     return 0
+
+
+# Control characters other than newline and tab, as the model may emit them (a random demo model
+# does): written raw they ring the terminal's bell or move its cursor.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))}
+
+
+def printable(text: str) -> str:
+    """Generated text for a terminal: control characters (newline and tab aside) escaped as \\xNN."""
+    return text.translate(_CONTROL)
+
+
+def human_bytes(num_bytes: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes} B"

@@ -20,11 +20,14 @@ def registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryCon
         object_store=getattr(args, "object_store", ""),
         max_lora_rank=getattr(args, "max_lora_rank", RegistryConfig.max_lora_rank),
         max_upload_bytes=getattr(args, "max_upload_bytes", RegistryConfig.max_upload_bytes),
+        max_concurrent_uploads=getattr(args, "max_concurrent_uploads", RegistryConfig.max_concurrent_uploads),
+        upload_idle_timeout_s=getattr(args, "upload_idle_timeout_s", RegistryConfig.upload_idle_timeout_s),
         import_allow_dirs=tuple(Path(d).resolve() for d in getattr(args, "import_allow_dir", [])),
         import_s3_endpoint_url=getattr(args, "import_s3_endpoint_url", ""),
         import_allow_s3=tuple(getattr(args, "import_allow_s3", [])),
         auth=getattr(args, "auth", False),
         admin_key_file=Path(args.admin_key_file).expanduser() if getattr(args, "admin_key_file", "") else None,
+        engine_key_file=Path(args.engine_key_file).expanduser() if getattr(args, "engine_key_file", "") else None,
         allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
         tls=tls_files(args),
     )
@@ -64,8 +67,17 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_drain_wait_s=args.lora_drain_wait_s,
         lora_backend=args.lora_backend,
         registry=registry or getattr(args, "registry", ""),
+        tensor_parallel_size=args.tensor_parallel_size,
         auth=getattr(args, "auth", False),
-        api_key=getattr(args, "api_key", ""),
+        api_key=api_key(args),
         allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
         tls=tls_files(args),
     )
+
+
+def api_key(args) -> str:
+    """--api-key, else the contents of --api-key-file (a mounted Secret), else ''."""
+    if getattr(args, "api_key", ""):
+        return args.api_key
+    path = getattr(args, "api_key_file", "")
+    return Path(path).read_text().strip() if path else ""

@@ -13,13 +13,15 @@ import json
 import logging
 from pathlib import Path
 
-from engine.server import start_engine
+from engine.server import start_engine, stop_on_failure
 from loramux.grpc_server import stop_event_on_signals
 from loramux.metrics import start_metrics_server
 from loramux.ready import announce
 from loramux.security import Role
+from loramux.shell.background import READY_PREFIX, cli_name
 from loramux.shell.settings import engine_config, http_port, registry_config
 from registry.access import AccessStore
+from registry.errors import NotFound
 from registry.server import SYSTEM, RegistryServer, build_service
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,23 @@ def curl_line(engine, model: str) -> str:
     return f"curl -s {url} -H 'Content-Type: application/json' -d '{body}'"
 
 
+def _hints(args, data_dir: Path, registry, engine, base_name: str) -> list[str]:
+    """What to try next, with the executable as it was run, never suggesting what is already done."""
+    exe = cli_name()
+    lines = []
+    if not args.model:
+        try:
+            registry.service.catalog.get("demo")
+        except NotFound:
+            lines.append(f"{exe} adapters register {data_dir / DEMO_ADAPTER_DIR} --name demo --registry {registry.address}")
+        lines.append(f"{exe} generate --engine {engine.address} --adapter demo 'Once upon a time'")
+    else:
+        lines.append(f"{exe} generate --engine {engine.address} 'Once upon a time'")
+    if engine.http is not None:
+        lines.append(curl_line(engine, "demo" if not args.model else base_name))
+    return ["try: " + lines[0], *("     " + line for line in lines[1:])]
+
+
 async def run_up(args) -> None:
     data_dir = Path(args.data_dir).expanduser()
     model_dir = Path(args.model) if args.model else await asyncio.to_thread(ensure_demo_model, data_dir)
@@ -81,17 +100,16 @@ async def run_up(args) -> None:
     if config.auth:
         key_file = config.resolved_admin_key_file
         print(f"auth on: the admin key is in {key_file}; export LORAMUX_API_KEY=$(cat {key_file})", flush=True)
-    if not args.model:
-        adapter_dir = data_dir / DEMO_ADAPTER_DIR
-        print(f"try: loramux adapters register {adapter_dir} --name demo --registry {registry.address}", flush=True)
-        print(f"     loramux generate --engine {engine.address} --adapter demo 'Once upon a time'", flush=True)
-    else:
-        print(f"try: loramux generate --engine {engine.address} 'Once upon a time'", flush=True)
-    if engine.http is not None:
-        print(f"     {curl_line(engine, 'demo' if not args.model else base_name)}", flush=True)
+    for line in await asyncio.to_thread(_hints, args, data_dir, registry, engine, base_name):
+        print(line, flush=True)
+    print(f"{READY_PREFIX} (Ctrl-C stops it)", flush=True)
+    relay = stop_on_failure(engine, stop)
     await stop.wait()
+    relay.cancel()
     log.info("shutting down")
     await engine.stop()
     await registry.stop()
     if metrics_server is not None:
         await asyncio.to_thread(metrics_server.shutdown)
+    if engine.failure is not None:
+        raise SystemExit(f"engine failed: {engine.failure}")

@@ -98,6 +98,10 @@ def test_chat_equals_grpc_generate_on_the_templated_prompt(stack, client, model)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+    with_usage = list(client.chat.completions.create(model=model, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in with_usage if c.choices) == expected
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 8
+    assert with_usage[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same conversation again
 
 
 def test_stop_strings_end_the_text(stack, client):
@@ -106,6 +110,17 @@ def test_stop_strings_end_the_text(stack, client):
     assert stop.strip(), full
     reply = client.completions.create(model="demo", prompt=PROMPT, stop=[stop], **GREEDY)
     assert reply.choices[0].finish_reason == "stop" and reply.choices[0].text == full[: full.index(stop)]
+
+
+def test_sampling_fields_reach_the_sampler(client):
+    greedy = client.completions.create(model="demo", prompt=PROMPT, **GREEDY).choices[0].text
+    top1 = client.completions.create(model="demo", prompt=PROMPT, temperature=1.0, max_tokens=8, extra_body={"top_k": 1, "ignore_eos": True})
+    assert top1.choices[0].text == greedy  # vLLM's top_k: only the argmax is left to sample
+    seeded = [
+        client.completions.create(model="demo", prompt=PROMPT, temperature=1.5, seed=7, max_tokens=8, extra_body={"ignore_eos": True}).choices[0].text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1] != greedy
 
 
 def test_models_list_the_base_model_and_every_adapter(client):
@@ -159,9 +174,13 @@ def test_a_running_adapter_request_is_listed_in_lora_requests_info(stack, client
     up, _ = stack
     stream = client.completions.create(model="other", prompt=PROMPT, stream=True, max_tokens=400, extra_body={"ignore_eos": True})
     try:
-        next(iter(stream))  # the request runs now
-        metrics = urllib.request.urlopen(f"http://{up.addresses['http']}/metrics", timeout=30).read().decode()
-        info = parse_lora_info(metrics)
+        chunks = iter(stream)
+        next(chunks)  # the request runs now; the gauges are sampled after each step, so read on
+        for _ in range(400):  # until a sample saw it (each chunk is one more step), not by time
+            info = parse_lora_info(urllib.request.urlopen(f"http://{up.addresses['http']}/metrics", timeout=30).read().decode())
+            if info and "other" in info["running"]:
+                break
+            next(chunks)
         assert "other" in info["running"] and info["max_lora"] == 8
     finally:
         stream.close()  # the client goes away mid-stream

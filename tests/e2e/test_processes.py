@@ -117,6 +117,7 @@ def test_loramux_up_serves_the_demo_model_and_adapter(tmp_path):
         metrics = urllib.request.urlopen(f"http://{up.addresses['metrics']}/metrics", timeout=10).read().decode()
         assert 'loramux_engine_requests_total{adapter="demo",outcome="length"} 1.0' in metrics
         assert "loramux_registry_adapters_registered_total 1.0" in metrics
+        assert 'vllm:num_requests_waiting{model_name="loramux-demo"}' in metrics  # the model-server protocol too
         # Ctrl-C with a stream in flight: the stream ends with an error status, the process exits 0
         with EngineClient(up.addresses["engine"]) as client:
             stream = client.stream(generate_request("long", max_new_tokens=480, ignore_eos=True))
@@ -137,8 +138,8 @@ def test_loramux_up_serves_the_demo_model_and_adapter(tmp_path):
 
 def test_engine_process_with_cli_and_grpcurl(tiny_llama_dir, make_adapter):
     adapter = make_adapter("proc-qv", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=5)
-    args = ["engine", "serve", "--model", str(tiny_llama_dir), "--port", "0", "--adapter", f"qv={adapter}"]
-    engine = Service(args, "engine")
+    args = ["engine", "serve", "--model", str(tiny_llama_dir), "--port", "0", "--adapter", f"qv={adapter}", "--http-port", "0"]
+    engine = Service(args, "engine", also=("http",))
     try:
         with_adapter = run_cli("generate", "--engine", engine.address, "--adapter", "qv@1", "--max-new-tokens", "5", "Hello")
         assert "[length, 5 tokens]" in with_adapter.stderr
@@ -156,5 +157,53 @@ def test_engine_process_with_cli_and_grpcurl(tiny_llama_dir, make_adapter):
         assert bad.returncode != 0 and "NotFound" in bad.stderr
         missing = run_cli("generate", "--engine", engine.address, "--adapter", "nope", "Hi", check=False)
         assert missing.returncode == 1 and missing.stderr.startswith("error: NOT_FOUND")
+        # the same engine over its OpenAI-compatible HTTP port: local adapters are listed and served
+        http = f"http://{engine.addresses['http']}"
+        models = json.loads(urllib.request.urlopen(f"{http}/v1/models", timeout=30).read())
+        assert [(m["id"], m["parent"]) for m in models["data"]] == [(tiny_llama_dir.name, None), ("qv", tiny_llama_dir.name)]
+        body = json.dumps({"model": "qv@1", "prompt": "Hello", "max_tokens": 5, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{http}/v1/completions", body, {"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert reply["choices"][0]["text"] == with_adapter.stdout.rstrip("\n") and reply["usage"]["completion_tokens"] == 5
     finally:
         assert engine.interrupt() == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_first_command_then_down(tmp_path):
+    """The README's first command as written (after its install step), on free ports and a fresh HOME:
+    `up --detach` returns once ready, the clients run, `loramux down` stops it and frees the ports."""
+    import os
+    import re as regex
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    first = regex.search(r"```bash\n(.*?)\n```", readme, flags=regex.S).group(1)
+    command = first[first.index(".venv/bin/loramux up --detach"):]
+    bin_dir = str(Path(sys.executable).parent) + "/"
+    ports = {name: _free_port() for name in ("REGISTRY_PORT", "ENGINE_PORT", "HTTP_PORT")}
+    command = command.replace(".venv/bin/", bin_dir).replace("127.0.0.1:8000", f"127.0.0.1:{ports['HTTP_PORT']}")
+    env = {**os.environ, "HOME": str(tmp_path), "NO_PROXY": "127.0.0.1,localhost"}
+    env.update({f"LORAMUX_{name}": str(port) for name, port in ports.items()})
+    env["LORAMUX_REGISTRY"] = f"127.0.0.1:{ports['REGISTRY_PORT']}"
+    env["LORAMUX_ENGINE"] = f"127.0.0.1:{ports['ENGINE_PORT']}"
+    data_dir = tmp_path / ".loramux"
+    try:
+        proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "loramux is up in the background" in proc.stdout and '"choices"' in proc.stdout
+        assert "INFO" not in proc.stdout + proc.stderr  # server logs go to the log file, not the terminal
+        assert (data_dir / "loramux.pid").is_file()
+    finally:
+        down = subprocess.run([bin_dir + "loramux", "down", "--data-dir", str(data_dir)], capture_output=True,
+                              text=True, env=env, timeout=120)
+    assert down.returncode == 0 and "stopped loramux up" in down.stdout, down.stderr
+    assert not (data_dir / "loramux.pid").exists()
+    again = subprocess.run([bin_dir + "loramux", "down", "--data-dir", str(data_dir)], capture_output=True, text=True, env=env)
+    assert again.returncode == 1 and again.stderr.strip() == f"error: no loramux up is running for {data_dir}"

@@ -3,6 +3,7 @@ LoRA slot a steady flow of one adapter's requests would otherwise hold forever."
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -21,17 +22,6 @@ from engine.sampling import SamplingParams
 WAIT_S = 2.0
 
 
-class FakePool:
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-
-    def load(self, slot, adapter) -> None:
-        pass
-
-    def clear(self, slot) -> None:
-        pass
-
-
 def load_nothing():
     """A packed adapter's stand-in: the slots read only its rank; the fake pool copies nothing."""
     return SimpleNamespace(rank=4)
@@ -41,7 +31,7 @@ class FakeLora:
     """LoraManager's surface over real AdapterSlots; loads nothing."""
 
     def __init__(self, num_slots: int):
-        self.slots = AdapterSlots(FakePool(num_slots))
+        self.slots = AdapterSlots(num_slots)
 
     def can_acquire(self, digest: str) -> bool:
         return self.slots.can_acquire(digest)
@@ -287,6 +277,7 @@ class Flow:
     def __init__(self, core: EngineCore, adapter: str):
         self.core = core
         self.record = core.resolve_adapter(adapter)
+        self.packed = asyncio.run(core.prepare(self.record))
         self.prompt = core.prompt_ids("The quick brown fox", None)
         self.submitted_at: list[float] = []
         self.num_finished = 0
@@ -316,7 +307,7 @@ class Flow:
             with self._lock:
                 self.num_active += 1
             params = SamplingParams(max_new_tokens=FLOW_TOKENS, ignore_eos=True)
-            self.core.loop.submit(self.core.new_request(self.prompt, params, self._sink(), adapter=self.record))
+            self.core.loop.submit(self.core.new_request(self.prompt, params, self._sink(), adapter=self.record, packed=self.packed))
             self.submitted_at.append(time.monotonic())
 
     def _sink(self):
@@ -348,7 +339,9 @@ def submit_b(core: EngineCore) -> dict:
             out["done"].set()
 
     params = SamplingParams(max_new_tokens=B_TOKENS, ignore_eos=True)
-    core.loop.submit(core.new_request(core.prompt_ids("Hello world", None), params, sink, adapter=core.resolve_adapter("b")))
+    record = core.resolve_adapter("b")
+    packed = asyncio.run(core.prepare(record))
+    core.loop.submit(core.new_request(core.prompt_ids("Hello world", None), params, sink, adapter=record, packed=packed))
     return out
 
 
@@ -356,15 +349,16 @@ def submit_b(core: EngineCore) -> dict:
 def engine(tiny_llama_dir, make_adapter, tmp_path):
     cores: list[EngineCore] = []
 
-    def build(drain_wait_s: float) -> EngineCore:
+    def build(drain_wait_s: float | None, num_slots: int = 1) -> EngineCore:
+        """drain_wait_s None = the default configuration's threshold."""
         dirs = {name: make_adapter(f"drain-{name}", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=seed)
                 for name, seed in (("a", 61), ("b", 62))}
         config = EngineConfig(
             model_dir=str(tiny_llama_dir),
             adapters=tuple((name, str(path)) for name, path in dirs.items()),
             work_dir=str(tmp_path / f"work-{len(cores)}"),
-            max_loras_per_batch=1,
-            lora_drain_wait_s=drain_wait_s,
+            max_loras_per_batch=num_slots,
+            **({} if drain_wait_s is None else {"lora_drain_wait_s": drain_wait_s}),
         )
         core = EngineCore.build(config)
         cores.append(core)
@@ -420,3 +414,26 @@ def test_without_drain_a_steady_flow_starves_the_other_adapter(engine):
     flow.stop()
     assert b["done"].wait(HANG_S) and isinstance(b["final"], Finished)
     assert b["end"] > stopped_at
+
+
+def test_the_default_configuration_drains_a_starving_adapter(engine):
+    """On by default: under the default threshold a steady flow of A no longer starves B."""
+    core = engine(None)
+    assert core.loop.scheduler.drain is not None
+    flow = start_flow(core)
+    b = submit_b(core)
+    assert b["done"].wait(HANG_S), "B starved under the default configuration"
+    assert isinstance(b["final"], Finished) and core.loop.scheduler.drain.num_drains >= 1
+    flow.stop()
+
+
+def test_the_default_threshold_never_drains_when_slots_suffice(engine):
+    """The same traffic with a slot for each adapter: the default threshold drains nothing."""
+    core = engine(None, num_slots=2)
+    flow = start_flow(core)
+    b = submit_b(core)
+    assert b["done"].wait(HANG_S) and isinstance(b["final"], Finished)
+    num_finished_at_b = flow.num_finished
+    until(lambda: flow.num_finished >= num_finished_at_b + 3, "the A flow runs on")
+    assert core.loop.scheduler.drain.num_drains == 0
+    flow.stop()

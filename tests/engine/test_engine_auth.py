@@ -78,7 +78,7 @@ async def expect(code: grpc.StatusCode, awaitable) -> str:
 
 
 async def test_keys_tenants_and_admin_only_rpcs(secured):
-    registry, _engine, stub, keys, _ = secured
+    registry, engine, stub, keys, _ = secured
     await expect(grpc.StatusCode.UNAUTHENTICATED, generate(stub, ""))
     await expect(grpc.StatusCode.UNAUTHENTICATED, generate(stub, keys["user_a"][:-1] + "x"))
     audit = await registry.stub.ListAudit(rpb.ListAuditRequest(), metadata=registry.metadata)
@@ -87,6 +87,8 @@ async def test_keys_tenants_and_admin_only_rpcs(secured):
     assert (await generate(stub, keys["user_b"])).adapter == ""
     assert (await generate(stub, keys["user_a"], "private-a")).adapter == "private-a@1"
     assert (await generate(stub, keys["user_b"], "public-a")).adapter == "public-a@1"
+    # the key's tenant travels with the request to the scheduler's fair share
+    assert {"team-a", "team-b"} <= set(engine.core.loop.scheduler.fair_share.counters)
     hidden = await expect(grpc.StatusCode.NOT_FOUND, generate(stub, keys["user_b"], "private-a"))
     absent = await expect(grpc.StatusCode.NOT_FOUND, generate(stub, keys["user_b"], "no-such"))
     assert hidden.replace("private-a", "X") == absent.replace("no-such", "X")  # names do not leak

@@ -17,6 +17,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import asyncio  # noqa: E402
 import threading  # noqa: E402
 
 import pytest  # noqa: E402
@@ -59,8 +60,9 @@ def run_batch(model_dir, adapter_dirs, tmp_path, **config) -> list[list[int]]:
                 done.set()
 
         record = core.resolve_adapter(adapter) if adapter else None
+        packed = asyncio.run(core.prepare(record)) if record is not None else None  # the one loading path
         params = SamplingParams(max_new_tokens=NUM_TOKENS, ignore_eos=True)
-        core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink, adapter=record))
+        core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink, adapter=record, packed=packed))
         streams.append((tokens, finals, done))
     core.loop.start()
     try:

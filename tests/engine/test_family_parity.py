@@ -18,6 +18,7 @@ from tests.engine.test_lora_parity import (
     NUM_TOKENS,
     PROMPTS,
     assert_mixed_batch_logits_match,
+    peft_greedy,
     run_all,
 )
 
@@ -41,20 +42,9 @@ def family(request, tmp_path_factory):
     return model_dir, adapters, load_peft_model(model_dir, adapters)
 
 
-def greedy(peft_model, tokenizer, prompt: str, adapter: str) -> list[int]:
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = peft_model.generate(
-        input_ids=ids,
-        adapter_names=[adapter or "__base__"],
-        max_new_tokens=NUM_TOKENS,
-        min_new_tokens=NUM_TOKENS,
-        do_sample=False,
-    )
-    return out[0, ids.shape[1] :].tolist()
-
-
-def make_core(model_dir, adapters, tmp_path, max_loras_per_batch: int) -> EngineCore:
+def make_core(model_dir, adapters, tmp_path, max_loras_per_batch: int, tensor_parallel_size: int = 1) -> EngineCore:
     config = EngineConfig(
+        tensor_parallel_size=tensor_parallel_size,
         model_dir=str(model_dir),
         adapters=tuple((name, str(path)) for name, path in adapters.items()),
         work_dir=str(tmp_path),
@@ -64,23 +54,24 @@ def make_core(model_dir, adapters, tmp_path, max_loras_per_batch: int) -> Engine
     return EngineCore.build(config)
 
 
-def test_mixed_batch_with_evictions_matches_peft(family, tmp_path):
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])  # 2: a spawned rank over gloo, S-LoRA slot shards
+def test_mixed_batch_with_evictions_matches_peft(family, tmp_path, tensor_parallel_size):
     from transformers import AutoTokenizer
 
     model_dir, adapters, peft_model = family
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    core = make_core(model_dir, adapters, tmp_path, max_loras_per_batch=3)  # 5 adapters, 3 slots
+    core = make_core(model_dir, adapters, tmp_path, max_loras_per_batch=3, tensor_parallel_size=tensor_parallel_size)  # 5 adapters, 3 slots
     try:
         assert core.model_config.arch.family == json.loads((model_dir / "config.json").read_text())["model_type"]
         jobs = [(p, a) for p in PROMPTS[:2] for a in ["", *ADAPTERS]]
         for (tokens, final), (prompt, adapter) in zip(run_all(core, jobs), jobs, strict=True):
-            assert tokens == greedy(peft_model, tokenizer, prompt, adapter), (prompt, adapter)
+            assert tokens == peft_greedy(peft_model, tokenizer, prompt, adapter), (prompt, adapter)
             assert final.completion_tokens == NUM_TOKENS
         assert core.lora.slots.num_evictions > 0
     finally:
-        core.loop.stop()
-    base = greedy(peft_model, tokenizer, PROMPTS[0], "")
-    assert all(greedy(peft_model, tokenizer, PROMPTS[0], a) != base for a in ADAPTERS)  # adapters matter
+        core.close()
+    base = peft_greedy(peft_model, tokenizer, PROMPTS[0], "")
+    assert all(peft_greedy(peft_model, tokenizer, PROMPTS[0], a) != base for a in ADAPTERS)  # adapters matter
 
 
 def test_mixed_batch_logits_match_peft(family, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -39,7 +40,8 @@ def generate_all(core: EngineCore, num_tokens: int, adapters=(None,)) -> list[li
     try:
         for i, (prompt, adapter) in enumerate(jobs):
             params = SamplingParams(max_new_tokens=num_tokens, ignore_eos=True)
-            core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink_for(i), adapter=adapter))
+            packed = asyncio.run(core.prepare(adapter)) if adapter is not None else None
+            core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink_for(i), adapter=adapter, packed=packed))
         assert all(event.wait(120) for event in done)
     finally:
         core.loop.stop()
@@ -54,16 +56,16 @@ def test_cuda_fp32_greedy_matches_cpu(tiny_llama_dir, page_size):
 
     cuda = core("cuda")
     assert generate_all(cuda, 16) == generate_all(core("cpu"), 16)
-    assert cuda.loop.runner.graphs.num_replays > 0  # decode steps replayed captured graphs
+    assert cuda.workers.local.runner.graphs.num_replays > 0  # decode steps replayed captured graphs
 
 
 def test_cuda_bf16_generates(tiny_llama_dir):
     core = EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir), device="cuda", num_kv_slots=4096))
-    assert next(core.loop.runner.model.parameters()).dtype == torch.bfloat16
+    assert next(core.workers.local.runner.model.parameters()).dtype == torch.bfloat16
     assert all(len(tokens) == 8 for tokens in generate_all(core, 8))
 
 
-@pytest.mark.parametrize("lora_backend", ["triton", "chunked"])
+@pytest.mark.parametrize("lora_backend", ["triton", "chunked", "splitk"])
 def test_cuda_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, lora_backend):
     """Mixed adapters on CUDA through the Triton SGMV kernels give the CPU reference's greedy tokens."""
     adapters = (
@@ -94,7 +96,7 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_llama_dir, make_adapter, tm
         )
         core = EngineCore.build(config)
         tokens = generate_all(core, 12, [None, core.resolve_adapter("qv")])
-        assert (core.loop.runner.graphs is not None) == (max_batch > 0)
+        assert (core.workers.local.runner.graphs is not None) == (max_batch > 0)
         return tokens
 
     assert run(16) == run(0)

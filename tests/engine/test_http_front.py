@@ -132,8 +132,11 @@ async def test_residency_and_model_server_metrics_follow_the_adapter(front):
     assert f'vllm:cache_config_info{{block_size="1",num_gpu_blocks="{allocator.num_usable_pages}"}} 1.0' in text
     running = await session.post("/v1/completions", json={**LONG, "model": "qv", "stream": True})
     await running.content.readline()
-    parsed = parse_pod_metrics(await (await session.get("/metrics")).text())
-    assert parsed["running"] == 1 and parsed["lora"]["running"] == ["qv"] and 0 < parsed["kv_usage"] < 1
+    # the gauges are sampled after each step: read them until a step has run with the request in it
+    deadline = asyncio.get_running_loop().time() + 60
+    while (parsed := parse_pod_metrics(await (await session.get("/metrics")).text()))["running"] != 1:
+        assert asyncio.get_running_loop().time() < deadline
+    assert parsed["lora"]["running"] == ["qv"] and 0 < parsed["kv_usage"] < 1
     running.close()
     unload = await session.post("/v1/unload_lora_adapter", json={"lora_name": "qv"})
     assert unload.status == 200

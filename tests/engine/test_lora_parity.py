@@ -3,11 +3,13 @@ shapes gives peft's tokens and logits, also when slots are fewer than adapters (
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 import torch
 
+from engine.attention import RefBackend
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.forward_inputs import AttentionInputs, KVBuffers
@@ -57,18 +59,23 @@ def oracle(peft_model, tiny_llama_dir):
 
     def tokens(prompt: str, adapter: str) -> list[int]:
         if (prompt, adapter) not in cache:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = peft_model.generate(
-                input_ids=ids,
-                adapter_names=[adapter or "__base__"],
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
-                do_sample=False,
-            )
-            cache[(prompt, adapter)] = out[0, ids.shape[1] :].tolist()
+            cache[(prompt, adapter)] = peft_greedy(peft_model, tokenizer, prompt, adapter)
         return cache[(prompt, adapter)]
 
     return tokens
+
+
+def peft_greedy(peft_model, tokenizer, prompt: str, adapter: str) -> list[int]:
+    """peft's NUM_TOKENS greedy tokens for `prompt` under `adapter` ('' = the base model)."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = peft_model.generate(
+        input_ids=ids,
+        adapter_names=[adapter or "__base__"],
+        max_new_tokens=NUM_TOKENS,
+        min_new_tokens=NUM_TOKENS,
+        do_sample=False,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def make_core(tiny_llama_dir, adapter_dirs, tmp_path, **overrides) -> EngineCore:
@@ -96,7 +103,8 @@ def run_all(core: EngineCore, jobs: list[tuple[str, str]], start: bool = True) -
     for i, (prompt, adapter) in enumerate(jobs):
         params = SamplingParams(max_new_tokens=NUM_TOKENS, ignore_eos=True)
         record = core.resolve_adapter(adapter)
-        core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink_for(i), adapter=record))
+        packed = asyncio.run(core.prepare(record)) if record is not None else None  # the one loading path
+        core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink_for(i), adapter=record, packed=packed))
     if start:
         core.loop.start()
     assert all(event.wait(120) for event in done)
@@ -108,7 +116,7 @@ def running(request):
     cores = []
     yield cores.append
     for core in cores:
-        core.loop.stop()
+        core.close()
 
 
 def test_mixed_batch_matches_peft(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
@@ -142,7 +150,7 @@ def test_one_slot_reused_by_adapters_with_fewer_modules(tiny_llama_dir, adapter_
     for adapter in ("all", "mlp", "attn", "patterns"):
         [(tokens, _)] = run_all(core, [(PROMPTS[0], adapter)], start=False)
         assert tokens == oracle(PROMPTS[0], adapter), adapter
-        assert_no_rows_past_rank(core.lora.pool, slot=0)
+        assert_no_rows_past_rank(core.workers.local.runner.lora_pool, slot=0)
 
 
 def assert_no_rows_past_rank(pool, slot: int) -> None:
@@ -181,9 +189,13 @@ def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_
 
 def assert_mixed_batch_logits_match(core: EngineCore, peft_model, names: list[str], prompts: list[list[int]]) -> None:
     """One prefill forward of `prompts` (row i under adapter names[i], '' = base) through the engine's
-    model and slots; each row's logits equal peft's for that adapter alone."""
-    model, pool = core.loop.runner.model, core.lora.pool
-    slots = [core.lora.acquire(core.adapters.resolve(n).digest) if n else pool.base_slot for n in names]
+    model and slots (adapters loaded straight into rank 0's pool); each row's logits equal peft's."""
+    runner = core.workers.local.runner
+    model, pool = runner.model, runner.lora_pool
+    adapters = [n for n in dict.fromkeys(names) if n]
+    for slot, name in enumerate(adapters):
+        pool.load(slot, asyncio.run(core.prepare(core.adapters.resolve(name))))
+    slots = [adapters.index(n) if n else pool.base_slot for n in names]
     lens = [len(p) for p in prompts]
     kv = KVBuffers.allocate(model.config, sum(lens) + 1, torch.float32, "cpu")
     table = torch.zeros(len(names), max(lens), dtype=torch.int64)
@@ -191,13 +203,8 @@ def assert_mixed_batch_logits_match(core: EngineCore, peft_model, names: list[st
     for row, n in enumerate(lens):
         table[row, :n] = torch.arange(start, start + n)
         start += n
-    attn = AttentionInputs(
-        out_cache_loc=torch.arange(1, start),
-        req_to_token=table,
-        req_pool_indices=torch.arange(len(names)),
-        prefix_lens=torch.zeros(len(names), dtype=torch.int64),
-        extend_lens=torch.tensor(lens),
-    )
+    metadata = RefBackend(table).prepare(list(range(len(names))), [0] * len(names), lens)
+    attn = AttentionInputs(out_cache_loc=torch.arange(1, start), metadata=metadata)
     lora = LoraInputs(pool, SgmvMeta.from_lists(lens, slots, pool.ranks, pool.scalings), *sgmv_ops("ref"))
     ids = torch.tensor([t for p in prompts for t in p])
     positions = torch.cat([torch.arange(n) for n in lens])
@@ -229,3 +236,22 @@ def test_two_slots_eight_adapters_forty_concurrent_requests(tiny_llama_dir, make
         assert tokens == out[0, ids.shape[1] :].tolist(), (prompt, adapter)
         assert final.completion_tokens == NUM_TOKENS
     assert core.lora.slots.num_loads >= 8
+
+
+def test_tensor_parallel_two_ranks_match_peft_with_evictions(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
+    """TP=2 on the CPU (gloo, a spawned rank): base and every adapter kind, fewer slots than adapters;
+    each rank holds its S-LoRA shard of every slot, and the tokens are peft's (and so TP=1's)."""
+    core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=2, tensor_parallel_size=2)
+    running(core)
+    assert len(core.workers.pids) == 1 and core.workers.local.runner.model.config.num_heads == 2  # half the heads here
+    jobs = [(PROMPTS[i % len(PROMPTS)], a) for i, a in enumerate(["", *ADAPTERS] * 2)]
+    for (tokens, final), (prompt, adapter) in zip(run_all(core, jobs), jobs, strict=True):
+        assert tokens == oracle(prompt, adapter), (prompt, adapter)
+        assert final.completion_tokens == NUM_TOKENS
+    assert core.lora.slots.num_evictions > 0
+
+
+def test_tensor_parallel_size_that_does_not_divide_is_refused_at_start(tiny_llama_dir, tmp_path):
+    config = EngineConfig(model_dir=str(tiny_llama_dir), tensor_parallel_size=3, work_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 does not divide the attention heads \(4\)"):
+        EngineCore.build(config)

@@ -84,9 +84,8 @@ def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
 
 
 def make_slots(num_slots: int, policy: str = "lru"):
-    pool = LoraSlotPool(CONFIG, num_slots=num_slots, max_rank=4, dtype=torch.float32, device="cpu")
     clock = iter(range(1, 10_000))
-    return AdapterSlots(pool, policy, clock=lambda: next(clock))
+    return AdapterSlots(num_slots, policy, clock=lambda: next(clock))
 
 
 def loader(name: str):

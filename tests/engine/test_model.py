@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from engine.attention import eager_backend
 from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.model_config import ModelConfig
 from engine.models.blocks import DecoderModel
@@ -20,7 +21,6 @@ from engine.named_shapes import NAMED_SHAPES
 from engine.rope import cos_sin_cache
 from engine.weights import load_model, random_model
 from kernels.attention_ref import extend_attention_ref
-from kernels.attention_sdpa import SdpaPlan
 from loraformat.errors import FailedPrecondition
 from loramux.demo_model import LLAMA3_8B_CONFIG, write_llama_checkpoint
 
@@ -114,17 +114,8 @@ class PagedKV:
         rows = [row for row, _ in chunks]
         prefix_lens = [self.seq_lens[row] for row in rows]
         extend_lens = [len(tokens) for _, tokens in chunks]
-        plan = None
-        if self.backend == "sdpa":
-            plan = SdpaPlan.build(rows, prefix_lens, extend_lens, self.req_to_token, "cpu")
-        attn = AttentionInputs(
-            out_cache_loc=torch.tensor(locs),
-            req_to_token=self.req_to_token,
-            req_pool_indices=torch.tensor(rows),
-            prefix_lens=torch.tensor(prefix_lens),
-            extend_lens=torch.tensor(extend_lens),
-            sdpa_plan=plan,
-        )
+        metadata = eager_backend(self.backend, self.req_to_token).prepare(rows, prefix_lens, extend_lens)
+        attn = AttentionInputs(out_cache_loc=torch.tensor(locs), metadata=metadata)
         for row, tokens in chunks:
             self.seq_lens[row] += len(tokens)
         with torch.no_grad():

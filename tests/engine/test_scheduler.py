@@ -85,7 +85,7 @@ class Sim:
             params=SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
             namespace=namespace, sink=events.append,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt), stop_matcher=StopMatcher(()),
-            generator=None, eos_token_ids=frozenset(), deadline=deadline,
+            eos_token_ids=frozenset(), deadline=deadline,
         )
         self.num_samples[rid] = 0
         self.requests[rid] = req

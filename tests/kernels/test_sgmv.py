@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 
 from kernels.sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
 from kernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked  # noqa: E402
+from kernels.sgmv_decode import sgmv_shrink_decode  # noqa: E402
 from kernels.sgmv_ref import SgmvMeta, chunk_segments, sgmv_expand_ref, sgmv_shrink_ref  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -50,6 +51,7 @@ BACKENDS = {
         functools.partial(sgmv_shrink_chunked, chunk_size=4),
         functools.partial(sgmv_expand_chunked, chunk_size=4),
     ),
+    "decode": (sgmv_shrink_decode, sgmv_expand),  # the split-K decode shrink, on any segments
     "ref": (sgmv_shrink_ref, sgmv_expand_ref),
 }
 interpreter_slow = pytest.mark.skipif(
@@ -152,7 +154,7 @@ def test_lora_delta_matches_fp64_loop(backend, dtype, target, popularity):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 512])
-@pytest.mark.parametrize("backend", ["triton", "chunked"])
+@pytest.mark.parametrize("backend", ["triton", "chunked", "decode"])
 def test_token_counts(backend, num_tokens):
     num_reqs = min(num_tokens, 5)
     run_case(backend, torch.bfloat16, "qkv", "uniform", num_reqs, num_tokens, seed=num_tokens)

@@ -59,7 +59,7 @@ async def test_admin_key_file_and_keys_stored_as_hashes_only(registry):
     assert all(secret not in str(k) for k in listed.keys)
     with Session(registry.service.catalog.engine) as s:
         stored = " ".join(" ".join(map(str, (r.key_id, r.secret_sha256, r.tenant, r.role))) for r in s.scalars(select(ApiKeyRow)))
-    assert secret.split("_")[2] not in stored and secret not in stored  # only a hash of the secret is kept
+    assert secret.split("_", 2)[2] not in stored and secret not in stored  # only a hash of the secret is kept
 
 
 async def test_missing_bad_and_revoked_keys_are_unauthenticated(registry, adapter_dir):
@@ -71,8 +71,9 @@ async def test_missing_bad_and_revoked_keys_are_unauthenticated(registry, adapte
         await expect_status(UA, harness.register("nope", adapter_dir))
         await expect_status(UA, harness.stub.GetAdapter(pb.GetAdapterRequest(name="x"), metadata=harness.metadata))
         await expect_status(UA, harness.stub.ListKeys(pb.ListKeysRequest(), metadata=harness.metadata))
+        await expect_status(UA, harness.stub.ListBaseModels(pb.ListBaseModelsRequest(), metadata=harness.metadata))
     refusals = (await audit(registry))[: len(await audit(registry)) - before]
-    assert len([e for e in refusals if e.action == "authenticate" and e.outcome == "UNAUTHENTICATED"]) == 12
+    assert len([e for e in refusals if e.action == "authenticate" and e.outcome == "UNAUTHENTICATED"]) == 15
     assert any(e.key_id == user.split("_")[1] for e in refusals)  # the forged key's claimed id is kept
     # health and reflection stay open
     health = health_pb2_grpc.HealthStub(registry.channel)
@@ -159,6 +160,7 @@ async def test_audit_rows_for_every_change_and_refusal(registry, adapter_dir, ot
     assert ("register", "bot", "PERMISSION_DENIED", "team-b") in rows
     assert ("delete", "bot@1", "OK", "team-a") in rows
     assert ("key_revoke", created.key.key_id, "OK", "admin") in rows
+    assert ("register_base_model", "tiny", "OK", "admin") in rows  # the fixture's, by the first admin
     assert any(a == "key_create" and t.startswith(created.key.key_id) for a, t, _, _ in rows)
     assert any(e.key_id == pub_id for e in await audit(registry) if e.action == "register")
     # the rows of a change share its transaction: one row per committed event, none for refusals
@@ -179,3 +181,23 @@ async def test_unauthenticated_service_refuses_a_public_address(tmp_path):
 def test_bearer_metadata_shape():
     assert auth_metadata("k") == (("authorization", "Bearer k"),)
     assert auth_metadata("") == ()
+
+
+async def test_key_files_are_written_once_or_adopted_from_a_secret(tmp_path):
+    from loramux.security import new_key, write_secret_file
+    from tests.registry.harness import running_registry
+
+    operator_key = new_key()[0]  # what `loramux keys generate` prints, put in a Secret by an operator
+    write_secret_file(tmp_path / "secret" / "admin.key", operator_key)
+    config = {"auth": True, "admin_key_file": tmp_path / "secret" / "admin.key", "engine_key_file": tmp_path / "keys" / "engine.key"}
+    async with running_registry(tmp_path / "d", **config) as registry:
+        assert registry.metadata == auth_metadata(operator_key)  # the adopted key is the admin's
+        listed = await registry.stub.ListKeys(pb.ListKeysRequest(), metadata=registry.metadata)
+        assert sorted(k.role for k in listed.keys) == ["admin", "engine"]
+        engine_key = (tmp_path / "keys" / "engine.key").read_text().strip()
+        assert stat.S_IMODE(os.stat(tmp_path / "keys" / "engine.key").st_mode) == 0o600
+        check = await registry.stub.CheckKey(pb.CheckKeyRequest(key=operator_key), metadata=auth_metadata(engine_key))
+        assert check.valid and check.key.role == "admin"
+    async with running_registry(tmp_path / "d", **config) as registry:  # a restart makes no new keys
+        listed = await registry.stub.ListKeys(pb.ListKeysRequest(), metadata=registry.metadata)
+        assert len(listed.keys) == 2 and (tmp_path / "keys" / "engine.key").read_text().strip() == engine_key

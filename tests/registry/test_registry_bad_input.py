@@ -246,4 +246,4 @@ async def test_malformed_upload_streams(registry, requests, needle):
 async def assert_nothing_stored(registry) -> None:
     assert await registry.list_all() == []
     assert registry.stored_blobs() == []
-    assert list(registry.service.config.spool_dir.iterdir()) == []
+    assert registry.service.spool.entries() == []

@@ -269,3 +269,16 @@ async def test_reads_and_health_answer_while_a_registration_is_in_progress(regis
     finally:
         release.set()
     assert (await registering).version == 1
+
+
+async def test_a_huge_tensor_name_is_quoted_short(registry, adapter_dir):
+    """A 200k-character tensor name became a 'metadata size exceeds hard limit' error in gRPC."""
+    name = "t" * 200_000
+    header = json.dumps({name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    weights = len(header).to_bytes(8, "little") + header + bytes(4)
+    config = (adapter_dir / "adapter_config.json").read_bytes()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await registry.register_files("victim", {"adapter_config.json": config, "adapter_model.safetensors": weights})
+    assert info.value.code() == INVALID, info.value.details()
+    assert "200000 characters" in info.value.details() and len(info.value.details()) < 300
+    await assert_nothing_stored(registry)

@@ -1,0 +1,584 @@
+"""End-to-end serving benchmark: the engine's real request path against HF transformers + peft.
+
+    python benchmarks/serve.py --shape demo --device cpu --num-requests 8 --out report.json      # smoke
+    python benchmarks/serve.py --shape llama-3-8b --device cuda --scenarios base 8 32 zipf       # H200
+
+What runs, in one process and one run:
+- a registry **process** (`loramux registry serve`, SQLite + local blobs in --work-dir) holding the base
+  model and --num-adapters random PEFT adapters of the model's shape (rank --rank on all seven
+  projections; random safetensors in PEFT's layout, uploaded once, reused by later runs of the same
+  --work-dir);
+- the engine **in process** (`start_engine`: the core, its registry link and loop thread, warmed up),
+  driven through the admission path the gRPC and HTTP fronts call (engine/admission.py: resolve,
+  checks, registry fetch into the host cache, submit, the request's event stream);
+- the engine as a **process** (`loramux engine serve --registry ...`), driven over gRPC streams;
+- HF transformers + peft on the same prompts and token counts: one batched greedy `generate` per
+  adapter group (at most --max-running requests a batch), `set_adapter` between groups.
+
+Scenarios: `base` (no adapter), `N` (request i uses adapter i mod N), `zipf` (Zipf(1.0) over all
+--num-adapters adapters; more adapters than the engine's --max-loras slots, so fetches, host-cache hits
+and slot loads are all real). Arrivals: all at once, or Poisson at --rate requests/s. Every request
+sends --prompt-len random token ids and generates exactly --output-len tokens (ignore_eos).
+
+Reported per (engine, scenario): output tok/s over the scenario's wall time, TTFT and inter-token
+latency mean/p50/p99 (ms; a stream delta of k tokens counts as k gaps of its delay / k), adapter slot
+loads and host-cache hits/misses during the scenario (the engine's own counters in process; its
+Prometheus /metrics over gRPC), LoRA/base throughput, and engine/HF+peft throughput. JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from engine.admission import GenerateInput
+from engine.config import EngineConfig
+from engine.request import Finished, TokenDelta
+from engine.sampling import SamplingParams
+from engine.server import start_engine
+from loramux.demo_model import LLAMA3_8B_CONFIG, write_llama_checkpoint
+from loramux.engine_client import generate_request
+from loramux.registry_client import RegistryClient
+from loramux.testing.procs import Service
+from loramux.v1 import engine_pb2_grpc
+from loramux.v1 import registry_pb2 as reg_pb
+
+SHAPES = {"demo": None, "llama-3-8b": LLAMA3_8B_CONFIG, "llama3-8b": LLAMA3_8B_CONFIG}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPT_ID_RANGE = (3, 500)  # ids every vocabulary here has (the demo tokenizer's 512), past its specials
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int
+    prompt_len: int
+    output_len: int
+    arrival: str  # "all" or "poisson"
+    rate: float  # requests/s for poisson
+    seed: int
+
+    def prompts(self) -> list[list[int]]:
+        rng = np.random.default_rng(self.seed)
+        return [rng.integers(*PROMPT_ID_RANGE, self.prompt_len).tolist() for _ in range(self.num_requests)]
+
+    def arrivals(self) -> list[float]:  # seconds after the scenario starts
+        if self.arrival == "all":
+            return [0.0] * self.num_requests
+        gaps = np.random.default_rng(self.seed + 1).exponential(1.0 / self.rate, self.num_requests)
+        return np.cumsum(gaps).tolist()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    adapters: tuple[str, ...]  # per request: an adapter name, "" = the base model
+
+
+def adapter_name(i: int) -> str:
+    return f"bench-{i}"
+
+
+def make_scenarios(names: list[str], num_requests: int, num_adapters: int, seed: int) -> list[Scenario]:
+    out = []
+    for name in names:
+        if name == "base":
+            adapters = ("",) * num_requests
+        elif name == "zipf":  # Zipf(1.0): P(k-th most popular) ~ 1/k, popularity shuffled over names
+            weights = 1.0 / np.arange(1, num_adapters + 1)
+            rng = np.random.default_rng(seed + 2)
+            ranks = rng.choice(num_adapters, num_requests, p=weights / weights.sum())
+            names_by_rank = rng.permutation(num_adapters)
+            adapters = tuple(adapter_name(int(names_by_rank[k])) for k in ranks)
+        else:
+            n = int(name)
+            if not 1 <= n <= num_adapters:
+                raise SystemExit(f"scenario {name}: want 1..--num-adapters ({num_adapters}) adapters")
+            adapters = tuple(adapter_name(i % n) for i in range(num_requests))
+        out.append(Scenario(name, adapters))
+    return out
+
+
+# -- model and adapters on disk ---------------------------------------------------------------------
+
+
+def prepare_model(shape: str, work_dir: Path, device: str) -> Path:
+    """The demo checkpoint, or a random bf16 checkpoint of a named shape (written once per work dir)."""
+    model_dir = work_dir / f"model-{shape}"
+    if (model_dir / "config.json").exists():
+        return model_dir
+    if SHAPES[shape] is None:
+        return write_llama_checkpoint(model_dir)
+    return write_random_hf_checkpoint(model_dir, SHAPES[shape], device)
+
+
+def write_random_hf_checkpoint(model_dir: Path, config: dict, device: str) -> Path:
+    """transformers' own random init drawn on `device` (fast where the CPU writer would take minutes),
+    saved in HF format, with the demo tokenizer's files (prompts are token ids below its vocabulary)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    hf_config.architectures = config["architectures"]
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.bfloat16)
+    model.save_pretrained(model_dir, safe_serialization=True, max_shard_size="5GB")
+    del model
+    tokenizer_dir = write_llama_checkpoint(model_dir.parent / "tokenizer-source")
+    for path in tokenizer_dir.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(path, model_dir / path.name)
+    return model_dir
+
+
+def module_dims(config: dict) -> dict[str, tuple[int, int]]:
+    """PEFT target -> (in_dim, out_dim) for a Llama-family config.json."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_size = config["num_attention_heads"] * head_dim
+    kv_size = config["num_key_value_heads"] * head_dim
+    return {
+        "q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
+        "o_proj": (q_size, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }  # fmt: skip
+
+
+def write_random_peft_adapter(out_dir: Path, config: dict, rank: int, seed: int, dtype: torch.dtype) -> Path:
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) of the model's
+    shape, rank `rank` on all seven projections, random A and B (B nonzero): distinct content per seed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target, (in_dim, out_dim) in module_dims(config).items():
+            block = "self_attn" if target in TARGETS[:4] else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=gen) / in_dim**0.5).to(
+                dtype
+            )
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=gen) * 0.02).to(dtype)
+    save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": list(TARGETS), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
+        "base_model_name_or_path": config.get("_name_or_path", ""),
+    }  # fmt: skip
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return out_dir
+
+
+def register_adapters(
+    registry: str, model_dir: Path, work_dir: Path, num_adapters: int, rank: int, dtype
+) -> dict[str, Path]:
+    """Register the base model and bench-0..N-1 (skipping names already registered); name -> dir."""
+    config = json.loads((model_dir / "config.json").read_text())
+    base = model_dir.resolve().name
+    dirs = {}
+    with RegistryClient(registry) as client:
+        client.register_base_model(base, model_dir)
+        known = {a.name for a in client.list(base_model=base, latest_only=True)}
+        for i in range(num_adapters):
+            name = adapter_name(i)
+            dirs[name] = work_dir / "adapters" / name
+            if not (dirs[name] / "adapter_config.json").exists():
+                write_random_peft_adapter(dirs[name], config, rank, seed=1000 + i, dtype=dtype)
+            if name not in known:
+                client.register_adapter(reg_pb.AdapterSpec(name=name, base_model=base), dirs[name])
+    return dirs
+
+
+# -- clients: the engine in process, over gRPC ---------------------------------------------------------
+
+
+class InProcessClient:
+    """The engine's admission path (engine/admission.py), called as the gRPC and HTTP fronts call it."""
+
+    def __init__(self, server):
+        self.server = server
+        self.core = server.core
+
+    async def stream(self, prompt: list[int], adapter: str, max_new: int) -> AsyncIterator[int]:
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        generation = await self.server.admission.start(
+            GenerateInput(adapter, params, token_ids=tuple(prompt))
+        )
+        async for event in generation.events():
+            if isinstance(event, TokenDelta):
+                yield len(event.token_ids)
+            elif not isinstance(event, Finished):
+                raise RuntimeError(f"request failed: {event}")
+
+    async def counters(self) -> dict[str, int]:
+        lora = self.core.lora
+        if lora is None:
+            return {}
+        return {
+            "slot_loads": lora.slots.num_loads,
+            "host_cache_hits": lora.host_cache.num_hits,
+            "host_cache_misses": lora.host_cache.num_misses,
+        }
+
+    async def close(self) -> None:
+        await self.server.stop()
+
+
+class GrpcClient:
+    """An engine process over gRPC; counters from its Prometheus endpoint."""
+
+    METRICS: ClassVar[dict[str, str]] = {
+        "slot_loads": "loramux_engine_adapter_loads_total",
+        "host_cache_hits": "loramux_engine_host_cache_hits_total",
+        "host_cache_misses": "loramux_engine_host_cache_misses_total",
+    }
+
+    def __init__(self, process: Service, address: str, metrics_url: str):
+        import grpc
+
+        self.process = process
+        self.metrics_url = metrics_url
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = engine_pb2_grpc.EngineStub(self.channel)
+
+    async def stream(self, prompt: list[int], adapter: str, max_new: int) -> AsyncIterator[int]:
+        request = generate_request(prompt, adapter, max_new_tokens=max_new, ignore_eos=True)
+        async for response in self.stub.Generate(request):
+            if response.WhichOneof("event") == "chunk":
+                yield len(response.chunk.token_ids)
+
+    async def counters(self) -> dict[str, int]:
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        )
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            values[name] = value
+        return {key: int(float(values.get(metric, "0"))) for key, metric in self.METRICS.items()}
+
+    async def close(self) -> None:
+        await self.channel.close()
+        self.process.interrupt()
+
+
+# -- one scenario: timed streams and their statistics --------------------------------------------------
+
+
+@dataclass
+class Trace:
+    sent: float
+    deltas: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in the delta)
+
+
+async def timed_stream(
+    client, start: float, arrival: float, prompt: list[int], adapter: str, max_new: int
+) -> Trace:
+    await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+    trace = Trace(time.perf_counter())
+    async for num_tokens in client.stream(prompt, adapter, max_new):
+        trace.deltas.append((time.perf_counter(), num_tokens))
+    return trace
+
+
+def latency_stats(prefix: str, values_s: list[float]) -> dict[str, float | None]:
+    if not values_s:
+        return {f"{prefix}_mean_ms": None, f"{prefix}_p50_ms": None, f"{prefix}_p99_ms": None}
+    ms = np.asarray(values_s) * 1e3
+    return {
+        f"{prefix}_mean_ms": float(ms.mean()),
+        f"{prefix}_p50_ms": float(np.percentile(ms, 50)),
+        f"{prefix}_p99_ms": float(np.percentile(ms, 99)),
+    }
+
+
+def summarize(traces: list[Trace], wall_s: float) -> dict:
+    ttft = [t.deltas[0][0] - t.sent for t in traces if t.deltas]
+    itl = []
+    for t in traces:
+        for (prev, _), (now, n) in zip(t.deltas, t.deltas[1:], strict=False):
+            itl += [(now - prev) / n] * n
+    num_tokens = sum(n for t in traces for _, n in t.deltas)
+    return {
+        "output_tokens": num_tokens,
+        "wall_s": wall_s,
+        "output_tok_s": num_tokens / wall_s,
+        **latency_stats("ttft", ttft),
+        **latency_stats("itl", itl),
+    }
+
+
+async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
+    prompts, arrivals = workload.prompts(), workload.arrivals()
+    before = await client.counters()
+    start = time.perf_counter()
+    traces = await asyncio.gather(*(
+        timed_stream(client, start, arrivals[i], prompts[i], scenario.adapters[i], workload.output_len)
+        for i in range(workload.num_requests)
+    ))  # fmt: skip
+    wall_s = time.perf_counter() - start
+    after = await client.counters()
+    row = summarize(traces, wall_s)
+    row |= {key: after[key] - before.get(key, 0) for key in after}
+    row["num_distinct_adapters"] = len({a for a in scenario.adapters if a})
+    return row
+
+
+async def run_engine(kind: str, make_client, scenarios: list[Scenario], workload: Workload) -> list[dict]:
+    client = await make_client()
+    rows = []
+    try:
+        for scenario in scenarios:
+            row = {"engine": kind, "scenario": scenario.name, "arrival": workload.arrival}
+            rows.append(row | await run_scenario(client, scenario, workload))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        await client.close()
+    return rows
+
+
+async def in_process_client(config: EngineConfig) -> InProcessClient:
+    return InProcessClient(await start_engine(config))
+
+
+async def grpc_client(config: EngineConfig) -> GrpcClient:
+    args = [
+        "engine", "serve", "--model", config.model_dir, "--port", "0", "--metrics-port", "0",
+        "--registry", config.registry, "--device", config.device,
+        "--max-loras-per-batch", str(config.max_loras_per_batch), "--max-lora-rank", str(config.max_lora_rank),
+        "--max-host-adapters", str(config.max_host_adapters),
+        "--max-running-requests", str(config.max_running_requests),
+        "--max-batch-tokens", str(config.max_batch_tokens), "--max-context", str(config.max_context),
+        "--num-kv-slots", str(config.num_kv_slots),
+        "--max-queued-requests", str(config.max_queued_requests),
+    ]  # fmt: skip
+    if config.lora_backend:
+        args += ["--lora-backend", config.lora_backend]
+    process = await asyncio.to_thread(Service, args, "engine", 900.0, ("metrics",))
+    metrics_url = f"http://{process.addresses['metrics']}/metrics"
+    return GrpcClient(process, process.address, metrics_url)
+
+
+# -- HF transformers + peft ----------------------------------------------------------------------------
+
+
+def run_hf_peft(
+    model_dir: Path,
+    adapter_dirs: dict[str, Path],
+    scenarios: list[Scenario],
+    workload: Workload,
+    device: str,
+    max_batch: int,
+) -> list[dict]:
+    """One greedy batched generate per adapter group, as a peft user serves a mixed batch."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device).eval()
+    prompts = workload.prompts()
+    peft_model, rows = None, []
+    for scenario in scenarios:
+        groups: dict[str, list[int]] = {}
+        for i, adapter in enumerate(scenario.adapters):
+            groups.setdefault(adapter, []).append(i)
+        for adapter in groups:
+            if adapter and (peft_model is None or adapter not in peft_model.peft_config):
+                if peft_model is None:
+                    peft_model = PeftModel.from_pretrained(model, adapter_dirs[adapter], adapter_name=adapter)
+                else:
+                    peft_model.load_adapter(adapter_dirs[adapter], adapter_name=adapter)
+        _sync(device)
+        start = time.perf_counter()
+        num_tokens = sum(_hf_group(model, peft_model, adapter, [prompts[i] for i in rows_], workload.output_len, device, max_batch)
+                         for adapter, rows_ in groups.items())  # fmt: skip
+        wall_s = time.perf_counter() - start
+        rows.append({
+            "engine": "hf_peft", "scenario": scenario.name, "arrival": "batched", "output_tokens": num_tokens,
+            "wall_s": wall_s, "output_tok_s": num_tokens / wall_s, "num_distinct_adapters": len(groups) - ("" in groups),
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def _hf_group(
+    model, peft_model, adapter: str, prompts: list[list[int]], output_len: int, device: str, max_batch: int
+) -> int:
+    if adapter:
+        peft_model.set_adapter(adapter)
+        runner = peft_model
+    else:
+        runner = model if peft_model is None else None
+    num_tokens = 0
+    for start in range(0, len(prompts), max_batch):
+        ids = torch.tensor(prompts[start : start + max_batch], device=device)
+        kwargs = {
+            "max_new_tokens": output_len,
+            "min_new_tokens": output_len,
+            "do_sample": False,
+            "pad_token_id": 0,
+        }
+        if runner is None:  # the base model inside a peft wrapper: adapters off for this group
+            with peft_model.disable_adapter():
+                out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+        else:
+            out = runner.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+        _sync(device)
+        num_tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return num_tokens
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# -- report --------------------------------------------------------------------------------------------
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """lora_vs_base within each (engine, arrival); vs_hf_peft for engine rows with an HF row alike."""
+    base = {(r["engine"], r["arrival"]): r["output_tok_s"] for r in rows if r["scenario"] == "base"}
+    hf = {r["scenario"]: r["output_tok_s"] for r in rows if r["engine"] == "hf_peft"}
+    for r in rows:
+        if (r["engine"], r["arrival"]) in base:
+            r["lora_vs_base"] = r["output_tok_s"] / base[(r["engine"], r["arrival"])]
+        if r["engine"] != "hf_peft" and r["scenario"] in hf:
+            r["vs_hf_peft"] = r["output_tok_s"] / hf[r["scenario"]]
+
+
+def environment(device: str) -> dict:
+    def version(module: str) -> str | None:
+        try:
+            return __import__(module).__version__
+        except ImportError:
+            return None
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit.stdout.strip() or None,
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        **{name: version(name) for name in ("torch", "triton", "transformers", "peft")},
+    }
+
+
+def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
+    max_context = args.prompt_len + args.output_len + 16
+    return EngineConfig(
+        model_dir=str(model_dir),
+        device=args.device,
+        registry=registry,
+        max_loras_per_batch=args.max_loras,
+        max_lora_rank=args.rank,
+        max_host_adapters=args.max_host_adapters,
+        max_running_requests=args.max_running,
+        max_batch_tokens=args.max_batch_tokens,
+        max_context=max_context,
+        num_kv_slots=(args.max_running + 8) * max_context,
+        max_queued_requests=max(1024, args.num_requests),
+        lora_backend=args.lora_backend,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="demo", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--work-dir", default="/tmp/loramux-serve-bench", help="model, adapters, registry data")
+    p.add_argument("--engines", nargs="+", default=["inproc", "grpc", "hf"], choices=("inproc", "grpc", "hf"))
+    p.add_argument("--scenarios", nargs="+", default=["base", "1", "8", "32", "zipf"])
+    p.add_argument(
+        "--hf-scenarios",
+        nargs="+",
+        default=["base", "1", "8", "32"],
+        help="HF+peft runs these of --scenarios",
+    )
+    p.add_argument("--arrival", nargs="+", default=["all"], choices=("all", "poisson"))
+    p.add_argument("--rate", type=float, default=16.0, help="Poisson arrivals per second")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-adapters", type=int, default=1000, help="registered adapters (zipf draws over all)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=32, help="the engine's GPU adapter slots")
+    p.add_argument("--max-host-adapters", type=int, default=64)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--lora-backend", default="", help="the engine's SGMV backend (default: its own)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="write the JSON report here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_model(args.shape, work_dir, args.device)
+    needs = [s for s in args.scenarios if s not in ("base", "zipf")]
+    num_adapters = args.num_adapters if "zipf" in args.scenarios else max([int(s) for s in needs], default=0)
+    scenarios = make_scenarios(args.scenarios, args.num_requests, num_adapters, args.seed)
+    registry = Service(["registry", "serve", "--port", "0", "--data-dir", str(work_dir / "registry"),
+                        "--max-lora-rank", str(args.rank)], "registry")  # fmt: skip
+    rows = []
+    try:
+        adapter_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+        started = time.perf_counter()
+        adapter_dirs = register_adapters(
+            registry.address, model_dir, work_dir, num_adapters, args.rank, adapter_dtype
+        )
+        print(f"registry: {num_adapters} adapters ready in {time.perf_counter() - started:.1f}s", flush=True)
+        config = engine_config(args, model_dir, registry.address)
+        for arrival in args.arrival:
+            workload = Workload(
+                args.num_requests, args.prompt_len, args.output_len, arrival, args.rate, args.seed
+            )
+            if "inproc" in args.engines:
+                rows += asyncio.run(
+                    run_engine("inproc", lambda: in_process_client(config), scenarios, workload)
+                )
+                _free(args.device)
+            if "grpc" in args.engines:
+                rows += asyncio.run(run_engine("grpc", lambda: grpc_client(config), scenarios, workload))
+        if "hf" in args.engines:
+            workload = Workload(
+                args.num_requests, args.prompt_len, args.output_len, "all", args.rate, args.seed
+            )
+            hf_scenarios = [s for s in scenarios if s.name in args.hf_scenarios]
+            rows += run_hf_peft(
+                model_dir, adapter_dirs, hf_scenarios, workload, args.device, args.max_running
+            )
+    finally:
+        registry.interrupt()
+    add_ratios(rows)
+    report = {"environment": environment(args.device), "args": vars(args), "results": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Model workers: one per GPU (tensor-parallel rank), each executing every step plan.
+
+A `ModelWorker` owns its rank's model shard, KV buffers, request-to-token table, share of every LoRA
+slot, attention backend and CUDA graphs. The front holds one handle on all of them:
+
+    LocalWorkers     one rank, in the front's process (no process group)
+    ProcessWorkers   rank 0 in the front's process, ranks 1..N-1 spawned processes, joined through
+                     torch.distributed (NCCL on CUDA, gloo on the CPU) for the layers' all-reduces
+
+Per step the front pickles (plan, packed adapters the plan loads) down one pipe per spawned rank, then
+runs rank 0 itself: a pipe is ordered, needs no collective (so a dead rank is an error on send, not a
+hang), and the packed tensors travel as handles to shared host memory (torch's multiprocessing
+reductions), never as copies. Only rank 0 samples; the other ranks compute the same forward for its
+collectives. A rank that dies is seen by a watcher thread (process sentinels) and reported once through
+`on_failure`; spawned ranks ignore Ctrl-C (the front stops them) and exit when the front goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from engine.attention import eager_backend
+from engine.config import EngineConfig
+from engine.forward_inputs import KVBuffers
+from engine.kv_pool import num_slots_for_memory
+from engine.lora_pool import LoraSlotPool, PackedAdapter
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.parallel import SINGLE, TensorParallel
+from engine.step_plan import StepPlan
+from engine.weights import load_model, random_model
+
+log = logging.getLogger(__name__)
+CPU_KV_SLOTS = 16384
+START_TIMEOUT_S = 600.0  # loading a large shard and capturing graphs
+COLLECTIVE_TIMEOUT_S = 600.0  # torch.distributed's own bound; the watcher reports a dead rank far sooner
+DEATH_GRACE_S = 5.0  # after a failed step: how long a rank's death may take to show
+
+
+class WorkerDied(RuntimeError):
+    """A model worker process exited; the engine cannot serve any more."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a rank needs to build itself; plain data (it crosses the spawn boundary)."""
+
+    config: EngineConfig
+    max_context: int
+    tp: TensorParallel = SINGLE
+    store_port: int = 0  # rank 0's TCPStore (tensor parallelism only)
+    random_config: ModelConfig | None = None  # benchmarks: random weights of this shape, not config.model_dir
+    graph_buckets: tuple[int, ...] | None = None  # padded decode batch sizes to capture; None = the default
+
+    @property
+    def device(self) -> torch.device:
+        device = torch.device(self.config.device)
+        if device.type == "cuda" and (self.tp.size > 1 or device.index is None):
+            return torch.device("cuda", self.tp.rank if self.tp.size > 1 else torch.cuda.current_device())
+        return device
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    num_kv_slots: int
+    attention_backend: str
+
+
+class ModelWorker:
+    def __init__(self, spec: WorkerSpec, runner: ModelRunner, num_kv_slots: int):
+        self.spec = spec
+        self.runner = runner
+        self.info = WorkerInfo(num_kv_slots, runner.attention_backend)
+
+    @classmethod
+    def build(cls, spec: WorkerSpec) -> ModelWorker:
+        config, device, tp = spec.config, spec.device, spec.tp
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dtype = getattr(torch, config.dtype) if config.dtype else None
+        if spec.random_config is not None:
+            model_config = spec.random_config
+            model = random_model(model_config, device=device, dtype=dtype, seed=tp.rank, tp=tp)
+        else:
+            model, model_config = load_model(config.model_dir, device=device, dtype=dtype, tp=tp)
+        dtype = next(model.parameters()).dtype
+        local = model.config  # this rank's heads and features
+        num_slots = _agree_on_min(config.num_kv_slots or _auto_kv_slots(local, device, dtype, config), tp, device)
+        num_slots = max(2, num_slots // config.page_size) * config.page_size
+        kv = KVBuffers.allocate(local, num_slots, dtype, device)
+        req_to_token = torch.zeros(config.max_running_requests, spec.max_context, dtype=torch.int64, device=device)
+        pool = None
+        if config.max_loras_per_batch > 0:
+            pool = LoraSlotPool(model_config, config.max_loras_per_batch, config.max_lora_rank, dtype, device, tp)
+        runner = ModelRunner(
+            model, kv, req_to_token, eager_backend(_attention_backend(config, device), req_to_token),
+            pool, _lora_backend(config, device), samples=tp.rank == 0,
+        )  # fmt: skip
+        if device.type == "cuda" and config.cuda_graph_max_batch > 0:
+            runner.enable_cuda_graphs(min(config.cuda_graph_max_batch, config.max_running_requests), spec.graph_buckets)
+        return cls(spec, runner, num_slots)
+
+    def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> list[int]:
+        return self.runner.execute(plan, adapters)
+
+
+class LocalWorkers:
+    """One rank, in this process."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.local = ModelWorker.build(spec)
+        self.info = self.local.info
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self.pids: list[int] = []
+
+    def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> list[int]:
+        return self.local.execute(plan, adapters)
+
+    def wait_for_failure(self, timeout: float) -> str | None:
+        return None
+
+    def close(self, abandon: bool = False) -> None:
+        pass
+
+
+class ProcessWorkers:
+    """Rank 0 here, ranks 1..N-1 as spawned processes; see the module doc."""
+
+    def __init__(self, spec: WorkerSpec):
+        from torch.distributed import TCPStore
+
+        size = spec.tp.size
+        store = TCPStore("127.0.0.1", 0, size, is_master=True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False)
+        spec = replace(spec, store_port=store.port)
+        ctx = multiprocessing.get_context("spawn")
+        self._conns, self._procs = [], []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(replace(spec, tp=TensorParallel(rank, size)), child), name=f"loramux-worker-{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+            log.info("model worker rank %d started (pid %d)", rank, proc.pid)
+        self.pids = [p.pid for p in self._procs]
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self._closing = threading.Event()
+        self._dead_lock = threading.Lock()
+        try:
+            _init_group(spec, store)
+            self.local = ModelWorker.build(spec)
+            self._await_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.info = self.local.info
+        threading.Thread(target=self._watch, name="worker-watch", daemon=True).start()
+
+    def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> list[int]:
+        if self.failure is not None:
+            raise WorkerDied(self.failure)
+        loaded = {load.digest: adapters[load.digest] for load in plan.loads}
+        try:
+            for conn in self._conns:
+                conn.send((plan, loaded))
+        except OSError as exc:  # a closed pipe: its rank is gone
+            raise WorkerDied(self.wait_for_failure(DEATH_GRACE_S) or f"a model worker is unreachable: {exc}") from exc
+        return self.local.execute(plan, adapters)
+
+    def wait_for_failure(self, timeout: float) -> str | None:
+        """The failure if a rank exits within `timeout` seconds (after a step failed), else None."""
+        if self.failure is None:
+            self._note_dead(multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout))
+        return self.failure
+
+    def close(self, abandon: bool = False, timeout: float = 10.0) -> None:
+        """Stop every spawned rank: ask, wait, then kill what is left. abandon: the loop thread is stuck
+        in a collective with a dead rank, so the process group is left to the process's exit."""
+        self._closing.set()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):  # already gone
+                conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout)
+        import torch.distributed as dist
+
+        if dist.is_initialized() and not abandon:
+            dist.destroy_process_group()
+
+    def _await_ready(self) -> None:
+        for rank, conn in enumerate(self._conns, start=1):
+            if not conn.poll(START_TIMEOUT_S):
+                raise WorkerDied(f"model worker rank {rank} did not start within {START_TIMEOUT_S:.0f} s")
+            try:
+                info = conn.recv()
+            except EOFError:
+                raise WorkerDied(f"model worker rank {rank} exited while starting (code {self._procs[rank - 1].exitcode})") from None
+            if isinstance(info, BaseException):
+                raise WorkerDied(f"model worker rank {rank} failed to start: {info}")
+
+    def _watch(self) -> None:
+        sentinels = [p.sentinel for p in self._procs]
+        while not self._closing.is_set():
+            ready = multiprocessing.connection.wait(sentinels, 0.5)
+            if ready and not self._closing.is_set():
+                self._note_dead(ready)
+                if self.failure is not None and self.on_failure is not None:
+                    self.on_failure(self.failure)
+                return
+
+    def _note_dead(self, ready: list) -> None:
+        """Record the first rank whose sentinel is ready (it exited). Under a lock: the watcher and the
+        loop thread may both get here, and only one of them can reap the process's exit code."""
+        with self._dead_lock:
+            for rank, proc in enumerate(self._procs, start=1):
+                if self.failure is None and proc.sentinel in ready and not self._closing.is_set():
+                    self.failure = f"model worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                    log.error("%s", self.failure)
+
+
+def start_workers(spec: WorkerSpec) -> LocalWorkers | ProcessWorkers:
+    return LocalWorkers(spec) if spec.tp.size == 1 else ProcessWorkers(spec)
+
+
+def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
+    """A spawned rank: build, report, then execute plans until told to stop or the front is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front stops us
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.tp.rank} %(levelname)s %(name)s: %(message)s")
+    if spec.device.type == "cpu":
+        torch.set_num_threads(1)  # N ranks share the host's cores
+    _exit_with_parent()
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore("127.0.0.1", spec.store_port, spec.tp.size, is_master=False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        _init_group(spec, store)
+        worker = ModelWorker.build(spec)
+    except BaseException as exc:
+        conn.send(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        raise
+    conn.send(worker.info)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            break
+        if message is None:
+            break
+        plan, adapters = message
+        worker.execute(plan, adapters)
+
+
+def _exit_with_parent() -> None:
+    """A rank stuck in a collective would outlive a killed front; watch the parent and leave with it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            threading.Event().wait(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _init_group(spec: WorkerSpec, store) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if spec.device.type == "cuda" else "gloo"
+    if spec.device.type == "cuda":
+        torch.cuda.set_device(spec.device)
+    dist.init_process_group(
+        backend, store=store, rank=spec.tp.rank, world_size=spec.tp.size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )  # fmt: skip
+
+
+def _agree_on_min(value: int, tp: TensorParallel, device: torch.device) -> int:
+    """The smallest of every rank's value (KV slots: each rank's pool must hold the same slots)."""
+    if tp.size == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def read_model_config(model_dir: str) -> ModelConfig:
+    return ModelConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def _auto_kv_slots(local: ModelConfig, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> int:
+    if device.type != "cuda":
+        return CPU_KV_SLOTS
+    free, _ = torch.cuda.mem_get_info(device)
+    return num_slots_for_memory(free, config.kv_memory_fraction, local.num_layers, local.num_kv_heads, local.head_dim, dtype)
+
+
+def _lora_backend(config: EngineConfig, device: torch.device) -> str:
+    return config.lora_backend or ("triton" if device.type == "cuda" else "ref")
+
+
+def _attention_backend(config: EngineConfig, device: torch.device) -> str:
+    return config.attention_backend or ("sdpa" if device.type == "cuda" else "ref")

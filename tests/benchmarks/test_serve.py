@@ -1,0 +1,49 @@
+"""benchmarks/serve.py end to end on the CPU with the demo model: a registry process, the engine in
+process and as a process, HF+peft, a few requests per scenario; the report's fields are present and
+consistent with the workload (every request's tokens arrive, latencies are ordered, adapter scenarios
+load slots and look up the host cache, the base scenario does neither)."""
+
+import json
+
+import pytest
+
+from benchmarks import serve
+
+pytestmark = pytest.mark.slow
+
+NUM_REQUESTS, OUTPUT_LEN = 5, 3
+
+
+def test_serve_benchmark_smoke(tmp_path):
+    report_path = tmp_path / "report.json"
+    args = [
+        "--shape", "demo", "--device", "cpu", "--work-dir", str(tmp_path / "work"),
+        "--num-requests", str(NUM_REQUESTS), "--prompt-len", "6", "--output-len", str(OUTPUT_LEN),
+        "--scenarios", "base", "2", "zipf", "--hf-scenarios", "base", "2", "--num-adapters", "6",
+        "--max-loras", "2", "--max-host-adapters", "3", "--max-running", "4",
+        "--arrival", "all", "poisson", "--rate", "200", "--out", str(report_path),
+    ]  # fmt: skip
+    report = serve.main(args)
+    assert json.loads(report_path.read_text()) == json.loads(json.dumps(report))
+    assert {"date", "commit", "device", "torch"} <= set(report["environment"])
+    rows = {(r["engine"], r["scenario"], r["arrival"]): r for r in report["results"]}
+    engines = [(e, s, a) for e in ("inproc", "grpc") for s in ("base", "2", "zipf") for a in ("all", "poisson")]
+    assert set(rows) == set(engines) | {("hf_peft", "base", "batched"), ("hf_peft", "2", "batched")}
+    for key, row in rows.items():
+        assert row["output_tokens"] == NUM_REQUESTS * OUTPUT_LEN, key
+        assert row["output_tok_s"] > 0 and row["wall_s"] > 0, key
+    for key in engines:
+        row = rows[key]
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"], key
+        assert 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"] and row["itl_mean_ms"] > 0, key
+        assert row["vs_hf_peft"] > 0 if key[1] != "zipf" else "vs_hf_peft" not in row
+        assert row["lora_vs_base"] > 0
+        if key[1] == "base":
+            assert row["slot_loads"] == row["host_cache_hits"] == row["host_cache_misses"] == 0
+            assert row["num_distinct_adapters"] == 0
+        else:  # every adapter request looked its adapter up; with 2 slots some had to be loaded
+            assert row["host_cache_hits"] + row["host_cache_misses"] >= NUM_REQUESTS, key
+            assert row["slot_loads"] >= 1 and row["num_distinct_adapters"] >= 1, key
+    zipf_all = rows[("inproc", "zipf", "all")]
+    assert zipf_all["slot_loads"] >= zipf_all["num_distinct_adapters"] - 2  # 2 slots: most had to load
+    assert rows[("hf_peft", "2", "batched")]["num_distinct_adapters"] == 2

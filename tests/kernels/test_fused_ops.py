@@ -1,0 +1,178 @@
+"""Fused decode kernels (residual add + RMSNorm, SiLU-mul, RoPE + KV write) against their PyTorch
+references, and the references against the model's own PyTorch code.
+
+Without CUDA the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
+triton is imported); with CUDA they run natively. The references are what the CPU path computes, so
+each is checked bit for bit against engine/model.py and engine/rope.py; the kernels are checked against
+the references over a grid of dtypes, widths that are and are not powers of two, MHA/GQA/MQA heads and
+head dims, with outputs poisoned first so an unwritten element fails.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from engine.rope import apply_rope  # noqa: E402
+from kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref  # noqa: E402
+from kernels.rope_kv import rope_kv_write, rope_kv_write_ref  # noqa: E402
+from kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# of max(1, |expected|) per element: fp32 to a few ulps; 16-bit types to about two rounding steps. The
+# interpreter rounds fp32 -> bf16 toward zero (CUDA to nearest even): up to an ulp more per rounding.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2 if HAS_CUDA else 3.2e-2}
+EXACT_ROUNDING = {torch.float32, torch.float16} | ({torch.bfloat16} if HAS_CUDA else set())
+
+
+def randn(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+
+
+def assert_close(actual, expected, dtype, what=""):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    assert torch.isfinite(actual).all(), f"{what}: unwritten or non-finite entries"
+    scale = expected.double().abs().clamp(min=1.0)
+    err = ((actual.double() - expected.double()).abs() / scale).max().item() if actual.numel() else 0.0
+    assert err <= TOLERANCE[dtype], f"{what}: max relative error {err:.3g} > {TOLERANCE[dtype]:.3g}"
+
+
+# -- residual add + RMSNorm ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 96, 1000])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm_matches_reference(dtype, hidden, with_residual):
+    x = randn(7, hidden, dtype=dtype, seed=hidden, scale=2.0)
+    residual = randn(7, hidden, dtype=dtype, seed=hidden + 1, scale=3.0) if with_residual else None
+    weight = randn(hidden, dtype=dtype, seed=hidden + 2) + 1.0
+    out, res = add_rmsnorm(x, residual, weight, 1e-5)
+    ref_out, ref_res = add_rmsnorm_ref(x, residual, weight, 1e-5)
+    assert_close(out, ref_out, dtype, "normed")
+    if with_residual:
+        assert_close(res, ref_res, dtype, "residual")
+        assert torch.equal(res, ref_res) or dtype not in EXACT_ROUNDING  # one fp32 add rounded once
+        assert not torch.equal(res, x)
+    else:
+        assert res is x
+
+
+def test_add_rmsnorm_handles_strided_rows_and_empty_batches():
+    x = randn(5, 128, dtype=torch.float32, seed=3)[:, :64]  # row stride 128, width 64
+    weight = randn(64, dtype=torch.float32, seed=4)
+    out, _ = add_rmsnorm(x, None, weight, 1e-6)
+    assert_close(out, add_rmsnorm_ref(x.contiguous(), None, weight, 1e-6)[0], torch.float32)
+    empty, _ = add_rmsnorm(x[:0], None, weight, 1e-6)
+    assert empty.shape == (0, 64)
+    with pytest.raises(ValueError, match="weight"):
+        add_rmsnorm(x, None, weight[:32], 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_rmsnorm_ref_is_the_model_layer_residual_and_norm(dtype):
+    """The reference (the CPU path) rounds as `x = x + sublayer; norm(x)` in engine/model.py does."""
+    from engine.models.blocks import RMSNorm
+
+    norm = RMSNorm(96, 1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96) + 0.5)
+    x, delta = torch.randn(9, 96).to(dtype) * 3, torch.randn(9, 96).to(dtype)
+    out, res = add_rmsnorm_ref(delta, x, norm.weight.detach(), 1e-5)
+    assert torch.equal(res, x + delta)
+    assert torch.equal(out, norm(x + delta).detach())
+
+
+# -- SiLU-mul -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inter", [16, 176, 1500])  # 1500: two BLOCK tiles, the second partial
+def test_silu_mul_matches_reference(dtype, inter):
+    gate_up = randn(6, 2 * inter, dtype=dtype, seed=inter, scale=3.0)
+    assert_close(silu_mul(gate_up), silu_mul_ref(gate_up), dtype)
+    assert silu_mul(gate_up[:0]).shape == (0, inter)
+
+
+def test_silu_mul_ref_is_the_model_mlp_activation():
+    gate_up = torch.randn(5, 64).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(silu_mul_ref(gate_up), torch.nn.functional.silu(gate) * up)
+    with pytest.raises(ValueError, match="2 \\* I"):
+        silu_mul(gate_up[:, :63])
+
+
+# -- RoPE + KV write ---------------------------------------------------------------------------------------
+
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # name -> (H, Hkv)
+
+
+def rope_case(dtype, num_heads, num_kv_heads, head_dim, num_tokens=6, seed=0):
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.arange(512).float()[:, None] * inv_freq[None, :]  # [512, D/2]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)  # the layout of engine/rope.py
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=seed, scale=2.0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    positions = torch.randint(0, 512, (num_tokens,), generator=gen).to(DEVICE)
+    out_cache_loc = torch.randperm(20, generator=gen)[:num_tokens].to(DEVICE)
+    return cos_sin, qkv, positions, out_cache_loc
+
+
+def caches(num_kv_heads, head_dim, dtype):
+    nan = torch.full((20, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    return nan.clone(), nan.clone()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("head_dim", [16, 64, 96])  # 96: half of 48 is not a power of two
+def test_rope_kv_write_matches_reference(dtype, heads, head_dim):
+    num_heads, num_kv_heads = HEADS[heads]
+    cos_sin, qkv, positions, loc = rope_case(dtype, num_heads, num_kv_heads, head_dim, seed=head_dim)
+    kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    k_cache, v_cache = caches(num_kv_heads, head_dim, dtype)
+    k_ref, v_ref = caches(num_kv_heads, head_dim, dtype)
+    q = rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, **kw)
+    q_ref = rope_kv_write_ref(qkv, positions, cos_sin, k_ref, v_ref, loc, **kw)
+    assert_close(q, q_ref, dtype, "q")
+    assert_close(k_cache[loc], k_ref[loc], dtype, "k")
+    assert torch.equal(v_cache[loc], v_ref[loc])  # a copy: no rounding
+    untouched = torch.ones(20, dtype=torch.bool, device=DEVICE)
+    untouched[loc] = False
+    assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_kv_write_ref_is_the_model_rope_and_cache_write(dtype):
+    """The reference (the CPU path) rounds as engine/rope.py's apply_rope and the cache write do."""
+    cos_sin, qkv, positions, loc = rope_case(dtype, 8, 2, 64)
+    k_cache, v_cache = caches(2, 64, dtype)
+    q = rope_kv_write_ref(
+        qkv, positions, cos_sin, k_cache, v_cache, loc, num_heads=8, num_kv_heads=2, head_dim=64
+    )
+    q0, k0, v0 = qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1)
+    q_model, k_model = apply_rope(q0.view(-1, 8, 64), k0.view(-1, 2, 64), positions, cos_sin)
+    assert torch.equal(q, q_model)
+    assert torch.equal(k_cache[loc], k_model) and torch.equal(v_cache[loc], v0.view(-1, 2, 64))
+
+
+def test_rope_kv_write_refuses_mismatched_shapes():
+    cos_sin, qkv, positions, loc = rope_case(torch.float32, 4, 2, 16)
+    k_cache, v_cache = caches(2, 16, torch.float32)
+    with pytest.raises(ValueError, match="qkv"):
+        rope_kv_write(
+            qkv, positions, cos_sin, k_cache, v_cache, loc, num_heads=4, num_kv_heads=1, head_dim=16
+        )
+    with pytest.raises(ValueError, match="k_cache"):
+        rope_kv_write(
+            qkv, positions, cos_sin, k_cache[:, :1], v_cache, loc, num_heads=4, num_kv_heads=2, head_dim=16
+        )

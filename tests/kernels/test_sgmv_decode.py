@@ -1,0 +1,184 @@
+"""The split-K decode shrink on decode-shaped batches (one token per segment, as a decode step or its
+CUDA graph builds them) against an fp64 loop, over adapter popularity, batch sizes, ranks below the slot
+capacity and split configurations; and the auto dispatch between it and `sgmv_shrink`.
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
+imported). The general-segment grid (long, empty, base-model segments) is in test_sgmv.py's "decode"
+backend.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import functools  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels import sgmv_decode  # noqa: E402
+from kernels.sgmv import sgmv_expand  # noqa: E402
+from kernels.sgmv_decode import decode_config, sgmv_shrink_auto, sgmv_shrink_decode  # noqa: E402
+from kernels.sgmv_ref import SgmvMeta  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+MAX_RANK = 64
+POPULARITY = ("distinct", "uniform", "zipf", "identical", "skewed")
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2}  # of max(1, |ref|)
+
+
+def decode_batch(popularity: str, batch: int, num_adapters: int, seed: int):
+    """One segment of one token per request; slot 0 is the base model, and some requests use it."""
+    rng = np.random.default_rng(seed)
+    ranks = [0] + [(4, 16, 64, 8)[i % 4] for i in range(num_adapters)]  # mostly below the capacity 64
+    lora = np.arange(1, num_adapters + 1)
+    if popularity == "distinct":
+        slots = [int(lora[i % num_adapters]) for i in range(batch)]
+    elif popularity == "uniform":
+        slots = [int(w) for w in rng.choice(lora, batch)]
+    elif popularity == "zipf":
+        weights = 1.0 / np.arange(1, num_adapters + 1)
+        slots = [int(w) for w in rng.choice(lora, batch, p=weights / weights.sum())]
+    elif popularity == "identical":
+        slots = [1] * batch
+    else:  # skewed: nearly all on one adapter, a few on others, some base-model rows
+        slots = [1 if i % 5 else int(lora[-1]) for i in range(batch)]
+    slots = [0 if i % 7 == 3 else w for i, w in enumerate(slots)]
+    return [1] * batch, slots, ranks
+
+
+def fp64_shrink(x, A, seg_lens, slots, ranks, num_stack):
+    """{(row, col): value} of every entry the shrink must write, in fp64."""
+    x, A = x.double().cpu(), A.double().cpu()
+    expected, start = {}, 0
+    for seg_len, w in zip(seg_lens, slots, strict=True):
+        for row in range(start, start + seg_len):
+            for k in range(num_stack):
+                cols = range(k * MAX_RANK, k * MAX_RANK + ranks[w])
+                values = A[w, cols.start : cols.stop] @ x[row]
+                expected.update({(row, c): values[i].item() for i, c in enumerate(cols)})
+        start += seg_len
+    return expected
+
+
+def check_shrink(shrink, dtype, in_dim, num_stack, seg_lens, slots, ranks, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    A = (torch.randn(len(ranks), num_stack * MAX_RANK, in_dim, generator=gen) / in_dim**0.5).to(DEVICE, dtype)
+    x = torch.randn(sum(seg_lens), in_dim, generator=gen).to(DEVICE, dtype)
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, [1.0] * len(ranks), DEVICE)
+    v = torch.full((x.shape[0], num_stack * MAX_RANK), float("nan"), dtype=dtype, device=DEVICE)
+    assert shrink(x, A, meta, num_stack=num_stack, out=v) is v
+    expected = fp64_shrink(x, A, seg_lens, slots, ranks, num_stack)
+    written = torch.zeros(v.shape, dtype=torch.bool)
+    for row, col in expected:
+        written[row, col] = True
+    v = v.double().cpu()
+    assert torch.isnan(v[~written]).all(), "entries outside the LoRA rows and ranks were written"
+    want = torch.tensor([expected[rc] for rc in sorted(expected)], dtype=torch.float64)
+    got = torch.stack([v[r, c] for r, c in sorted(expected)]) if expected else want
+    assert (got - want).abs().max().item() <= TOLERANCE[dtype] * max(1.0, want.abs().max().item())
+    return len(expected)
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str), ids=str)
+@pytest.mark.parametrize("num_stack, in_dim", [(3, 200), (1, 700)])
+def test_decode_batches_match_fp64(popularity, dtype, num_stack, in_dim):
+    seg_lens, slots, ranks = decode_batch(popularity, batch=24, num_adapters=6, seed=len(popularity))
+    config = decode_config(in_dim, len(seg_lens), num_stack, torch.device(DEVICE), segs=2)
+    assert config["num_splits"] > 1 and config["SEGS"] == 2  # split-K and grouped segments both run
+    shrink = functools.partial(sgmv_shrink_decode, segs=2)
+    assert check_shrink(shrink, dtype, in_dim, num_stack, seg_lens, slots, ranks) > 0
+
+
+@pytest.mark.parametrize("segs", [1, 3, 4])
+@pytest.mark.parametrize("batch", [1, 2, 9, 33, 64])
+def test_batch_sizes(batch, segs):
+    """Group counts that do and do not divide the batch; one segment alone; a graph-sized batch."""
+    seg_lens, slots, ranks = decode_batch("uniform", batch, num_adapters=min(batch, 8), seed=batch)
+    shrink = functools.partial(sgmv_shrink_decode, segs=segs)
+    check_shrink(shrink, torch.bfloat16, 300, 3, seg_lens, slots, ranks, seed=batch)
+
+
+def test_padding_rows_of_a_graph_and_multi_token_segments():
+    """Trailing base-slot rows (graph padding) stay untouched; segments of 2-4 tokens still sum right."""
+    seg_lens, slots, ranks = [1, 3, 2, 4, 1, 1, 1], [1, 2, 1, 3, 0, 0, 0], [0, 16, 64, 1]
+    check_shrink(sgmv_shrink_decode, torch.float32, 520, 2, seg_lens, slots, ranks)
+
+
+def test_auto_sends_decode_steps_to_the_split_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sgmv_decode, "sgmv_shrink_decode", lambda *a, **k: calls.append("decode"))
+    monkeypatch.setattr(sgmv_decode, "sgmv_shrink", lambda *a, **k: calls.append("sgmv"))
+    x, A = torch.zeros(6, 8), torch.zeros(2, 4, 8)
+    for seg_lens in ([1] * 6, [4, 2], [5, 1]):
+        sgmv_shrink_auto(
+            x, A, SgmvMeta.from_lists(seg_lens, [1] * len(seg_lens), [0, 4], [0.0, 1.0]), num_stack=1
+        )
+    assert calls == ["decode", "decode", "sgmv"]
+
+
+def test_decode_shrink_with_expand_is_the_lora_delta():
+    """The pair the engine's backend runs: decode shrink then the usual expand, against fp64."""
+    seg_lens, slots, ranks = decode_batch("zipf", 16, 4, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    in_dim, out_dim = 160, 96
+    A = torch.randn(len(ranks), MAX_RANK, in_dim, generator=gen).to(DEVICE)
+    B = torch.randn(len(ranks), out_dim, MAX_RANK, generator=gen).to(DEVICE)
+    x, y = (
+        torch.randn(16, in_dim, generator=gen).to(DEVICE),
+        torch.randn(16, out_dim, generator=gen).to(DEVICE),
+    )
+    scalings = [0.0] + [0.5 * (i + 1) for i in range(len(ranks) - 1)]
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    y_before = y.double().cpu()
+    expected = y_before.clone()
+    for row, w in enumerate(slots):
+        r = ranks[w]
+        expected[row] += scalings[w] * (
+            B[w, :, :r].double().cpu() @ (A[w, :r].double().cpu() @ x[row].double().cpu())
+        )
+    sgmv_expand(sgmv_shrink_auto(x, A, meta, num_stack=1), B, meta, y, output_slices=((0, out_dim),))
+    assert (y.double().cpu() - expected).abs().max().item() <= 1e-3 * expected.abs().max().item()
+    assert (expected - y_before).abs().max().item() > 0.1  # a no-op shrink would fail above
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replay_follows_refilled_slots_and_ranks():
+    """Captured once (the engine's decode graphs), replayed after the metadata tensors were refilled
+    in place with other slots and ranks: the rank-bounded loops and the split workspace follow."""
+    batch, in_dim, num_slots = 12, 1000, 5
+    gen = torch.Generator().manual_seed(7)
+    A = (torch.randn(num_slots, 2 * MAX_RANK, in_dim, generator=gen) / in_dim**0.5).to(DEVICE, torch.bfloat16)
+    x = torch.randn(batch, in_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.zeros(batch, 2 * MAX_RANK, device=DEVICE, dtype=torch.bfloat16)
+    meta = SgmvMeta.from_lists([1] * batch, [0] * batch, [0, 16, 64, 4, 0], [1.0] * num_slots, DEVICE)
+    sgmv_shrink_decode(x, A, meta, num_stack=2, out=v)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sgmv_shrink_decode(x, A, meta, num_stack=2, out=v)
+    for slots, ranks in (
+        ([1, 2, 3, 0] * 3, [0, 16, 64, 4, 0]),
+        ([4] * 12, [0, 8, 8, 8, 32]),
+        ([2] * 12, [0, 1, 64, 1, 1]),
+    ):
+        meta.weight_indices.copy_(torch.tensor(slots, dtype=torch.int32))
+        meta.lora_ranks.copy_(torch.tensor(ranks, dtype=torch.int32))
+        v.zero_()
+        graph.replay()
+        expected = fp64_shrink(x, A, [1] * batch, slots, ranks, 2)
+        got = v.double().cpu()
+        for (row, col), value in expected.items():
+            assert abs(got[row, col].item() - value) <= 4e-2 * max(1.0, abs(value)), (row, col)
+        written = torch.zeros(got.shape, dtype=torch.bool)
+        for row, col in expected:
+            written[row, col] = True
+        assert (got[~written] == 0).all()

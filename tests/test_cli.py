@@ -1,0 +1,94 @@
+"""The command line a newcomer meets: every flag explained with its default, messages that name the
+field and say what to do, and terminal output that cannot garble the terminal."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from loramux.shell import cli
+from loramux.shell.commands import human_bytes, printable
+
+
+def _parsers(parser: argparse.ArgumentParser, path=()):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def test_every_command_and_flag_has_a_description_and_its_default():
+    for path, parser in _parsers(cli.build_parser({})):
+        if not path:
+            continue
+        assert parser.description, f"loramux {' '.join(path)} has no description"
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction | argparse._HelpAction):
+                continue
+            assert action.help, f"loramux {' '.join(path)}: {action.dest} has no help"
+            if action.option_strings and action.default not in (None, "", False, []):
+                assert f"default: {action.default}" in text or "default" in action.help, (
+                    f"loramux {' '.join(path)}: {action.option_strings[0]} does not show its default"
+                )
+
+
+def test_up_help_names_the_data_dir_ports_and_variables():
+    up = dict(_parsers(cli.build_parser({})))[("up",)].format_help().replace("\n", " ")
+    for needle in ("~/.loramux", "50051", "50052", "8000", "LORAMUX_", "--detach", "loramux down"):
+        assert needle in up, needle
+
+
+def test_drain_help_says_how_to_turn_it_off():
+    up = dict(_parsers(cli.build_parser({})))[("up",)].format_help().replace("\n", " ")
+    assert "0 turns it off" in " ".join(up.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["generate", "--max-new-tokens", "99999999999", "x"], "--max-new-tokens"),
+        (["generate", "--top-p", "0", "x"], "--top-p"),
+        (["generate", "--temperature", "-1", "x"], "--temperature"),
+        (["generate", "--seed", "-3", "x"], "--seed"),
+    ],
+)
+def test_out_of_range_values_name_the_flag(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser({}).parse_args(argv)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_generate_leaves_max_new_tokens_to_the_engine():
+    args = cli.build_parser({}).parse_args(["generate", "x"])
+    assert args.max_new_tokens is None  # the engine's default (256), not a second one here
+
+
+def test_services_down_say_how_to_start_them(capsys):
+    code = cli.main(["generate", "--engine", "127.0.0.1:1", "hi"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: UNAVAILABLE") and "loramux up --detach" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+async def test_a_client_at_the_wrong_service_gets_a_hint(tmp_path, capsys):
+    from tests.registry.harness import running_registry
+
+    async with running_registry(tmp_path / "data") as registry:
+        import asyncio
+
+        code = await asyncio.to_thread(cli.main, ["generate", "--engine", registry.server.address, "hi"])
+    err = capsys.readouterr().err
+    assert code == 1 and "UNIMPLEMENTED" in err and "not a loramux engine" in err and "50052" in err
+
+
+def test_generated_text_cannot_drive_the_terminal():
+    assert printable("ok\x07\x1b[2J\x7f\x9b end\n\tnext") == "ok\\x07\\x1b[2J\\x7f\\x9b end\n\tnext"
+
+
+def test_progress_units_fit_small_files():
+    assert human_bytes(15_360) == "15.4 KB" and human_bytes(512) == "512 B" and human_bytes(3 << 30) == "3.2 GB"
+
+
