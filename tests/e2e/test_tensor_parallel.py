@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from pathlib import Path
 
 import grpc
 import pytest
@@ -73,7 +74,7 @@ def test_up_with_two_ranks_matches_peft_and_a_killed_worker_fails_the_process(tm
 def _gone(pid: int) -> bool:
     """The process exited (reaped, or a zombie waiting for a reaper that is not its old parent)."""
     try:
-        status = open(f"/proc/{pid}/status").read()
+        status = Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return True
     return "\nState:\tZ" in status
