@@ -19,6 +19,7 @@ class AdapterResidency:
     ref: str
     digest: str
     on_gpu: bool
+    in_slot: bool
     in_host_cache: bool
     pinned: bool
     running_requests: int
@@ -93,6 +94,7 @@ class AdapterAdmin:
             ref=self.core.refs.get(digest, ""),
             digest=digest,
             on_gpu=state is not None and self.core.config.device.startswith("cuda"),  # a CPU engine's slots are host memory
+            in_slot=state is not None,
             in_host_cache=digest in lora.host_cache,
             pinned=bool(state and state.is_pinned),
             running_requests=state.num_users if state else 0,

@@ -50,6 +50,7 @@ def _state_to_pb(state: AdapterResidency) -> pb.AdapterState:
         adapter=state.ref,
         digest=state.digest,
         on_gpu=state.on_gpu,
+        in_slot=state.in_slot,
         in_host_cache=state.in_host_cache,
         pinned=state.pinned,
         running_requests=state.running_requests,

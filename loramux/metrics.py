@@ -7,6 +7,7 @@ Counters are exposed with the `_total` suffix prometheus_client adds (`requests`
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -318,7 +319,12 @@ def start_metrics_server(
     """Serve the metrics on host:port (0 = pick a free port) and print the ready line.
 
     A sequence serves several services' metrics on one port (`loramux up --metrics-port`)."""
-    httpd, thread = start_http_server(port, addr=host, registry=_registry_of(metrics))
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=_registry_of(metrics))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise OSError(f"cannot listen on {host}:{port} (metrics): the port is taken; pick another --metrics-port") from None
     server = MetricsServer(httpd, thread)
     announce("metrics", host, server.port)
     return server, server.port

@@ -60,7 +60,7 @@ class Catalog:
 
     # ---- base models -------------------------------------------------------------------------
 
-    def register_base_model(self, name: str, config_json: str) -> BaseModelInfo:
+    def register_base_model(self, name: str, config_json: str, caller: Principal = ANONYMOUS) -> BaseModelInfo:
         """Insert a base model; idempotent for an identical config (compared as parsed JSON)."""
         parsed = json.loads(config_json)
 
@@ -68,6 +68,7 @@ class Catalog:
             row = s.scalar(select(BaseModelRow).where(BaseModelRow.name == name))
             if row is None:
                 s.add(BaseModelRow(name=name, config_json=config_json, created_at=time.time()))
+                audit_in(s, caller, "register_base_model", name)
                 return BaseModelInfo(name, config_json)
             if json.loads(row.config_json) != parsed:
                 raise AlreadyExists(f"base model {name!r} is already registered with a different config")

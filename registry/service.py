@@ -83,7 +83,7 @@ class RegistryService:
             raise PermissionDenied("registering a base model needs an admin or engine key")
         check_name(name, "name")
         ModelShape.from_json(config_json)  # refuses deep JSON and models the engine cannot serve
-        return self.catalog.register_base_model(name, config_json)
+        return self.catalog.register_base_model(name, config_json, caller)
 
     def register_adapter(
         self,

@@ -163,6 +163,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
 
     @_statuses
     async def ListBaseModels(self, request, context) -> pb.ListBaseModelsResponse:
+        await self._caller(context)
         infos = await asyncio.to_thread(self.catalog.list_base_models)
         return pb.ListBaseModelsResponse(
             base_models=[pb.BaseModel(name=i.name, config_json=i.config_json) for i in infos]

@@ -34,3 +34,17 @@ def test_a_second_server_on_a_taken_port_exits_with_one_line(tmp_path):
         assert "Traceback" not in second.stderr
     finally:
         assert server.interrupt() == 0
+
+
+def test_a_taken_metrics_port_is_one_line_naming_it():
+    import socket
+
+    from loramux.metrics import RegistryMetrics, start_metrics_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError) as info:
+            start_metrics_server(RegistryMetrics(), "127.0.0.1", port)
+    assert str(info.value) == f"cannot listen on 127.0.0.1:{port} (metrics): the port is taken; pick another --metrics-port"

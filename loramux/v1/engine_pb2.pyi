@@ -117,7 +117,7 @@ class ListLoadedRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AdapterState(_message.Message):
-    __slots__ = ("adapter", "digest", "on_gpu", "in_host_cache", "pinned", "running_requests", "waiting_requests")
+    __slots__ = ("adapter", "digest", "on_gpu", "in_host_cache", "pinned", "running_requests", "waiting_requests", "in_slot")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     ON_GPU_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class AdapterState(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IN_SLOT_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     digest: str
     on_gpu: bool
@@ -132,7 +133,8 @@ class AdapterState(_message.Message):
     pinned: bool
     running_requests: int
     waiting_requests: int
-    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., on_gpu: _Optional[bool] = ..., in_host_cache: _Optional[bool] = ..., pinned: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+    in_slot: bool
+    def __init__(self, adapter: _Optional[str] = ..., digest: _Optional[str] = ..., on_gpu: _Optional[bool] = ..., in_host_cache: _Optional[bool] = ..., pinned: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., in_slot: _Optional[bool] = ...) -> None: ...
 
 class ListLoadedResponse(_message.Message):
     __slots__ = ("adapters",)

@@ -131,7 +131,7 @@ async def test_a_cpu_engine_has_nothing_on_a_gpu(tiny_llama_dir, make_adapter):
         stub = pb_grpc.EngineStub(channel)
         await collect(stub, generate_request("Hi", adapter="local", max_new_tokens=2))
         states = (await stub.ListAdapters(pb.ListLoadedRequest())).adapters
-        assert states and not any(s.on_gpu for s in states)
+        assert states and all(s.in_slot and not s.on_gpu for s in states)
     finally:
         await channel.close()
         await server.stop(grace=0.5)

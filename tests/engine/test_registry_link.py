@@ -138,18 +138,20 @@ async def test_pin_and_unpin_in_the_registry_reach_the_engine(stack, make_adapte
 async def _pinned(stub, ref: str, pinned: bool, by_digest: bool = False) -> bool:
     listed = await stub.ListAdapters(epb.ListLoadedRequest())
     return any(
-        (a.digest if by_digest else a.adapter) == ref and a.pinned == pinned and (a.on_gpu or not pinned)
+        # pinned implies a held slot (in_slot; on_gpu only on a CUDA engine)
+        (a.digest if by_digest else a.adapter) == ref and a.pinned == pinned and (a.in_slot or not pinned)
         for a in listed.adapters
     )
 
 
 async def test_load_and_unload_rpcs(stack, make_adapter):
-    registry, _engine, stub = stack
+    registry, engine, stub = stack
     await registry.register("warm", make_adapter("link-warm", r=4, lora_alpha=8, seed=57))
     state = await stub.LoadAdapter(epb.LoadAdapterRequest(adapter="warm", pin=True))
-    assert (state.adapter, state.in_host_cache, state.on_gpu, state.pinned) == ("warm@1", True, True, True)
+    assert (state.adapter, state.in_host_cache, state.in_slot, state.pinned) == ("warm@1", True, True, True)
+    assert engine.core.lora.slots.slot_of(state.digest) is not None
     state = await stub.UnloadAdapter(epb.UnloadAdapterRequest(adapter="warm"))
-    assert (state.on_gpu, state.in_host_cache, state.pinned) == (False, False, False)
+    assert (state.in_slot, state.in_host_cache, state.pinned) == (False, False, False)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.LoadAdapter(epb.LoadAdapterRequest(adapter="missing"))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND

@@ -59,7 +59,7 @@ async def test_admin_key_file_and_keys_stored_as_hashes_only(registry):
     assert all(secret not in str(k) for k in listed.keys)
     with Session(registry.service.catalog.engine) as s:
         stored = " ".join(" ".join(map(str, (r.key_id, r.secret_sha256, r.tenant, r.role))) for r in s.scalars(select(ApiKeyRow)))
-    assert secret.split("_")[2] not in stored and secret not in stored  # only a hash of the secret is kept
+    assert secret.split("_", 2)[2] not in stored and secret not in stored  # only a hash of the secret is kept
 
 
 async def test_missing_bad_and_revoked_keys_are_unauthenticated(registry, adapter_dir):
@@ -71,8 +71,9 @@ async def test_missing_bad_and_revoked_keys_are_unauthenticated(registry, adapte
         await expect_status(UA, harness.register("nope", adapter_dir))
         await expect_status(UA, harness.stub.GetAdapter(pb.GetAdapterRequest(name="x"), metadata=harness.metadata))
         await expect_status(UA, harness.stub.ListKeys(pb.ListKeysRequest(), metadata=harness.metadata))
+        await expect_status(UA, harness.stub.ListBaseModels(pb.ListBaseModelsRequest(), metadata=harness.metadata))
     refusals = (await audit(registry))[: len(await audit(registry)) - before]
-    assert len([e for e in refusals if e.action == "authenticate" and e.outcome == "UNAUTHENTICATED"]) == 12
+    assert len([e for e in refusals if e.action == "authenticate" and e.outcome == "UNAUTHENTICATED"]) == 15
     assert any(e.key_id == user.split("_")[1] for e in refusals)  # the forged key's claimed id is kept
     # health and reflection stay open
     health = health_pb2_grpc.HealthStub(registry.channel)
@@ -159,6 +160,7 @@ async def test_audit_rows_for_every_change_and_refusal(registry, adapter_dir, ot
     assert ("register", "bot", "PERMISSION_DENIED", "team-b") in rows
     assert ("delete", "bot@1", "OK", "team-a") in rows
     assert ("key_revoke", created.key.key_id, "OK", "admin") in rows
+    assert ("register_base_model", "tiny", "OK", "admin") in rows  # the fixture's, by the first admin
     assert any(a == "key_create" and t.startswith(created.key.key_id) for a, t, _, _ in rows)
     assert any(e.key_id == pub_id for e in await audit(registry) if e.action == "register")
     # the rows of a change share its transaction: one row per committed event, none for refusals
