@@ -53,13 +53,18 @@ def generate(core: EngineCore, jobs: list[tuple[list[int], str]], num_tokens: in
 
 def last_logits(core: EngineCore, prompt: list[int], adapter: str) -> torch.Tensor:
     """TP=1's logits [vocab] after `prompt` (one eager prefill step, read at rank 0's LM head)."""
-    model = core.workers.local.runner.model
+    runner = core.workers.local.runner
+    model = runner.model
     seen, real = [], model.compute_logits
     model.compute_logits = lambda hidden: seen.append(real(hidden)) or seen[-1]
+    # A fully cached prompt makes a decode-shaped step, and a replayed graph computes its logits inside
+    # the graph, out of this hook's reach: run the step eagerly.
+    graphs, runner.graphs = runner.graphs, None
     try:
         generate(core, [(prompt, adapter)], 1)
     finally:
         model.compute_logits = real
+        runner.graphs = graphs
     return seen[-1][-1].float().cpu()
 
 

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 CPU_KV_SLOTS = 16384
 START_TIMEOUT_S = 600.0  # loading a large shard and capturing graphs
 COLLECTIVE_TIMEOUT_S = 600.0  # torch.distributed's own bound; the watcher reports a dead rank far sooner
+STOP_TIMEOUT_S = 10.0  # leaving the process group at shutdown
 DEATH_GRACE_S = 5.0  # after a failed step: how long a rank's death may take to show
 
 
@@ -195,15 +196,13 @@ class ProcessWorkers:
         for conn in self._conns:
             with contextlib.suppress(OSError):  # already gone
                 conn.send(None)
+        if not abandon:
+            _leave_group(timeout)
         for proc in self._procs:
             proc.join(timeout)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout)
-        import torch.distributed as dist
-
-        if dist.is_initialized() and not abandon:
-            dist.destroy_process_group()
 
     def _await_ready(self) -> None:
         for rank, conn in enumerate(self._conns, start=1):
@@ -263,6 +262,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
         except EOFError:
             break
         if message is None:
+            _leave_group(STOP_TIMEOUT_S)
             break
         plan, adapters = message
         worker.execute(plan, adapters)
@@ -279,6 +279,21 @@ def _exit_with_parent() -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _leave_group(timeout: float) -> None:
+    """Leave the process group, every rank on the same stop message: NCCL's teardown waits for all ranks
+    (rank 0 alone, after the others exited, hung in destroy_process_group on two H200s). A daemon thread
+    bounds the wait, so a rank that died mid-teardown leaves the group to the process's exit instead."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    leaving = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
+    leaving.start()
+    leaving.join(timeout)
+    if leaving.is_alive():
+        log.warning("the process group did not close within %.0f s; leaving it to the process's exit", timeout)
 
 
 def _init_group(spec: WorkerSpec, store) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from pathlib import Path
 
 import grpc
 import pytest
@@ -68,3 +69,25 @@ def test_up_with_two_ranks_matches_peft_and_a_killed_worker_fails_the_process(tm
     finally:
         if up.proc.poll() is None:
             up.kill()
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (reaped, or a zombie waiting for a reaper that is not its old parent)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def test_ctrl_c_stops_every_worker(tiny_llama_dir):
+    engine = Service(["engine", "serve", "--model", str(tiny_llama_dir), "--port", "0", "--tensor-parallel-size", "2"], "engine")
+    try:
+        with EngineClient(engine.address) as client:
+            assert len(client.generate(generate_request("Hello", max_new_tokens=3, ignore_eos=True)).token_ids) == 3
+        [pid] = [int(m) for m in re.findall(r"model worker rank 1 started \(pid (\d+)\)", "".join(engine.stderr))]
+        assert not _gone(pid)
+        assert engine.interrupt() == 0
+        assert _gone(pid)  # the front stopped its worker before it exited
+    finally:
+        engine.kill()
