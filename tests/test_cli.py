@@ -92,3 +92,28 @@ def test_progress_units_fit_small_files():
     assert human_bytes(15_360) == "15.4 KB" and human_bytes(512) == "512 B" and human_bytes(3 << 30) == "3.2 GB"
 
 
+
+
+def test_database_url_comes_from_a_file_without_a_password_on_the_command_line(tmp_path):
+    from loramux.shell.settings import registry_config
+
+    secret = tmp_path / "database_url"
+    secret.write_text("postgresql+psycopg://loramux:s3cret@postgres:5432/loramux\n")
+    for action in ("serve", "gc"):
+        args = cli.build_parser({}).parse_args(["registry", action, "--database-url-file", str(secret)])
+        assert registry_config(args).database_url == "postgresql+psycopg://loramux:s3cret@postgres:5432/loramux"
+    both = cli.build_parser({"LORAMUX_DATABASE_URL": "sqlite:///x.db"}).parse_args(
+        ["registry", "serve", "--database-url-file", str(secret)]
+    )
+    with pytest.raises(ValueError, match="not both"):
+        registry_config(both)
+    secret.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        registry_config(cli.build_parser({}).parse_args(["registry", "serve", "--database-url-file", str(secret)]))
+    with pytest.raises(FileNotFoundError):
+        registry_config(cli.build_parser({}).parse_args(["registry", "serve", "--database-url-file", str(tmp_path / "absent")]))
+
+
+def test_a_missing_database_url_file_is_a_one_line_error(tmp_path, capsys):
+    assert cli.main(["registry", "gc", "--data-dir", str(tmp_path), "--database-url-file", str(tmp_path / "absent")]) == 1
+    assert "absent" in capsys.readouterr().err

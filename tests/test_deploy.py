@@ -8,6 +8,7 @@ compose file, the Dockerfiles and deploy/README.md through the CLI's own argpars
 
 from __future__ import annotations
 
+import configparser
 import copy
 import fnmatch
 import json
@@ -29,6 +30,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from loramux.shell.cli import build_parser
+from loramux.shell.settings import registry_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -91,6 +93,38 @@ def _instruction(path: Path, keyword: str) -> list[str]:
     return [rest for kw, rest in _instructions(path) if kw == keyword]
 
 
+MAKE_SECRETS = ROOT / "deploy" / "make-secrets.sh"
+SECRETS_DIR = "./deploy/secrets/"  # where make-secrets.sh writes by default (git- and docker-ignored)
+
+
+def _make_secrets(directory: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", str(MAKE_SECRETS), str(directory)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def secret_files(tmp_path_factory) -> Path:
+    """What `sh deploy/make-secrets.sh` writes, in a scratch directory instead of deploy/secrets/."""
+    directory = tmp_path_factory.mktemp("stack") / "secrets"
+    result = _make_secrets(directory)
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+def _secret_in(service: dict, path: str, secret_files: Path) -> str:
+    """The contents the service sees at `path`: one of the compose secrets it lists, as the script writes it."""
+    assert path.startswith("/run/secrets/"), f"{path} is not a compose secret"
+    name = path.removeprefix("/run/secrets/")
+    assert name in service.get("secrets", []), f"{name} is not mounted in this service"
+    return (secret_files / name).read_text()
+
+
+def _aws_keys(service: dict, secret_files: Path) -> tuple[str, str]:
+    """(access key, secret) from the shared-credentials file the service's AWS_SHARED_CREDENTIALS_FILE names."""
+    ini = configparser.ConfigParser()
+    ini.read_string(_secret_in(service, service["environment"]["AWS_SHARED_CREDENTIALS_FILE"], secret_files))
+    return ini["default"]["aws_access_key_id"], ini["default"]["aws_secret_access_key"]
+
+
 # --- the Compose specification -------------------------------------------------------------------------
 
 
@@ -143,53 +177,46 @@ def _s3_port(services) -> int:
     return int(ports[0]) if ports else 8333
 
 
-def test_registry_points_at_postgres_and_s3_by_service_name(services):
+def test_registry_points_at_postgres_and_s3_by_service_name(services, secret_files):
     args = _args(services["registry"])
-    db = urlsplit(_flag(args, "--database-url"))
+    assert "--database-url" not in args  # the URL holds the password: only through a file
+    db = urlsplit(_secret_in(services["registry"], _flag(args, "--database-url-file"), secret_files).strip())
     assert db.scheme == "postgresql+psycopg"
     assert db.hostname == "postgres" and db.port == 5432
     postgres_env = services["postgres"]["environment"]
     assert db.username == postgres_env["POSTGRES_USER"]
     assert db.path.lstrip("/") == postgres_env["POSTGRES_DB"]
+    password = _secret_in(services["postgres"], postgres_env["POSTGRES_PASSWORD_FILE"], secret_files)
+    assert db.password and db.password == password.strip()
 
     store = urlsplit(_flag(args, "--object-store"))
     assert store.scheme == "s3" and store.netloc == "loramux"
     endpoint = urlsplit(parse_qs(store.query)["endpoint_url"][0])
     assert endpoint.hostname == "s3" and endpoint.hostname in services
     assert endpoint.port == _s3_port(services)
-
-    env = services["registry"]["environment"]
-    assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]
+    assert _aws_keys(services["registry"], secret_files)
 
 
-def test_bucket_job_creates_the_registrys_bucket(services):
+def test_bucket_job_creates_the_registrys_bucket(services, secret_files):
     bucket = urlsplit(_flag(_args(services["registry"]), "--object-store")).netloc
     job = services["create-bucket"]
     script = " ".join(_args(job))
     assert f"--bucket {bucket}" in script
     assert f"http://s3:{_s3_port(services)}" in script
     assert job.get("restart", "no") == "no"
-    assert job["environment"]["AWS_ACCESS_KEY_ID"] == services["registry"]["environment"]["AWS_ACCESS_KEY_ID"]
-    assert (
-        job["environment"]["AWS_SECRET_ACCESS_KEY"]
-        == services["registry"]["environment"]["AWS_SECRET_ACCESS_KEY"]
-    )
+    assert _aws_keys(job, secret_files) == _aws_keys(services["registry"], secret_files)
 
 
-def test_s3_credentials_match_the_seaweedfs_identity(services):
-    mounts = [v for v in services["s3"]["volumes"] if isinstance(v, str) and v.startswith("./")]
-    (config_mount,) = [m for m in mounts if "s3.json" in m]
-    source, target = config_mount.split(":")[:2]
-    assert f"-s3.config={target}" in _args(services["s3"])
-    identities = json.loads((ROOT / source).read_text())["identities"]
-    env = services["registry"]["environment"]
+def test_s3_credentials_match_the_seaweedfs_identity(services, secret_files):
+    (config,) = [a.split("=", 1)[1] for a in _args(services["s3"]) if a.startswith("-s3.config=")]
+    identities = json.loads(_secret_in(services["s3"], config, secret_files))["identities"]
     creds = {
         (c["accessKey"], c["secretKey"])
         for i in identities
         for c in i.get("credentials", [])
         if "Write" in i["actions"]
     }
-    assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) in creds
+    assert _aws_keys(services["registry"], secret_files) in creds
 
 
 def test_engines_profiles_devices_and_registry(services):
@@ -428,7 +455,7 @@ def test_health_check_one_liner_tracks_serving_status(services):
 # --- every loramux command line parses with the CLI's own parser ----------------------------------------
 
 
-def test_compose_commands_parse(services):
+def test_compose_commands_parse(services, secret_files):
     for name in LORAMUX_SERVICES:
         args = _parse(_args(services[name]))
         argv = _args(services[name])
@@ -437,7 +464,10 @@ def test_compose_commands_parse(services):
         assert args.host == "0.0.0.0"
     registry = _parse(_args(services["registry"]))
     assert (registry.command, registry.action) == ("registry", "serve")
-    assert registry.database_url.startswith("postgresql+psycopg://")
+    assert registry.database_url == "" and registry.database_url_file.startswith("/run/secrets/")
+    # the URL the registry would use: its file, read the way `registry serve` reads it
+    registry.database_url_file = str(secret_files / Path(registry.database_url_file).name)
+    assert registry_config(registry).database_url.startswith("postgresql+psycopg://loramux:")
     assert registry.object_store.startswith("s3://")
     for name, (_, device, _) in ENGINES.items():
         engine = _parse(_args(services[name]))
@@ -555,3 +585,118 @@ def test_services_run_with_auth_and_keys_from_files(services):
         engine_mount, read_only = _mount_target(services[name], "registry-keys")
         assert read_only and Path(engine.api_key_file) == Path(engine_mount) / engine_key.name
     assert all("LORAMUX_API_KEY" not in services[n].get("environment", {}) for n in LORAMUX_SERVICES)
+
+
+# --- credentials: from secret files, never inline in the compose file nor committed under deploy/ -------
+
+# Environment variables that hold a credential themselves (their *_FILE forms are how they should come).
+CREDENTIAL_ENV = {
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "POSTGRES_PASSWORD", "PGPASSWORD",
+    "LORAMUX_API_KEY", "LORAMUX_DATABASE_URL",
+}
+PLACEHOLDER = "CHANGE-ME"
+# name (as a YAML/JSON/INI key or env assignment) followed by its value
+_CREDENTIAL_VALUE = re.compile(
+    r"""(?i)["']?\b(aws_secret_access_key|aws_access_key_id|aws_session_token|secretKey|accessKey|"""
+    r"""postgres_password|pgpassword|password|LORAMUX_API_KEY|(?:admin|engine)\.key)\b["']?[ \t]*[:=][ \t]*["']?([^"'\s,}]+)"""
+)
+_URL_PASSWORD = re.compile(r"\b[a-z][a-z0-9+.-]*://[^:/@\s]+:([^@\s/]+)@")
+
+
+def _is_placeholder(value: str) -> bool:
+    """CHANGE-ME, or a template the make-secrets script fills in ($var, %s)."""
+    return value == PLACEHOLDER or value.startswith(("$", "%s"))
+
+
+def inline_credentials(text: str) -> list[str]:
+    """Every credential value written in `text` that is not a placeholder."""
+    found = [m.group(0) for m in _CREDENTIAL_VALUE.finditer(text) if not _is_placeholder(m.group(2))]
+    return found + [m.group(0) for m in _URL_PASSWORD.finditer(text) if not _is_placeholder(m.group(1))]
+
+
+def test_the_credential_scan_catches_what_was_once_committed():
+    """The scanner flags the old inline defaults (so the two tests below can fail) and spares placeholders."""
+    for leak in (
+        "  AWS_SECRET_ACCESS_KEY: loramux-dev-secret",
+        '  AWS_ACCESS_KEY_ID: "loramux"',
+        '{"accessKey": "loramux", "secretKey": "loramux-dev-secret"}',
+        "- postgresql+psycopg://loramux:hunter2@postgres:5432/loramux",
+        "aws_secret_access_key = abc123",
+        "  admin.key: lmx_0123456789",
+        "PGPASSWORD=pw psql",
+    ):
+        assert inline_credentials(leak), leak
+    for fine in (
+        "AWS_SHARED_CREDENTIALS_FILE: /run/secrets/aws_credentials",
+        "POSTGRES_PASSWORD_FILE: /run/secrets/postgres_password",
+        "LORAMUX_DATABASE_URL: postgresql+psycopg://loramux:CHANGE-ME@db:5432/loramux",
+        "  AWS_SECRET_ACCESS_KEY: CHANGE-ME",
+        "- postgresql+psycopg://loramux@postgres:5432/loramux",
+    ):
+        assert not inline_credentials(fine), fine
+
+
+def _committed_deploy_files() -> list[Path]:
+    secrets = ROOT / SECRETS_DIR
+    return [
+        p for p in sorted((ROOT / "deploy").rglob("*"))
+        if p.is_file() and secrets not in p.parents and p.suffix not in (".pyc",)
+    ]
+
+
+def test_no_credential_is_committed_in_compose_or_deploy():
+    files = [COMPOSE, *_committed_deploy_files()]
+    assert any(p.name == "make-secrets.sh" for p in files)
+    leaks = {str(p.relative_to(ROOT)): inline_credentials(p.read_text()) for p in files}
+    assert not {k: v for k, v in leaks.items() if v}, leaks
+
+
+def test_compose_takes_every_credential_from_secret_files(compose, services):
+    declared = compose["secrets"]
+    for name, secret in declared.items():  # files the user makes, never committed, never environment values
+        assert set(secret) == {"file"} and secret["file"] == SECRETS_DIR + name, (name, secret)
+    used = set()
+    for name, service in services.items():
+        env = service.get("environment", {})
+        assert not CREDENTIAL_ENV & set(env), f"{name}: {sorted(CREDENTIAL_ENV & set(env))} inline"
+        assert env.get("POSTGRES_HOST_AUTH_METHOD", "scram-sha-256") not in ("trust", "password", "md5")
+        argv = _args(service) if "command" in service else []
+        assert "--database-url" not in argv and "--api-key" not in argv, name
+        for key, value in env.items():  # every file-valued setting is a secret the service mounts
+            if key.endswith("_FILE"):
+                assert str(value).removeprefix("/run/secrets/") in service.get("secrets", []), (name, key)
+        used |= set(service.get("secrets", []))
+    assert used == set(declared)
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres_password"
+
+
+def test_make_secrets_writes_each_compose_secret_consistently_and_never_overwrites(compose, secret_files, tmp_path):
+    assert {p.name for p in secret_files.iterdir()} == set(compose["secrets"])
+    assert secret_files.stat().st_mode & 0o777 == 0o700
+    assert inline_credentials((secret_files / "aws_credentials").read_text())  # real values, not placeholders
+    again = tmp_path / "secrets"
+    assert _make_secrets(again).returncode == 0
+    for name in ("postgres_password", "aws_credentials"):  # random each time
+        assert (again / name).read_text() != (secret_files / name).read_text()
+    before = {p.name: p.read_text() for p in again.iterdir()}
+    refused = _make_secrets(again)
+    assert refused.returncode != 0 and "exists" in refused.stderr
+    assert {p.name: p.read_text() for p in again.iterdir()} == before
+
+
+def test_secret_files_stay_out_of_git_and_images():
+    assert "/deploy/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
+    assert "deploy" in _dockerignore()
+    assert "sh deploy/make-secrets.sh" in DEPLOY_README.read_text()
+
+
+def test_kubernetes_secrets_hold_only_placeholders():
+    for path in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc.get("kind") != "Secret":
+                continue
+            assert "data" not in doc, f"{path.name}: base64 data would hide a value from review"
+            for key, value in doc["stringData"].items():
+                if key in ("LORAMUX_OBJECT_STORE", "AWS_DEFAULT_REGION"):
+                    continue  # where, not who: no credential
+                assert PLACEHOLDER in str(value), f"{path.name}: {key} is not a placeholder"

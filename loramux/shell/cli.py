@@ -63,6 +63,8 @@ class _EnvDefaults:
 def _registry_server_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument("--data-dir", default=env("--data-dir", DEFAULT_DATA_DIR))
     p.add_argument("--database-url", default=env("--database-url", ""), help="default: SQLite in --data-dir")
+    p.add_argument("--database-url-file", default=env("--database-url-file", ""),
+                   help="read --database-url from this file (a mounted secret: keeps the password off the command line)")
     p.add_argument("--object-store", default=env("--object-store", ""), help="a dir, file:///dir or s3://bucket?endpoint_url=...")
 
 

@@ -16,7 +16,7 @@ def registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryCon
         data_dir=Path(args.data_dir).expanduser(),
         host=getattr(args, "host", host),
         port=getattr(args, "port", port),
-        database_url=getattr(args, "database_url", ""),
+        database_url=database_url(args),
         object_store=getattr(args, "object_store", ""),
         max_lora_rank=getattr(args, "max_lora_rank", RegistryConfig.max_lora_rank),
         max_upload_bytes=getattr(args, "max_upload_bytes", RegistryConfig.max_upload_bytes),
@@ -31,6 +31,20 @@ def registry_config(args, host: str = "127.0.0.1", port: int = 0) -> RegistryCon
         allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
         tls=tls_files(args),
     )
+
+
+def database_url(args) -> str:
+    """--database-url, or the contents of --database-url-file; both at once is refused rather than one
+    silently winning (LORAMUX_DATABASE_URL counts as --database-url)."""
+    url, path = getattr(args, "database_url", ""), getattr(args, "database_url_file", "")
+    if not path:
+        return url
+    if url:
+        raise ValueError("give --database-url or --database-url-file, not both")
+    url = Path(path).expanduser().read_text().strip()
+    if not url:
+        raise ValueError(f"--database-url-file {path} is empty")
+    return url
 
 
 def tls_files(args) -> TlsFiles:
