@@ -57,7 +57,8 @@ class EngineLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop (live streams end with UNAVAILABLE) and every model worker."""
-        self._stopping.set()
+        with self._lock:  # a submit or call either sees this or has queued before the loop's last drain
+            self._stopping.set()
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout if self.failure is None else 1.0)
@@ -79,8 +80,13 @@ class EngineLoop:
 
         req.sink = once
         with self._lock:
-            self._live[req.uid] = req
-        self._inbox.put(req)
+            stopped = self._stopping.is_set()  # then no loop thread will run it (or it is about to exit)
+            if not stopped:
+                self._live[req.uid] = req
+                self._inbox.put(req)  # under the lock: the loop's final drain comes after stop sets _stopping
+        if stopped:
+            sink(Failed(Code.UNAVAILABLE, self.failure or "the engine is shutting down"))
+            return
         self._wake.set()
 
     def abort(self, message: str) -> None:
@@ -89,9 +95,9 @@ class EngineLoop:
             if self.failure is not None:
                 return
             self.failure = message
+            self._stopping.set()  # under the lock: a later submit fails itself rather than joining _live
             live = list(self._live.values())
         log.error("engine failed: %s", message)
-        self._stopping.set()
         self._wake.set()
         for req in live:
             req.emit(Failed(Code.UNAVAILABLE, f"the engine failed: {message}"))

@@ -85,3 +85,21 @@ def run_fresh(model_dir):
         return run(core)
     finally:
         core.loop.stop()
+
+
+def test_a_request_submitted_after_stop_fails_unavailable_at_once(tiny_llama_dir):
+    core = EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir)))
+    core.loop.start()
+    core.loop.stop()  # the loop thread has exited: nothing would ever run a queued request
+    done, events = threading.Event(), []
+
+    def sink(event):
+        events.append(event)
+        done.set()
+
+    core.loop.submit(core.new_request(core.prompt_ids(PROMPT, None), SamplingParams(max_new_tokens=2), sink))
+    assert done.wait(60), "the stream hung after stop"
+    [failed] = events
+    assert isinstance(failed, Failed) and failed.code is Code.UNAVAILABLE
+    assert core.loop.num_active == 0
+
