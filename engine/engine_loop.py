@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from engine.errors import Code
+from engine.errors import Code, Unavailable
 from engine.request import Failed, FinishReason, Request, TokenDelta
 from engine.scheduler import BatchEntry, Scheduler
 from engine.step_plan import PlanEntry, build_plan
@@ -107,7 +107,12 @@ class EngineLoop:
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run fn on the loop thread before its next step (thread-safe); the future holds its result."""
         future: Future[T] = Future()
-        self._calls.put((fn, future))
+        with self._lock:
+            stopped = self._stopping.is_set()
+            if not stopped:  # under the lock: the loop runs every call queued before stop sets _stopping
+                self._calls.put((fn, future))
+        if stopped:  # the loop thread has exited or is about to: nothing would ever run fn
+            future.set_exception(Unavailable(self.failure or "the engine is shutting down"))
         self._wake.set()
         return future
 

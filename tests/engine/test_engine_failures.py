@@ -6,7 +6,7 @@ import threading
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.errors import Code
+from engine.errors import Code, EngineError
 from engine.request import Failed, Finished, TokenDelta
 from engine.sampling import SamplingParams
 
@@ -103,3 +103,11 @@ def test_a_request_submitted_after_stop_fails_unavailable_at_once(tiny_llama_dir
     assert isinstance(failed, Failed) and failed.code is Code.UNAVAILABLE
     assert core.loop.num_active == 0
 
+
+def test_a_call_after_stop_fails_unavailable_at_once(tiny_llama_dir):
+    core = EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir)))
+    core.loop.start()
+    core.loop.stop()
+    future = core.loop.call(lambda: "ran")
+    error = future.exception(timeout=60)  # a hang raises TimeoutError here
+    assert isinstance(error, EngineError) and error.code is Code.UNAVAILABLE
