@@ -128,24 +128,26 @@ class Scheduler:
         """Admission in fair-share order (FCFS within a tenant); a request whose adapter cannot get a
         slot now (or is being drained) waits without blocking others."""
         entries, slot_blocked = [], []
-        while self.waiting and budget > 0 and self._can_admit_more():
-            req = self._pop_next()
-            no_slot = req.namespace and self.lora is not None and not self.lora.can_acquire(req.namespace)
-            if no_slot or (self.drain is not None and self.drain.blocks(req)):
-                slot_blocked.append(req)
-                continue
-            entry = self._admit(req, budget)
-            if entry is None:
-                if self.running:  # KV frees as running requests finish
-                    self.waiting.appendleft(req)
-                    break
-                self.finish(req, self._too_big())  # nothing will ever free enough KV for it
-                continue
-            self.running.append(req)
-            entries.append(entry)
-            self._charge(entry)
-            budget -= entry.extend_len
-        self.waiting.extendleft(reversed(slot_blocked))
+        try:
+            while self.waiting and budget > 0 and self._can_admit_more():
+                req = self._pop_next()
+                no_slot = req.namespace and self.lora is not None and not self.lora.can_acquire(req.namespace)
+                if no_slot or (self.drain is not None and self.drain.blocks(req)):
+                    slot_blocked.append(req)
+                    continue
+                entry = self._admit(req, budget)
+                if entry is None:
+                    if self.running:  # KV frees as running requests finish
+                        self.waiting.appendleft(req)
+                        break
+                    self.finish(req, self._too_big())  # nothing will ever free enough KV for it
+                    continue
+                self.running.append(req)
+                entries.append(entry)
+                self._charge(entry)
+                budget -= entry.extend_len
+        finally:  # an admission that raises must not lose the requests set aside above
+            self.waiting.extendleft(reversed(slot_blocked))
         return entries
 
     def _pop_next(self) -> Request:

@@ -500,3 +500,26 @@ def test_growth_evicts_only_the_cached_prefixes_it_needs(tokenizer):
     sim.run()
     assert again.first_cached_len == 4
     sim.assert_all_freed()
+
+
+def test_an_admission_that_raises_loses_no_slot_blocked_request(tokenizer):
+    """x1 and y1 wait for the only adapter slot (p holds it); admitting `base` after them raises once.
+    Both, and base, must be back in `waiting` in arrival order, where the loop's failure path finds them."""
+    sim = Sim(tokenizer, page_size=1, num_pages=256, lora=FakeSlots(1))
+    sim.add("p", prompt_of(4, 1), max_new_tokens=3, namespace="P")
+    sim.step()
+    for i, rid in enumerate(("x1", "y1")):
+        sim.add(rid, prompt_of(5, 2 + i), max_new_tokens=2, namespace=rid[0].upper())
+    sim.add("base", prompt_of(6, 9), max_new_tokens=2)
+    real_admit = sim.sched._admit
+
+    def admit_raising_once(req, budget):
+        sim.sched._admit = real_admit
+        sim.sched.waiting.appendleft(req)  # as a failed slot load leaves it (see _admit)
+        raise RuntimeError("simulated admission fault")
+
+    sim.sched._admit = admit_raising_once
+    with pytest.raises(RuntimeError, match="simulated admission fault"):
+        sim.sched.schedule()
+    # (the loop's failure path then fails every request; here only what it finds matters)
+    assert [r.rid for r in sim.sched.waiting] == ["x1", "y1", "base"]
