@@ -41,7 +41,8 @@ def unavailable(what: str, exc: grpc.aio.AioRpcError) -> Unavailable:
 
 def record_of(adapter: pb.Adapter) -> AdapterRecord:
     return AdapterRecord(
-        adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned, adapter.tenant, adapter.public
+        adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned, adapter.tenant, adapter.public,
+        adapter.base_model,
     )
 
 
@@ -138,10 +139,8 @@ class RegistryLink:
                 self._resolved.pop(key, None)
                 raise NotFound(f"adapter {ref!r} is not registered") from None
             raise unavailable(f"adapter {ref!r}", exc) from None
-        if adapter.base_model != self.base_model:
-            raise FailedPrecondition(
-                f"adapter {ref!r} is for base model {adapter.base_model!r}; this engine serves {self.base_model!r}"
-            )
+        # Any base model: the engine's key sees every adapter, so whether the caller may see this one
+        # (NOT_FOUND otherwise) is admission's to say before it names the adapter's base model.
         record = record_of(adapter)
         if seen == (self._epoch, self._generation.get(name, 0)):  # no event for it arrived meanwhile
             self._resolved[key] = self._resolved[(name, record.version)] = record
