@@ -74,6 +74,7 @@ class AdapterAdmin:
         record = await self.core.resolve(ref)
         if record is None:
             raise InvalidArgument("adapter: name the adapter (the base model is always loaded)")
+        self.core.check_base_model(record, ref)  # admins alone come here, and they see every adapter
         return record
 
     async def _on_loop(self, fn):

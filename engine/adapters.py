@@ -28,6 +28,7 @@ class AdapterRecord:
     pinned: bool = False  # as the registry last said
     tenant: str = ""  # the owner, from the registry ("" for local adapters and without authentication)
     public: bool = True  # local adapters are served to every caller; the registry says for its own
+    base_model: str = ""  # the registry's base model name; "" for local adapters (compiled for this engine)
 
     @property
     def ref(self) -> str:

@@ -91,8 +91,10 @@ class Admission:
     async def _new_request(self, inp: GenerateInput, events: asyncio.Queue[Event]) -> Request:
         core = self.core
         adapter = await core.resolve(inp.adapter)  # an unknown adapter never means the base model
-        if adapter is not None and not inp.caller.can_see(adapter.tenant, adapter.public):
-            raise NotFound(f"adapter {inp.adapter!r} is not registered")  # the registry's words: names do not leak
+        if adapter is not None:
+            if not inp.caller.can_see(adapter.tenant, adapter.public):
+                raise NotFound(f"adapter {inp.adapter!r} is not registered")  # the registry's words: names do not leak
+            core.check_base_model(adapter, inp.adapter)  # only now: its answer names the adapter's base model
         if (inp.text is None) == (inp.token_ids is None):
             raise InvalidPrompt("prompt: set text or token_ids")
         token_ids = None if inp.token_ids is None else list(inp.token_ids)

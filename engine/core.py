@@ -21,7 +21,7 @@ from engine.adapters import AdapterRecord, LocalAdapters, read_canonical_within
 from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
-from engine.errors import NotFound
+from engine.errors import FailedPrecondition, NotFound
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
 from engine.lora_pool import PackedAdapter, fused_targets
@@ -135,6 +135,14 @@ class EngineCore:
         if record is not None:
             self.refs[record.digest] = record.ref
         return record
+
+    def check_base_model(self, record: AdapterRecord, ref: str) -> None:
+        """FailedPrecondition for an adapter made for another base model. Callers ask only once the
+        caller may see the adapter: the answer names its base model."""
+        if record.base_model and record.base_model != self.base_model_name:
+            raise FailedPrecondition(
+                f"adapter {ref!r} is for base model {record.base_model!r}; this engine serves {self.base_model_name!r}"
+            )
 
     async def prepare(self, record: AdapterRecord) -> PackedAdapter:
         """The adapter's packed host copy: from the host cache, its local file, or a registry fetch.

@@ -41,7 +41,8 @@ def unavailable(what: str, exc: grpc.aio.AioRpcError) -> Unavailable:
 
 def record_of(adapter: pb.Adapter) -> AdapterRecord:
     return AdapterRecord(
-        adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned, adapter.tenant, adapter.public
+        adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned, adapter.tenant, adapter.public,
+        adapter.base_model,
     )
 
 
@@ -135,17 +136,22 @@ class RegistryLink:
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
-                self._resolved.pop(key, None)
+                self._forget(name, version)
                 raise NotFound(f"adapter {ref!r} is not registered") from None
             raise unavailable(f"adapter {ref!r}", exc) from None
-        if adapter.base_model != self.base_model:
-            raise FailedPrecondition(
-                f"adapter {ref!r} is for base model {adapter.base_model!r}; this engine serves {self.base_model!r}"
-            )
+        # Any base model: the engine's key sees every adapter, so whether the caller may see this one
+        # (NOT_FOUND otherwise) is admission's to say before it names the adapter's base model.
         record = record_of(adapter)
         if seen == (self._epoch, self._generation.get(name, 0)):  # no event for it arrived meanwhile
             self._resolved[key] = self._resolved[(name, record.version)] = record
         return record
+
+    def _forget(self, name: str, version: int) -> None:
+        """The registry says `name` (every version) or `name@version` is gone: no fallback answer may
+        serve it later, under any cached key (a "name" lookup caches both (name, 0) and (name, N))."""
+        for key, record in list(self._resolved.items()):
+            if key[0] == name and (version == 0 or record.version == version):
+                del self._resolved[key]
 
     async def list_latest(self) -> list[AdapterRecord]:
         """The latest version of every adapter of this engine's base model, by name."""

@@ -1,6 +1,6 @@
 """Residual add fused with RMSNorm in Triton: one read of x and the residual, one write of each result.
 
-Semantics, row by row (t < T), rounding exactly where the PyTorch model rounds (engine/model.py):
+Semantics, row by row (t < T), rounding exactly where the PyTorch model rounds (engine/models/blocks.py):
 
     s[t]   = round(x[t] + residual[t])                          residual given; else s[t] = x[t]
     n[t]   = round(s[t] * rsqrt(mean(s[t]^2) + eps))            normalise in fp32, round to x.dtype
@@ -111,7 +111,7 @@ def add_rmsnorm_ref(
     weight: torch.Tensor,  # [N]
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, N], new residual [T, N])
-    """The same in PyTorch, in the order engine/model.py's RMSNorm rounds (the CPU path)."""
+    """The same in PyTorch, in the order engine/models/blocks.py's RMSNorm rounds (the CPU path)."""
     s = x if residual is None else x + residual
     s32 = s.float()
     normed = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)

@@ -1,6 +1,6 @@
 """SiLU of the gate times the up projection, read straight from the fused gate_up output, in Triton.
 
-Semantics, rounding where `F.silu(gate) * up` rounds in PyTorch (engine/model.py's MLP):
+Semantics, rounding where `F.silu(gate) * up` rounds in PyTorch (engine/models/blocks.py's MLP):
 
     gate, up = gate_up[:, :I], gate_up[:, I:]
     out = round(round(silu(gate)) * up)          silu(g) = g / (1 + exp(-g)) in fp32

@@ -158,3 +158,19 @@ async def test_engine_without_auth_refuses_a_public_address(tiny_llama_dir):
     config = EngineConfig(model_dir=str(tiny_llama_dir), port=0, host="0.0.0.0")
     with pytest.raises(ValueError, match="--auth"):
         EngineServer(config, EngineCore.build(config))
+
+
+async def test_a_hidden_adapter_of_another_base_model_is_not_found_before_its_base_model_is_named(secured, tiny_llama_dir, make_adapter):
+    """Visibility first: tenant B learns nothing (not even that it exists, nor its base model) of
+    tenant A's private adapter made for a base model this engine does not serve; A learns why."""
+    registry, _engine, stub, keys, _ = secured
+    await registry.register_base("tiny-twin", tiny_llama_dir)  # same shape, another base model name
+    pub_a = registry.as_key(keys["pub_a"])
+    await pub_a.register("elsewhere-a", make_adapter("eauth-3", r=4, lora_alpha=8, seed=103), base_model="tiny-twin")
+    hidden = await expect(grpc.StatusCode.NOT_FOUND, generate(stub, keys["user_b"], "elsewhere-a"))
+    absent = await expect(grpc.StatusCode.NOT_FOUND, generate(stub, keys["user_b"], "no-such"))
+    assert hidden.replace("elsewhere-a", "X") == absent.replace("no-such", "X") and "tiny-twin" not in hidden
+    owner = await expect(grpc.StatusCode.FAILED_PRECONDITION, generate(stub, keys["user_a"], "elsewhere-a"))
+    assert "'tiny-twin'" in owner and "'tiny'" in owner
+    admin = auth_metadata(keys["admin"])  # the residency RPCs check the base model too
+    await expect(grpc.StatusCode.FAILED_PRECONDITION, stub.LoadAdapter(epb.LoadAdapterRequest(adapter="elsewhere-a"), metadata=admin))

@@ -286,3 +286,50 @@ async def test_a_base_model_name_taken_by_another_config_fails_the_start_at_once
         with pytest.raises(FailedPrecondition) as info:  # the engine's own error, not the registry's
             await start_engine(config)
     assert "'tiny'" in str(info.value) and "--base-model-name" in str(info.value)
+
+
+class ScriptedRegistry:
+    """GetAdapter answers from `versions` (name -> live versions), or UNAVAILABLE while `down`."""
+
+    def __init__(self, versions: dict[str, list[int]]):
+        self.versions = versions
+        self.down = False
+
+    async def GetAdapter(self, request, timeout, metadata):  # the gRPC method's name
+        if self.down:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
+        live = self.versions.get(request.name, [])
+        version = request.version or max(live, default=0)
+        if version not in live:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+        return rpb.Adapter(name=request.name, version=version, digest=f"{request.name}{version}", base_model="tiny", rank=4)
+
+
+@pytest.mark.parametrize("gone_ref, still_cached", [("bot", {}), ("bot@2", {"bot@1": 1}), ("bot@1", {"bot": 2, "bot@2": 2})])
+async def test_not_found_drops_every_cached_key_of_what_is_gone(gone_ref, still_cached):
+    """The fallback cache (answers while the registry is unreachable) keeps nothing the registry said
+    is gone: NOT_FOUND for "name" drops every version, for "name@N" every key that resolved to N."""
+    from engine.errors import NotFound, Unavailable
+    from engine.registry_link import RegistryLink
+
+    async def ignore(kind, record):
+        pass
+
+    link = RegistryLink("127.0.0.1:1", "tiny", "{}", ignore)
+    registry = ScriptedRegistry({"bot": [1, 2]})
+    link.stub = registry
+    try:
+        for ref in ("bot", "bot@1", "bot@2"):
+            await link.resolve(ref)  # cached: (bot, 0) -> v2, (bot, 1), (bot, 2)
+        registry.versions["bot"] = [] if gone_ref == "bot" else [v for v in (1, 2) if f"bot@{v}" != gone_ref]
+        with pytest.raises(NotFound):
+            await link.resolve(gone_ref)
+        registry.down = True
+        for ref in ("bot", "bot@1", "bot@2"):
+            if ref in still_cached:
+                assert (await link.resolve(ref)).version == still_cached[ref]  # served from the cache
+            else:
+                with pytest.raises(Unavailable):
+                    await link.resolve(ref)
+    finally:
+        await link.close()

@@ -3,7 +3,7 @@ references, and the references against the model's own PyTorch code.
 
 Without CUDA the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
 triton is imported); with CUDA they run natively. The references are what the CPU path computes, so
-each is checked bit for bit against engine/model.py and engine/rope.py; the kernels are checked against
+each is checked bit for bit against engine/models/blocks.py and engine/rope.py; the kernels are checked against
 the references over a grid of dtypes, widths that are and are not powers of two, MHA/GQA/MQA heads and
 head dims, with outputs poisoned first so an unwritten element fails.
 """
@@ -80,7 +80,7 @@ def test_add_rmsnorm_handles_strided_rows_and_empty_batches():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_add_rmsnorm_ref_is_the_model_layer_residual_and_norm(dtype):
-    """The reference (the CPU path) rounds as `x = x + sublayer; norm(x)` in engine/model.py does."""
+    """The reference (the CPU path) rounds as `x = x + sublayer; norm(x)` in engine/models/blocks.py does."""
     from engine.models.blocks import RMSNorm
 
     norm = RMSNorm(96, 1e-5, dtype=dtype)
