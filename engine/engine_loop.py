@@ -4,10 +4,11 @@ Other threads only `submit` requests and `cancel` them; everything else, includi
 prefix-cache change, happens on this thread. Events reach each request's sink from here. The step's
 `StepPlan` is the only thing the workers see of the requests.
 
-A model worker that dies ends the engine: `abort` (from the workers' watcher thread, or this thread
-after a failed step) ends every live stream with UNAVAILABLE and calls `on_fatal` once. It does not wait
-for this thread, which may be stuck in a collective with the dead rank: a live request's final event is
-sent once, by whoever ends it first (see `submit`).
+A model worker that dies ends the engine, and so does any failed step under tensor parallelism (rank 0
+failing alone leaves the other ranks in that step's collectives): `abort` (from the workers' watcher
+thread, or this thread after a failed step) ends every live stream with UNAVAILABLE and calls `on_fatal`
+once. It does not wait for this thread, which may be stuck in a collective with the dead rank: a live
+request's final event is sent once, by whoever ends it first (see `submit`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from engine.errors import Code, Unavailable
 from engine.request import Failed, FinishReason, Request, TokenDelta
 from engine.scheduler import BatchEntry, Scheduler
 from engine.step_plan import PlanEntry, build_plan
-from engine.worker import WorkerDied
+from engine.worker import ProcessWorkers, WorkerDied
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -169,6 +170,12 @@ class EngineLoop:
             tokens = self.workers.execute(plan, adapters)
         except Exception as exc:
             failure = str(exc) if isinstance(exc, WorkerDied) else self.workers.wait_for_failure(DEATH_GRACE_S)
+            if failure is None and isinstance(self.workers, ProcessWorkers):
+                # rank 0 alone failed (an adapter load, attention setup, OOM) while ranks 1..N are in this
+                # step's collectives: the next step would desynchronise them, so the engine ends as if a
+                # worker had died
+                log.exception("forward step failed on rank 0 with tensor parallelism")
+                failure = f"rank 0 failed a tensor-parallel step: {exc!r}"
             if failure is not None:
                 self.abort(failure)
                 return

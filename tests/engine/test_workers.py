@@ -139,3 +139,34 @@ async def test_a_killed_worker_ends_streams_with_unavailable_and_health_not_serv
         await channel.close()
         await server.stop(grace=0.5)
     assert not torch.distributed.is_initialized()
+
+
+async def test_a_step_failing_on_rank_0_alone_ends_the_tp_engine(tiny_llama_dir):
+    """Rank 1 is already in the step's collectives when rank 0's execute raises (an adapter load, OOM):
+    the engine must end as for a dead worker, not fail one request and run a desynchronised next step."""
+    config = EngineConfig(model_dir=str(tiny_llama_dir), port=0, tensor_parallel_size=2)
+    server = await start_engine(config)
+    channel = grpc.aio.insecure_channel(server.address)
+    local = server.core.workers.local
+    real_execute = local.execute
+
+    def fail_once(plan, adapters):
+        local.execute = real_execute
+        raise RuntimeError("simulated rank-0 fault")
+
+    local.execute = fail_once
+    try:
+        stub, health = pb_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await stub.Generate(generate_request("Hello there", max_new_tokens=4)).read()
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE and "simulated rank-0 fault" in failure.value.details()
+        await asyncio.wait_for(server.failed.wait(), 60)  # the serving function exits non-zero on this
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Generate(generate_request("again", max_new_tokens=2)).read()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await channel.close()
+        await server.stop(grace=0.5)
+    assert not torch.distributed.is_initialized()
