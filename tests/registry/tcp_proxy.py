@@ -34,6 +34,11 @@ class TcpProxy:
                 listener.shutdown(socket.SHUT_RDWR)
             listener.close()
         for conn in conns:
+            # shutdown first: a close() alone leaves the socket open while a relay thread is blocked in
+            # recv() on it (Linux defers the release), so the peer never saw the cut and a database
+            # read through the proxy could wait forever.
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 conn.close()
