@@ -129,12 +129,7 @@ async def test_a_killed_worker_ends_streams_with_unavailable_and_health_not_serv
                 response = await stream.read()
                 assert response is not grpc.aio.EOF, "the stream ended without an error"
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE and "model worker rank 1" in failure.value.details()
-        await asyncio.wait_for(server.failed.wait(), 60)
-        reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
-        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.Generate(generate_request("again", max_new_tokens=2)).read()
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        await _assert_engine_ended(server, stub, health)
     finally:
         await channel.close()
         await server.stop(grace=0.5)
@@ -160,13 +155,19 @@ async def test_a_step_failing_on_rank_0_alone_ends_the_tp_engine(tiny_llama_dir)
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await stub.Generate(generate_request("Hello there", max_new_tokens=4)).read()
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE and "simulated rank-0 fault" in failure.value.details()
-        await asyncio.wait_for(server.failed.wait(), 60)  # the serving function exits non-zero on this
-        reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
-        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.Generate(generate_request("again", max_new_tokens=2)).read()
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        await _assert_engine_ended(server, stub, health)
     finally:
         await channel.close()
         await server.stop(grace=0.5)
     assert not torch.distributed.is_initialized()
+
+
+async def _assert_engine_ended(server, stub, health) -> None:
+    """The engine failed as a whole: the serving function's failure is set (it exits non-zero on this),
+    health is NOT_SERVING and a new request is refused UNAVAILABLE."""
+    await asyncio.wait_for(server.failed.wait(), 60)
+    reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Generate(generate_request("again", max_new_tokens=2)).read()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
