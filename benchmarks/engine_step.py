@@ -7,7 +7,7 @@ workers -> sampled tokens), with random weights in a named shape, on 1..N tensor
 Reports, per batch size and number of distinct rank-16 adapters, the median time of a decode step
 (every request computes one token and samples), next to the weight-read floors: the whole model's
 parameter bytes / copy bandwidth, and one rank's (what each GPU reads per step), and prefill tokens/s.
-One engine per batch size (its slot pool sized for the most adapters) serves every adapter count.
+One engine (its slot pool sized for the most adapters, one decode graph per batch size) serves every row.
 """
 
 from __future__ import annotations
@@ -70,13 +70,14 @@ def random_packed(digest: str, config: ModelConfig, rank: int, dtype: torch.dtyp
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, max_reqs: int, max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool):
+    max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
         num_kv_slots=max_reqs * max_context + 8, attention_backend=attention, max_loras_per_batch=num_adapters,
         max_lora_rank=16, lora_backend=lora_backend, cuda_graph_max_batch=max_reqs if graphs else 0, tensor_parallel_size=tp,
     )  # fmt: skip
-    spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=(max_reqs,))
+    spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=tuple(sorted(set(batches))))
     workers = start_workers(spec)
     allocator = PageAllocator(workers.info.num_kv_slots, 1)
     kv = RequestKV(allocator, ReqToTokenPool(max_reqs, max_context), RadixCache(1, allocator))
@@ -119,7 +120,7 @@ def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int,
     model = loop.workers.local.runner.model
     for i in range(batch):
         namespace = f"adapter-{i % num_adapters}" if num_adapters else ""
-        loop.scheduler.add(make_request(1000 * num_adapters + i, prompt_len, model.config.vocab_size, num_decode + 1, namespace))
+        loop.scheduler.add(make_request(100_000 * batch + 1000 * num_adapters + i, prompt_len, model.config.vocab_size, num_decode + 1, namespace))
     sync(device)
     start = time.perf_counter()
     num_prefill = step(loop)  # the whole batch's prompts in one extend step
@@ -162,11 +163,12 @@ def main() -> None:
     device = torch.device(args.device)
     graphs = device.type == "cuda" and not args.no_cuda_graphs
     tp = args.tensor_parallel_size
-    for batch in args.batch:
-        max_context = args.prompt_len + args.num_decode + 8
-        loop = build(SHAPES[args.shape], device, tp, batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs)
-        base_ms = None
-        try:
+    max_context = args.prompt_len + args.num_decode + 8
+    # One engine (weights, KV, slot pool, one decode graph per batch size) serves every measurement.
+    loop = build(SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs)
+    try:
+        for batch in args.batch:
+            base_ms = None
             for num_adapters in args.adapters:
                 row = measure(loop, device, batch, args.prompt_len, args.num_decode, num_adapters)
                 row["floor_ms"] = row["param_gb"] / args.copy_gbps * 1e3
@@ -179,11 +181,8 @@ def main() -> None:
                     lora_backend=args.lora_backend, device=str(device), torch=torch.__version__,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)
-        finally:
-            loop.workers.close()
-            del loop
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    finally:
+        loop.workers.close()
 
 
 if __name__ == "__main__":
