@@ -282,12 +282,17 @@ def _exit_with_parent() -> None:
 
 
 def _leave_group(timeout: float) -> None:
-    """Leave the process group, every rank on the same stop message: NCCL's teardown waits for all ranks
-    (rank 0 alone, after the others exited, hung in destroy_process_group on two H200s). A daemon thread
-    bounds the wait, so a rank that died mid-teardown leaves the group to the process's exit instead."""
+    """Leave the process group, every rank on the same stop message (sent only after the last plan, whose
+    collectives every rank has joined). NCCL's orderly teardown waits on its peers and hung on two H200s
+    (rank 0 alone after the others had exited; later both ranks past a 10 s bound, and the process then
+    aborted at exit on the still-running teardown): NCCL communicators are aborted instead, which is
+    local to the rank. Gloo's teardown is orderly, in a daemon thread that bounds the wait."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
         return
     leaving = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
     leaving.start()
