@@ -19,6 +19,7 @@ import asyncio
 import json
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -114,14 +115,16 @@ def main() -> None:
                "logit_std": float(ours.std())}  # fmt: skip
         is_tie = top - float(ours[have[j]]) <= args.tie_tolerance * abs(top)
         report["ties" if is_tie else "mismatches"].append(row)
-    parallel.close()
-    single.close()
     report["graph_replays_tpn"] = replays
     report["ok"] = not report["mismatches"]
     report.update(torch=torch.__version__, device=torch.cuda.get_device_name(0) if args.device == "cuda" else args.device, tensor_parallel_size=args.tensor_parallel_size)
     print(json.dumps(report), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
+    start = time.monotonic()
+    parallel.close()
+    single.close()
+    print(f"engines closed in {time.monotonic() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

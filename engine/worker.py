@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import logging
 import multiprocessing
@@ -26,6 +27,7 @@ import multiprocessing.connection
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -117,6 +119,13 @@ class ModelWorker:
     def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> list[int]:
         return self.runner.execute(plan, adapters)
 
+    def release(self) -> None:
+        """Drop the CUDA graphs (they hold captured collectives) and let the device finish its work."""
+        self.runner.graphs = None
+        if self.spec.device.type == "cuda":
+            gc.collect()
+            torch.cuda.synchronize(self.spec.device)
+
 
 class LocalWorkers:
     """One rank, in this process."""
@@ -197,6 +206,8 @@ class ProcessWorkers:
             with contextlib.suppress(OSError):  # already gone
                 conn.send(None)
         if not abandon:
+            if self.__dict__.get("local") is not None:
+                self.local.release()
             _leave_group(timeout)
         for proc in self._procs:
             proc.join(timeout)
@@ -262,7 +273,10 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
         except EOFError:
             break
         if message is None:
-            _leave_group(STOP_TIMEOUT_S)
+            worker.release()
+            if not _leave_group(STOP_TIMEOUT_S):
+                logging.shutdown()
+                os._exit(0)  # a teardown still running in C++ threads would abort the interpreter's exit
             break
         plan, adapters = message
         worker.execute(plan, adapters)
@@ -281,24 +295,25 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _leave_group(timeout: float) -> None:
-    """Leave the process group, every rank on the same stop message (sent only after the last plan, whose
-    collectives every rank has joined). NCCL's orderly teardown waits on its peers and hung on two H200s
-    (rank 0 alone after the others had exited; later both ranks past a 10 s bound, and the process then
-    aborted at exit on the still-running teardown): NCCL communicators are aborted instead, which is
-    local to the rank. Gloo's teardown is orderly, in a daemon thread that bounds the wait."""
+def _leave_group(timeout: float) -> bool:
+    """Leave the process group, every rank on the same stop message (sent after the last plan, whose
+    collectives every rank has joined); the caller has released its CUDA graphs, which hold the captured
+    collectives. NCCL's teardown waits on its peers (rank 0 alone, after the others had exited, hung in
+    destroy_process_group on two H200s; aborting the communicators instead hung as well), so a daemon
+    thread bounds the wait. False when the group did not close in time: the process's exit is left to it."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return
-    if dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
-        return
+        return True
+    start = time.monotonic()
     leaving = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
     leaving.start()
     leaving.join(timeout)
     if leaving.is_alive():
         log.warning("the process group did not close within %.0f s; leaving it to the process's exit", timeout)
+        return False
+    log.info("left the process group in %.2f s", time.monotonic() - start)
+    return True
 
 
 def _init_group(spec: WorkerSpec, store) -> None:
