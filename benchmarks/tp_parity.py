@@ -102,6 +102,7 @@ def main() -> None:
     got = generate(parallel, jobs, args.num_tokens)
     graphs = parallel.workers.local.runner.graphs
     replays = graphs.num_replays if graphs is not None else 0
+    del graphs  # a live reference would keep the captured collectives alive through the engines' close
     report = {"jobs": len(jobs), "tokens_per_job": args.num_tokens, "identical": 0, "ties": [], "mismatches": []}
     for (prompt, adapter), want, have in zip(jobs, expected, got, strict=True):
         if want == have:
