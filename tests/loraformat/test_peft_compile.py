@@ -169,8 +169,8 @@ def test_qwen2_adapter_equals_peft_merge(tmp_path: Path):
 
 
 def test_compiled_fields_and_metadata(adapter, shape: ModelShape, tmp_path: Path):
-    compiled = compile_dir(
-        adapter("compile-rslora"), shape, tmp_path / "a.safetensors", base_model="tiny-llama"
+    compiled = compile_dir(  # a rank equal to the maximum is allowed
+        adapter("compile-rslora"), shape, tmp_path / "a.safetensors", base_model="tiny-llama", max_rank=8
     )
     assert compiled.rank == 8 and compiled.alpha == 16.0 and compiled.scaling == 16 / math.sqrt(8)
     assert compiled.target_modules == ALL and compiled.num_layers == 2 and compiled.dtype == "float32"
@@ -186,6 +186,12 @@ def test_compiled_fields_and_metadata(adapter, shape: ModelShape, tmp_path: Path
         "use_rslora": "true",
         "target_modules": ",".join(ALL),
     }
+    canonical = read_canonical(tmp_path / "a.safetensors", shape)
+    assert (canonical.base_model, canonical.num_layers, canonical.rank) == ("tiny-llama", 2, 8)
+    assert (canonical.alpha, canonical.scaling, canonical.use_rslora) == (16.0, 16 / math.sqrt(8), True)
+    assert canonical.target_modules == ALL
+    compile_dir(adapter("compile-plain"), shape, tmp_path / "plain.safetensors")
+    assert read_canonical(tmp_path / "plain.safetensors").use_rslora is False
 
 
 def test_rank_pattern_is_zero_padded_to_the_max_rank(adapter, shape: ModelShape, tmp_path: Path):
@@ -412,7 +418,9 @@ BAD_ADAPTERS = {
     "weights_b_without_a": Bad(InvalidArgument, Q_B, tensors=without(Q_A)),
     "weights_no_tensors": Bad(InvalidArgument, "holds no tensors", tensors=lambda w: {}),
     "weights_unknown_name": Bad(
-        InvalidArgument, "some.tensor", tensors=lambda w: w | {"some.tensor": ZEROS_A}
+        InvalidArgument,
+        f"'some.tensor': not a LoRA weight (expected e.g. {Q_A!r})",
+        tensors=lambda w: w | {"some.tensor": ZEROS_A},
     ),
     "weights_unknown_module": Bad(
         InvalidArgument, "foo_proj", tensors=lambda w: w | {Q_A.replace("q_proj", "foo_proj"): ZEROS_A}
@@ -447,8 +455,12 @@ BAD_ADAPTERS = {
         ),
     ),
     "weights_layer_out_of_range": Bad(FailedPrecondition, "layer 5", tensors=lambda w: rename_layer(w, 5)),
+    "weights_layer_one_past_the_last": Bad(FailedPrecondition, "layer 2", tensors=lambda w: rename_layer(w, 2)),
     "weights_wrong_in_dim": Bad(
         FailedPrecondition, f"{Q_A}': shape [8, 63]", tensors=lambda w: w | {Q_A: w[Q_A][:, :63]}
+    ),
+    "weights_wrong_out_dim": Bad(
+        FailedPrecondition, f"{Q_B}': shape [63, 8]", tensors=lambda w: w | {Q_B: w[Q_B][:63]}
     ),
     "weights_rank_disagrees": Bad(
         FailedPrecondition,
@@ -542,6 +554,70 @@ def test_read_canonical_checks_format_and_model(adapter, shape: ModelShape, tmp_
     write_safetensors(tmp_path / "c", half, canonical.metadata)
     with pytest.raises(InvalidArgument, match=r"layers\.1\.v_proj\.lora_A"):
         read_canonical(tmp_path / "c")
+
+
+def canonical_parts(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    canonical = read_canonical(path)
+    return dict(canonical.tensors), dict(canonical.metadata)
+
+
+def _a_and_b(layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {f"layers.{layer}.{module}.lora_A": a, f"layers.{layer}.{module}.lora_B": b}
+
+
+BAD_ARTIFACTS = {
+    "format": ({"format": "other.lora"}, {}, "metadata 'format' is 'other.lora'"),
+    "rank_missing": ({"rank": None}, {}, "metadata 'rank' is missing"),
+    "rank_not_a_number": ({"rank": "eight"}, {}, "metadata 'rank' has a bad value 'eight'"),
+    "use_rslora_not_a_bool": ({"use_rslora": "yes"}, {}, "metadata 'use_rslora' has a bad value 'yes'"),
+    "unknown_target_module": (
+        {"target_modules": "q_proj,foo_proj"}, {}, "metadata 'target_modules' has a bad value"
+    ),
+    "module_not_a_target": (
+        {"target_modules": "q_proj"}, {}, "does not name a target module"
+    ),
+    "not_a_canonical_name": ({}, {"bias": torch.zeros(8)}, "'bias' does not name"),
+    "layer_one_past_the_last": (
+        {}, _a_and_b(2, "q_proj", torch.zeros(8, 64), torch.zeros(64, 8)), "layer 2 is out of range (2)"
+    ),
+    "a_of_another_rank": (
+        {}, _a_and_b(0, "q_proj", torch.zeros(4, 64), torch.zeros(64, 8)), "shape [4, 64], not 2-D with rank 8"
+    ),
+    "b_of_another_rank": (
+        {}, _a_and_b(0, "q_proj", torch.zeros(8, 64), torch.zeros(64, 4)), "shape [64, 4], not 2-D with rank 8"
+    ),
+    "a_not_2d": (
+        {}, _a_and_b(0, "q_proj", torch.zeros(8, 64, 1), torch.zeros(64, 8)), "shape [8, 64, 1], not 2-D"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARTIFACTS))
+def test_read_canonical_rejects(case: str, adapter, shape: ModelShape, tmp_path: Path):
+    metadata_changes, tensor_changes, message = BAD_ARTIFACTS[case]
+    compile_dir(adapter("compile-plain"), shape, tmp_path / "a")
+    tensors, metadata = canonical_parts(tmp_path / "a")
+    metadata = {k: v for k, v in (metadata | metadata_changes).items() if v is not None}
+    write_safetensors(tmp_path / "bad", tensors | tensor_changes, metadata)
+    with pytest.raises(InvalidArgument) as info:
+        read_canonical(tmp_path / "bad")
+    assert type(info.value) is InvalidArgument and message in str(info.value)
+
+
+def test_a_failed_write_leaves_nothing(adapter, shape: ModelShape, tmp_path: Path, monkeypatch):
+    """A failure while the artifact is being written (a full disk) removes the partial file and is raised."""
+    import loraformat.peft_compile as peft_compile
+
+    def fail_midway(f, specs, produce, metadata):
+        f.write(b"the first bytes")
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(peft_compile, "write_safetensors_lazy", fail_midway)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(OSError, match="no space left"):
+        compile_dir(adapter("compile-plain"), shape, out_dir / "artifact.safetensors")
+    assert list(out_dir.iterdir()) == []
 
 
 # ---- model shapes ----
