@@ -6,7 +6,7 @@ import base64
 import json
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
 import pytest
@@ -410,21 +410,50 @@ def test_postgres_event_writes_notify_listeners(pg_catalog):
     assert [n.channel for n in notified] == [NOTIFY_CHANNEL]
 
 
+def wait_until_blocked(holder, call: Future, locktype: str) -> None:
+    """Until `call` waits on a lock of `locktype` in this database (it must not have finished)."""
+    waiting = text(
+        "SELECT count(*) FROM pg_locks WHERE locktype = :locktype AND NOT granted"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    )
+    if locktype == "transactionid":  # these locks carry no database: waiters on this test's holder
+        waiting = text("SELECT count(*) FROM pg_locks WHERE locktype = :locktype AND NOT granted"
+                       " AND transactionid = pg_current_xact_id_if_assigned()::text::xid")
+    for _ in range(3000):  # a hang guard only
+        if holder.execute(waiting, {"locktype": locktype}).scalar() or call.done():
+            break
+        threading.Event().wait(0.01)
+    assert not call.done(), call.result()
+
+
 def test_postgres_event_writes_wait_for_the_event_lock(pg_catalog):
     """Event ids must commit in id order: a writer waits while another holds the event lock."""
     with pg_catalog.engine.connect() as holder, ThreadPoolExecutor(1) as pool:
         holder.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _EVENT_LOCK_KEY})
         holder.commit()
         registering = pool.submit(pg_catalog.add_version, "bot", "base", version("a"))
-        waiting = text(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-        )
-        for _ in range(3000):  # a hang guard only: the writer shows up as waiting on the lock
-            if holder.execute(waiting).scalar() or registering.done():
-                break
-            threading.Event().wait(0.01)
-        assert not registering.done()
+        wait_until_blocked(holder, registering, "advisory")
         holder.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _EVENT_LOCK_KEY})
         holder.commit()
         assert registering.result(timeout=60).version == 1
+
+
+def test_postgres_concurrent_pin_and_delete_see_the_committed_row(pg_catalog):
+    """A pin or delete racing another one waits for it and acts on what it committed: a pin of a row
+    just pinned is no change (no second event), a delete of a row just deleted is NotFound."""
+    pg_catalog.add_version("bot", "base", version("a"))
+    pg_catalog.add_version("bot", "base", version("b"))
+    start = pg_catalog.last_event_id()
+    with pg_catalog.engine.connect() as holder, ThreadPoolExecutor(1) as pool:
+        holder.execute(text("UPDATE adapters SET pinned = true WHERE name = 'bot' AND version = 1"))
+        pinning = pool.submit(pg_catalog.set_pinned, "bot", 1, True)
+        wait_until_blocked(holder, pinning, "transactionid")
+        holder.commit()
+        assert pinning.result(timeout=60).pinned
+        holder.execute(text("DELETE FROM adapters WHERE name = 'bot' AND version = 2"))
+        deleting = pool.submit(pg_catalog.delete, "bot", 2)
+        wait_until_blocked(holder, deleting, "transactionid")
+        holder.commit()
+        with pytest.raises(NotFound, match="bot@2"):
+            deleting.result(timeout=60)
+    assert pg_catalog.events_after(start) == []
