@@ -194,6 +194,18 @@ def test_delete_one_version_or_all_and_pinning(catalog):
         catalog.delete("bot")
     assert [a.ref for a in catalog.list()[0]] == ["keep@1"]
     assert catalog.referenced_digests() == {version("k").digest}
+    # one audit row per change, none for a pin that changed nothing or a refusal
+    assert [(action, target) for action, target, _ in audited(catalog)] == [
+        ("register_base_model", "base"),
+        *[("register", ref) for ref in ("bot@1", "bot@2", "bot@3", "keep@1")],
+        ("pin", "bot@2"), ("unpin", "bot@2"),
+        *[("delete", ref) for ref in ("bot@2", "bot@1", "bot@3")],
+    ]
+
+
+def audited(catalog: Catalog) -> list[tuple[str, str, str]]:
+    with Session(catalog.engine) as s:
+        return [(r.action, r.target, r.tenant) for r in s.scalars(select(AuditRow).order_by(AuditRow.id))]
 
 
 def test_events_after_an_id_and_of_one_base_model(catalog):
@@ -217,9 +229,7 @@ def test_base_models_listed_and_resolved(catalog):
     assert catalog.resolve_base_model("alpha").config_json == '{"model_type": "llama"}'
     assert catalog.resolve_base_model("base").name == "base"
     catalog.register_base_model("base", CONFIG, caller=TEAM_A)  # idempotent: no second row, no audit row
-    with Session(catalog.engine) as s:
-        audited = [(r.action, r.target, r.tenant) for r in s.scalars(select(AuditRow).order_by(AuditRow.id))]
-    assert audited == [("register_base_model", "base", ""), ("register_base_model", "alpha", "")]
+    assert audited(catalog) == [("register_base_model", "base", ""), ("register_base_model", "alpha", "")]
 
 
 def test_resolving_the_only_base_model_needs_exactly_one(tmp_path):
