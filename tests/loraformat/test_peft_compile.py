@@ -203,6 +203,30 @@ def test_rank_pattern_is_zero_padded_to_the_max_rank(adapter, shape: ModelShape,
     assert a[:4].count_nonzero() > 0 and b[:, :4].count_nonzero() > 0
 
 
+def test_rank_equal_to_hidden_size_pads_the_smaller_modules(adapter, shape: ModelShape, tmp_path: Path):
+    """Max rank 64 == hidden_size: q_proj's A [8, 64] is square in neither sense and still gets padded."""
+
+    def widen(weights: dict) -> dict:
+        out = {}
+        for name, t in weights.items():
+            if ".q_proj." in name:
+                out[name] = t
+            elif ".lora_A." in name:
+                out[name] = torch.cat([t, torch.zeros(64 - t.shape[0], t.shape[1])])
+            else:
+                out[name] = torch.cat([t, torch.zeros(t.shape[0], 64 - t.shape[1])], dim=1)
+        return out
+
+    config, weights = variant(
+        adapter("compile-plain"), tmp_path, config={"r": 64, "lora_alpha": 128, "rank_pattern": {"q_proj": 8}},
+        tensors=widen,
+    )
+    assert compile_adapter(config, weights, shape, base_model="t", max_rank=64, out_path=tmp_path / "a").rank == 64
+    a, b = read_canonical(tmp_path / "a", shape).module_weights(0, "q_proj")
+    assert a.shape == (64, 64) and b.shape == (64, 64)
+    assert torch.equal(a[:8], load_file(weights)[Q_A]) and a[8:].count_nonzero() == 0
+
+
 @pytest.mark.parametrize(("name", "dtype"), [("compile-bf16", "bfloat16"), ("compile-fp16", "float16")])
 def test_source_dtype_is_kept(name: str, dtype: str, adapter, shape: ModelShape, tmp_path: Path):
     assert compile_dir(adapter(name), shape, tmp_path / "a.safetensors").dtype == dtype
