@@ -18,7 +18,7 @@ from loramux.security import PermissionDenied, Principal, Role
 from registry.catalog import _EVENT_LOCK_KEY, NOTIFY_CHANNEL, Catalog, NewVersion
 from registry.db import AuditRow, make_engine, migrate
 from registry.errors import AlreadyExists, Code, InvalidArgument, NotFound, RegistryError
-from registry.types import MAX_VERSION
+from registry.types import MAX_VERSION, BaseModelInfo
 from tests.registry.backends import fresh_postgres_database
 
 CONFIG = '{"model_type": "llama", "hidden_size": 64}'
@@ -222,7 +222,7 @@ def test_events_after_an_id_and_of_one_base_model(catalog):
 
 
 def test_base_models_listed_and_resolved(catalog):
-    catalog.register_base_model("alpha", '{"model_type": "llama"}')
+    assert catalog.register_base_model("alpha", '{"model_type": "llama"}') == BaseModelInfo("alpha", '{"model_type": "llama"}')
     assert [(m.name, m.config_json) for m in catalog.list_base_models()] == [
         ("alpha", '{"model_type": "llama"}'), ("base", CONFIG)
     ]
