@@ -11,6 +11,8 @@ from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
 from engine.named_shapes import NAMED_SHAPES
+from engine.parallel import TensorParallel
+from loraformat.architectures import Split
 from loraformat.peft_compile import CanonicalAdapter
 
 CONFIG = NAMED_SHAPES["tiny"]
@@ -80,6 +82,57 @@ def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
     assert not pool.a["qkv"][:, 0, 2:16].any()  # q's rows past rank 2
     assert not pool.b["qkv"][:, 0, :, 2:].any()
     assert pool.ranks[0] == 2
+
+
+def test_load_refuses_the_base_slot_and_ranks_over_the_max():
+    """Guards the base slot (rank 0 forever, so base-model tokens get no delta) and the buffer bound."""
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    for slot in (-1, pool.base_slot):
+        with pytest.raises(ValueError, match=rf"slot {slot} is not an adapter slot \(0\.\.1\)"):
+            pool.load(slot, packed("x", rank=4))
+    with pytest.raises(ValueError, match="adapter rank 9 is over the pool's max rank 8"):
+        pool.load(0, packed("x", rank=9))
+    assert pool.ranks == [0, 0, 0] and not any(t.any() for t in (*pool.a.values(), *pool.b.values()))
+    pool.load(1, packed("full", rank=8))  # the largest slot and rank themselves fit
+    assert pool.ranks == [0, 8, 0] and pool.scalings == [0.0, 2.0, 0.0]
+    assert pool.a["qkv"][:, 1].any() and not pool.a["qkv"][:, pool.base_slot].any()
+
+
+def test_clear_makes_a_slot_rank_0_and_the_next_load_replaces_it_whole():
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    pool.load(0, packed("a", rank=8, seed=1))
+    pool.load(1, packed("b", rank=4, seed=2))
+    pool.clear(0)
+    assert (pool.ranks, pool.scalings) == ([0, 4, 0], [0.0, 2.0, 0.0])
+    adapter = canonical(2, modules=("o_proj",), seed=3)
+    pool.load(0, pack_adapter("c", adapter, pool.targets, torch.float32, pin=False))
+    for layer in range(CONFIG.num_layers):
+        a, b = adapter.module_weights(layer, "o_proj")
+        torch.testing.assert_close(slot_delta(pool, 0, layer, "o_proj"), b @ a)
+        assert not slot_delta(pool, 0, layer, "q_proj").any()
+    assert pool.ranks == [2, 4, 0]
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_tensor_parallel_slot_holds_the_ranks_shard_of_every_projection(tp_rank):
+    """A rank's slot holds, per projection, the full delta's output rows of its shard (column targets:
+    q/k/v, gate/up) or input columns of its shard (row targets: o, down), so the ranks' deltas, summed
+    by the all-reduce, are the full adapter's."""
+    tp = TensorParallel(tp_rank, 2)
+    adapter = canonical(4, seed=5)
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu", tp=tp)
+    pool.load(1, pack_adapter("x", adapter, {t.name: t for t in fused_targets(CONFIG)}, torch.float32, pin=False))
+    assert pool.ranks[1] == 4
+    for target in pool.targets.values():
+        for module in target.modules:
+            for layer in range(CONFIG.num_layers):
+                a, b = adapter.module_weights(layer, module)
+                full = b @ a  # [out, in]
+                if target.split is Split.ROW:
+                    expected = full[:, tp.part(full.shape[1])]
+                else:
+                    expected = full[tp.part(full.shape[0])]
+                torch.testing.assert_close(slot_delta(pool, 1, layer, module), expected, msg=module)
 
 
 def make_slots(num_slots: int, policy: str = "lru"):

@@ -161,6 +161,7 @@ MAX_CONTEXT = 512
         ({"stop": ("x" * 257,)}, "stop"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
         ({"stop_token_ids": (3, VOCAB_SIZE)}, "stop_token_ids"),
+        ({"stop_token_ids": tuple(range(65))}, "stop_token_ids"),  # each in range, but one over 64
     ],
 )
 def test_every_invalid_field_is_named(fields, field):
@@ -171,6 +172,29 @@ def test_every_invalid_field_is_named(fields, field):
     assert isinstance(excinfo.value, ValueError)
 
 
+def test_defaults_are_the_wires_zero_values():
+    """An unset field on the wire is greedy, unfiltered, unseeded, the default length, and stops at EOS."""
+    params = SamplingParams()
+    assert params.is_greedy and (params.top_p, params.top_k, params.seed, params.max_new_tokens) == (1.0, 0, None, 0)
+    assert (params.stop, params.stop_token_ids, params.ignore_eos) == ((), (), False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"temperature": -0.5}, "sampling.temperature: must be finite and >= 0, got -0.5"),
+        ({"top_k": -2}, "sampling.top_k: must be >= 0 (0 disables it), got -2"),
+        ({"stop": ("ok", "")}, "sampling.stop: stop[1] is empty"),
+        ({"stop_token_ids": (3, 70)}, "sampling.stop_token_ids: stop_token_ids[1] = 70 is outside [0, 64)"),
+    ],
+)
+def test_error_message_names_the_field_and_the_value(fields, message):
+    """The message is what a client reads (INVALID_ARGUMENT): the field's wire name, the rule, the value."""
+    with pytest.raises(InvalidSampling) as excinfo:
+        SamplingParams(**fields).resolve(prompt_len=1, max_context=MAX_CONTEXT).validate(VOCAB_SIZE, MAX_CONTEXT, 1)
+    assert str(excinfo.value) == message
+
+
 def test_limits_themselves_are_valid():
     params = SamplingParams(
         temperature=0.0,
@@ -179,23 +203,24 @@ def test_limits_themselves_are_valid():
         seed=2**64 - 1,
         max_new_tokens=MAX_CONTEXT - 1,
         stop=["x" * 256] * 16,
-        stop_token_ids=[0, VOCAB_SIZE - 1],
+        stop_token_ids=[0, *range(2, 64), VOCAB_SIZE - 1],  # 64 ids, the most allowed
         ignore_eos=True,
     )
     params.validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
     assert params.stop == ("x" * 256,) * 16  # lists from the wire become tuples
+    assert len(params.stop_token_ids) == 64
     hash(params)
 
 
 def test_resolve_fills_the_default_capped_by_the_context_left():
-    assert (
-        SamplingParams().resolve(prompt_len=10, max_context=MAX_CONTEXT).max_new_tokens
-        == DEFAULT_MAX_NEW_TOKENS
-    )
+    assert DEFAULT_MAX_NEW_TOKENS == 256  # the default the README documents for clients
+    assert SamplingParams().resolve(prompt_len=10, max_context=MAX_CONTEXT).max_new_tokens == 256
     assert SamplingParams().resolve(prompt_len=500, max_context=MAX_CONTEXT).max_new_tokens == 12
-    assert (
-        SamplingParams(max_new_tokens=7).resolve(prompt_len=500, max_context=MAX_CONTEXT).max_new_tokens == 7
-    )
+    for asked in (1, 7):  # a value the request set is kept, even the smallest
+        assert (
+            SamplingParams(max_new_tokens=asked).resolve(prompt_len=500, max_context=MAX_CONTEXT).max_new_tokens
+            == asked
+        )
 
 
 def test_prompt_filling_the_context_leaves_no_new_tokens():
@@ -208,3 +233,12 @@ def test_temperature_below_the_greedy_threshold_is_argmax():
     logits = _logits(16)
     assert SamplingParams(temperature=1e-7).is_greedy
     assert torch.equal(_draw(logits, SamplingParams(temperature=1e-7), 0), logits.argmax(dim=-1))
+
+
+def test_temperature_at_the_greedy_threshold_still_samples():
+    """Only temperatures below 1e-5 are greedy: at 1e-5 itself, logits 5e-6 apart are 0.5 apart once
+    scaled, so both tokens are drawn."""
+    params = SamplingParams(temperature=1e-5)
+    assert not params.is_greedy
+    counts = _draw_many(torch.tensor([0.0, 5e-6]), params, 2000)
+    assert counts[0] > 0 and counts[1] > counts[0]
