@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import zlib
 
 import pytest
@@ -64,12 +66,15 @@ def test_packed_adapter_reproduces_every_projection():
     adapter = canonical(4, seed=1)
     pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
     pool.load(1, pack_adapter("x", adapter, pool.targets, torch.float32, pin=False))
+    pool.wait_for_loads()  # the runner's call before every forward: on the CPU, nothing to wait for
     assert (pool.ranks[1], pool.scalings[1]) == (4, 2.0)
     for layer in range(CONFIG.num_layers):
         for module in MODULES:
             a, b = adapter.module_weights(layer, module)
             torch.testing.assert_close(slot_delta(pool, 1, layer, module), b @ a)
     assert pool.ranks[pool.base_slot] == 0 and not pool.a["qkv"][:, pool.base_slot].any()
+    with pytest.raises(dataclasses.FrozenInstanceError):  # the slot buffers were sized from a target's widths
+        pool.targets["qkv"].in_dim = 1
 
 
 def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
@@ -111,6 +116,57 @@ def test_clear_makes_a_slot_rank_0_and_the_next_load_replaces_it_whole():
         torch.testing.assert_close(slot_delta(pool, 0, layer, "o_proj"), b @ a)
         assert not slot_delta(pool, 0, layer, "q_proj").any()
     assert pool.ranks == [2, 4, 0]
+
+
+class _FakeStream:
+    """Stands for a CUDA stream on this CPU-only machine: records the events it is told to wait for."""
+
+    def __init__(self, name: str):
+        self.name, self.waited = name, []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+def test_loads_copy_on_their_own_stream_and_the_compute_stream_waits_for_each_once(monkeypatch):
+    """Guards the CUDA ordering of slot loads, with fake streams: every copy is issued on the pool's copy
+    stream, an event recorded after a load's copies marks its end, the compute stream is not made to wait
+    by `load` itself but by `wait_for_loads`, on every load issued since the last wait and only once."""
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    copy_stream, compute_stream, active = _FakeStream("copy"), _FakeStream("compute"), [None]
+    pool._copy_stream = copy_stream  # what the pool makes for itself on a CUDA device
+    issued_on = []  # the stream active when each target's copy was issued
+    copy_target = pool._copy_target
+    monkeypatch.setattr(pool, "_copy_target", lambda *args: (issued_on.append(active[0]), copy_target(*args)))
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        active[0] = stream
+        yield
+        active[0] = None
+
+    class FakeEvent:
+        def record(self, stream) -> None:
+            self.stream, self.num_copies_before = stream, len(issued_on)
+
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: compute_stream)
+
+    pool.load(0, packed("a", seed=1))
+    pool.load(1, packed("b", seed=2))
+    num_targets = len(pool.targets)
+    assert issued_on == [copy_stream] * (2 * num_targets)
+    assert compute_stream.waited == []  # loading alone never stalls the compute stream
+    pool.wait_for_loads()
+    events = compute_stream.waited
+    assert [(e.stream, e.num_copies_before) for e in events] == [(copy_stream, num_targets), (copy_stream, 2 * num_targets)]
+    pool.wait_for_loads()  # nothing loaded since: nothing more to wait for
+    assert compute_stream.waited == events
+    pool.load(0, packed("c", seed=3))
+    pool.wait_for_loads()
+    assert len(compute_stream.waited) == 3 and compute_stream.waited[-1].num_copies_before == 3 * num_targets
+    assert pool.ranks[:2] == [4, 4] and pool.a["qkv"][:, 0].any()
 
 
 @pytest.mark.parametrize("tp_rank", [0, 1])
