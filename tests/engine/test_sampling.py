@@ -1,5 +1,6 @@
 """The sampler against argmax and softmax, per-request seeds under batching, and SamplingParams checks."""
 
+import dataclasses
 import math
 
 import pytest
@@ -74,6 +75,13 @@ def test_top_p_keeps_the_smallest_set_holding_top_p():
     counts = _draw_many(logits, SamplingParams(temperature=1.0, top_p=0.75), 4000)
     assert set(counts.nonzero().flatten().tolist()) == {1, 3}
     assert abs(counts[1].item() / 4000 - 0.5 / 0.8) < 0.03  # renormalised over the kept tokens
+
+
+def test_top_p_drops_a_token_once_the_tokens_above_it_hold_exactly_top_p():
+    """Four equal tokens, top_p 0.5: the first two hold exactly half the mass, so the smallest set
+    holding top_p is those two (equal logits rank by id, as in argmax)."""
+    counts = _draw_many(torch.zeros(4), SamplingParams(temperature=1.0, top_p=0.5), 2000)
+    assert set(counts.nonzero().flatten().tolist()) == {0, 1}
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -184,6 +192,7 @@ def test_defaults_are_the_wires_zero_values():
     [
         ({"temperature": -0.5}, "sampling.temperature: must be finite and >= 0, got -0.5"),
         ({"top_k": -2}, "sampling.top_k: must be >= 0 (0 disables it), got -2"),
+        ({"max_new_tokens": -5}, "sampling.max_new_tokens: must be > 0, got -5 (511 of 512 context tokens left)"),
         ({"stop": ("ok", "")}, "sampling.stop: stop[1] is empty"),
         ({"stop_token_ids": (3, 70)}, "sampling.stop_token_ids: stop_token_ids[1] = 70 is outside [0, 64)"),
     ],
@@ -207,6 +216,7 @@ def test_limits_themselves_are_valid():
         ignore_eos=True,
     )
     params.validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
+    dataclasses.replace(params, seed=0).validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
     assert params.stop == ("x" * 256,) * 16  # lists from the wire become tuples
     assert len(params.stop_token_ids) == 64
     hash(params)
