@@ -77,6 +77,13 @@ def test_top_p_keeps_the_smallest_set_holding_top_p():
     assert abs(counts[1].item() / 4000 - 0.5 / 0.8) < 0.03  # renormalised over the kept tokens
 
 
+def test_tied_logits_rank_by_id_as_argmax_does():
+    """top_k 1 over a row of equal logits is the greedy token (the lowest id), and top_k 3 keeps ids 0-2."""
+    for top_k, kept in ((1, {0}), (3, {0, 1, 2})):
+        counts = _draw_many(torch.zeros(VOCAB_SIZE), SamplingParams(temperature=1.0, top_k=top_k), 500)
+        assert set(counts.nonzero().flatten().tolist()) == kept
+
+
 def test_top_p_drops_a_token_once_the_tokens_above_it_hold_exactly_top_p():
     """Four equal tokens, top_p 0.5: the first two hold exactly half the mass, so the smallest set
     holding top_p is those two (equal logits rank by id, as in argmax)."""
@@ -216,7 +223,8 @@ def test_limits_themselves_are_valid():
         ignore_eos=True,
     )
     params.validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
-    dataclasses.replace(params, seed=0).validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
+    for lowest in ({"seed": 0}, {"max_new_tokens": 1}):
+        dataclasses.replace(params, **lowest).validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
     assert params.stop == ("x" * 256,) * 16  # lists from the wire become tuples
     assert len(params.stop_token_ids) == 64
     hash(params)
