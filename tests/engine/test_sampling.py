@@ -176,7 +176,7 @@ MAX_CONTEXT = 512
         ({"stop": ("x" * 257,)}, "stop"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
         ({"stop_token_ids": (3, VOCAB_SIZE)}, "stop_token_ids"),
-        ({"stop_token_ids": tuple(range(65))}, "stop_token_ids"),  # each in range, but one over 64
+        ({"stop_token_ids": tuple(i % VOCAB_SIZE for i in range(65))}, "stop_token_ids"),  # in range, 65 of them
     ],
 )
 def test_every_invalid_field_is_named(fields, field):
@@ -225,6 +225,7 @@ def test_limits_themselves_are_valid():
     params.validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
     for lowest in ({"seed": 0}, {"max_new_tokens": 1}):
         dataclasses.replace(params, **lowest).validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
+    dataclasses.replace(params, max_new_tokens=MAX_CONTEXT).validate(VOCAB_SIZE, MAX_CONTEXT)  # no prompt: all of it
     assert params.stop == ("x" * 256,) * 16  # lists from the wire become tuples
     assert len(params.stop_token_ids) == 64
     hash(params)
