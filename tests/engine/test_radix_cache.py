@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from engine.kv_pool import PageAllocator, num_new_pages, pages_of_slots, slots_of_pages
 from engine.radix_cache import RadixCache
@@ -176,6 +177,18 @@ def test_insert_of_a_cached_prefix_counts_as_a_use():
     assert cache.evict(2) == 2
     assert cache.match_prefix("", [7, 8]).cached_len == 0  # (7, 8), used at 1, went first
     assert cache.match_prefix("", [1, 2]).cached_len == 2
+    cache.check_invariants()
+
+
+def test_token_ids_as_a_tensor_key_the_same_nodes_as_a_list():
+    cache = make_cache(page_size=2)
+    slots = take_slots(cache, 5)
+    assert cache.insert("", torch.tensor([1, 2, 3, 4, 5]), slots) == 0  # the partial page stays the caller's
+    free_whole_pages(cache, slots[4:])
+    assert cache.match_prefix("", torch.tensor([1, 2, 3, 9])).slots.tolist() == slots[:2]
+    assert cache.match_prefix("", [1, 2, 3, 4]).slots.tolist() == slots[:4]
+    assert cache.insert("", torch.tensor([1, 2, 3, 4]), slots[:4]) == 4
+    assert cache.total_size() == 4
     cache.check_invariants()
 
 
