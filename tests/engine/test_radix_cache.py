@@ -233,6 +233,10 @@ def _corrupt_shared_slot(cache: RadixCache, node) -> None:
     child.value = node.value[: len(child.value)].clone()
 
 
+def _corrupt_page_order(cache: RadixCache, node) -> None:
+    node.value = node.value.flip(0)  # the page's slots, last first
+
+
 def _corrupt_namespace(cache: RadixCache, node) -> None:
     child = next(iter(node.children.values()))
     del node.children[("x", child.key[:2])]
@@ -252,6 +256,7 @@ def _corrupt_namespace(cache: RadixCache, node) -> None:
         (_corrupt_negative_lock, "negative lock_ref"),
         (_corrupt_shared_slot, "slot held by two nodes"),
         (_corrupt_namespace, "namespace differs from parent's"),
+        (_corrupt_page_order, "whole pages in page order"),
     ],
 )
 def test_check_invariants_catches_each_inconsistency(corrupt, message):
@@ -262,7 +267,7 @@ def test_check_invariants_catches_each_inconsistency(corrupt, message):
     cache.check_invariants()
     node = cache.match_prefix("x", [1, 2]).node
     corrupt(cache, node)
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises((AssertionError, ValueError), match=message):  # ValueError: from pages_of_slots
         cache.check_invariants()
 
 
