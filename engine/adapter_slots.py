@@ -3,6 +3,8 @@
 Invariants: a slot used by a running request (num_users > 0) or pinned is never evicted; at most
 num_slots - 1 slots are pinned, so one slot always stays available to unpinned adapters. The
 eviction policy is a named function over the evictable slots (LRU by default, FIFO selectable).
+A load ahead (`load_ahead`, for a request still waiting) places an adapter without a user: it takes an
+empty slot, else the policy's victim among the evictable slots whose adapter no waiting request needs.
 
 Deciding only: placing an adapter records a `LoadSlot` command (and keeps its packed host copy) for the
 next step plan; the model workers perform the copies. An emptied slot needs no command: no segment of
@@ -12,7 +14,7 @@ a plan names it until a later load, which zeroes it first.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from engine.lora_pool import PackedAdapter
@@ -60,7 +62,8 @@ class AdapterSlots:
         self._by_digest: dict[str, SlotState] = {}
         self._loads: list[LoadSlot] = []  # decided, not yet handed to the workers
         self._packed: dict[str, PackedAdapter] = {}  # the host copies those loads read
-        self.num_loads = 0
+        self.num_loads = 0  # loads ahead included
+        self.num_loads_ahead = 0
         self.num_evictions = 0
 
     def take_loads(self) -> tuple[tuple[LoadSlot, ...], dict[str, PackedAdapter]]:
@@ -81,6 +84,19 @@ class AdapterSlots:
         state = self._by_digest.get(digest) or self._place(digest, load)
         state.num_users += 1
         state.last_used = self.clock()
+        return state.index
+
+    def load_ahead(self, digest: str, load: Callable[[], PackedAdapter], keep: Collection[str]) -> int | None:
+        """Place digest, not yet used, so that its copy runs before its request's turn; never evicts an
+        adapter in `keep` (those waiting requests need). Returns its slot, or None: already placed, or
+        no slot is empty or evictable outside `keep`."""
+        if digest in self._by_digest:
+            return None
+        state = self._free_slot(keep)
+        if state is None:
+            return None
+        self._place(digest, load, state)
+        self.num_loads_ahead += 1
         return state.index
 
     def release(self, digest: str) -> None:
@@ -115,15 +131,17 @@ class AdapterSlots:
         self._empty(state)
         return True
 
-    def _free_slot(self) -> SlotState | None:
+    def _free_slot(self, keep: Collection[str] = ()) -> SlotState | None:
         empty = [s for s in self.slots if s.digest is None]
         if empty:
             return empty[0]
-        candidates = [s for s in self.slots if s.is_evictable]
+        candidates = [s for s in self.slots if s.is_evictable and s.digest not in keep]
         return self.choose_victim(candidates) if candidates else None
 
-    def _place(self, digest: str, load: Callable[[], PackedAdapter]) -> SlotState:
-        state = self._free_slot()
+    def _place(
+        self, digest: str, load: Callable[[], PackedAdapter], state: SlotState | None = None
+    ) -> SlotState:
+        state = state or self._free_slot()
         if state is None:
             raise SlotsExhausted("every slot is used by running requests or pinned")
         if state.digest is not None:

@@ -3,7 +3,10 @@ tenant and by fair share between tenants (engine/fair_share.py), and retraction 
 when KV runs out.
 
 A step is a list of `BatchEntry`: running requests first (decodes and unfinished prefill chunks, in
-arrival order), then newly admitted ones while the token budget, the running cap and KV allow.
+arrival order), then newly admitted ones while the token budget, the running cap and KV allow. After
+admission, the adapters of requests still waiting may be loaded ahead into free slots (at most
+`max_lora_load_ahead` a step, queue order): their copies then run beside this step's forward, not
+inside the step that admits them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from engine.request_kv import RequestKV
 class SchedulerConfig:
     max_running_requests: int = 64
     max_batch_tokens: int = 2048  # tokens computed per step: decodes + prefill chunks
+    max_lora_load_ahead: int = 0  # adapters of waiting requests loaded per step before their turn; 0 = off
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < self.max_running_requests:
@@ -98,6 +102,9 @@ class Scheduler:
         if self.drain is not None and self.lora is not None:
             self.drain.update(self.waiting, self.running, self.lora)
         entries += self._admit_waiting(budget)
+        if self.lora is not None and self.config.max_lora_load_ahead > 0:
+            waiting = [(r.namespace, r.packed_adapter) for r in self.waiting if r.namespace]
+            self.lora.load_ahead(waiting, self.config.max_lora_load_ahead)
         return entries
 
     def finish(self, req: Request, event: Finished | Failed) -> None:

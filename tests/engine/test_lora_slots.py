@@ -9,6 +9,7 @@ import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
+from engine.lora_manager import LoraManager
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
 from engine.named_shapes import NAMED_SHAPES
 from loraformat.peft_compile import CanonicalAdapter
@@ -172,7 +173,11 @@ def test_host_cache_is_lru_by_digest():
     cache.put(packed("c"))
     assert "b" not in cache and "a" in cache and "c" in cache
     assert cache.get("b") is None
-    assert (cache.num_hits, cache.num_misses) == (1, 1)
+    assert (cache.num_hits, cache.num_misses, cache.num_joined) == (1, 0, 0)  # a miss is its fetcher's to count
+    cache.count_miss()
+    cache.count_miss(joined=True)
+    cache.count_miss(joined=True)
+    assert (cache.num_hits, cache.num_misses, cache.num_joined) == (1, 1, 2)
 
 
 def test_slots_decide_each_load_once_and_evict_on_request():
@@ -213,3 +218,67 @@ def test_fifo_goes_by_load_time_not_by_slot_order():
     assert slots.acquire("c", loader("c")) == y
     assert [s.digest for s in slots.slots] == ["b", "c"]
     assert slots.num_loads == 4
+
+
+# ---------------------------------------------------------------------------------------- load ahead
+
+
+def test_load_ahead_takes_an_empty_slot_that_admission_then_finds():
+    slots = make_slots(2)
+    busy = slots.acquire("busy", loader("busy"))
+    slots.take_loads()
+    ahead = slots.load_ahead("next", loader("next"), keep={"next"})
+    assert ahead == 1 - busy and slots.slots[ahead].num_users == 0
+    assert [(load.slot, load.digest) for load in slots.take_loads()[0]] == [(ahead, "next")]
+    assert (slots.num_loads, slots.num_loads_ahead, slots.num_evictions) == (2, 1, 0)
+    assert slots.load_ahead("next", loader("next"), keep={"next"}) is None  # placed already: no second copy
+    assert slots.acquire("next", loader("next")) == ahead  # its turn: no load left to do
+    assert slots.take_loads() == ((), {}) and slots.num_loads == 2
+
+
+def test_load_ahead_evicts_only_idle_adapters_no_waiting_request_needs():
+    """busy is used by a running request, pinned is pinned, wanted is idle but a waiting request needs
+    it, idle is idle and unwanted: only idle's slot may go, and only once."""
+    slots = make_slots(4)
+    for name in ("busy", "wanted", "idle"):
+        slots.acquire(name, loader(name))
+    slots.pin("pinned", loader("pinned"))
+    slots.release("idle")
+    slots.release("wanted")  # now the least recently used: LRU alone would take it first
+    keep = {"wanted", "x", "y"}
+    assert slots.load_ahead("x", loader("x"), keep) == slots.slots.index(next(s for s in slots.slots if s.digest == "x"))
+    assert slots.slot_of("idle") is None and slots.num_evictions == 1
+    assert slots.load_ahead("y", loader("y"), keep) is None  # x is wanted too: no slot left
+    assert {s.digest for s in slots.slots} == {"busy", "pinned", "wanted", "x"}
+    assert slots.num_loads_ahead == 1
+
+
+def test_admission_may_still_take_a_slot_loaded_ahead():
+    """A slot loaded ahead has no user: it never blocks a request that can run now."""
+    slots = make_slots(1)
+    slots.load_ahead("later", loader("later"), keep={"later"})
+    assert slots.can_acquire("now")
+    assert slots.acquire("now", loader("now")) == 0 and slots.slot_of("later") is None
+
+
+def manager(num_slots: int) -> LoraManager:
+    return LoraManager(make_slots(num_slots), HostAdapterCache(4))
+
+
+def test_manager_loads_ahead_in_queue_order_once_per_adapter_within_the_bound():
+    lora = manager(4)
+    lora.acquire("run", packed("run"))
+    lora.take_loads()
+    waiting = [(name, packed(name)) for name in ("a", "run", "b", "a", "c", "d")]
+    assert lora.load_ahead(waiting, max_loads=2) == 2
+    assert [load.digest for load in lora.take_loads()[0]] == ["a", "b"]  # run holds a slot already
+    assert lora.load_ahead(waiting, max_loads=2) == 1  # one empty slot left
+    assert [load.digest for load in lora.take_loads()[0]] == ["c"]
+    assert lora.load_ahead(waiting, max_loads=2) == 0  # every other slot holds what the queue wants
+    assert lora.slots.slot_of("d") is None and lora.slots.num_evictions == 0
+
+
+def test_manager_leaves_requests_without_a_host_copy_to_admission():
+    lora = manager(2)
+    assert lora.load_ahead([("bare", None), ("ok", packed("ok"))], max_loads=2) == 1
+    assert [load.digest for load in lora.take_loads()[0]] == ["ok"]
