@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -282,3 +283,18 @@ def test_manager_leaves_requests_without_a_host_copy_to_admission():
     lora = manager(2)
     assert lora.load_ahead([("bare", None), ("ok", packed("ok"))], max_loads=2) == 1
     assert [load.digest for load in lora.take_loads()[0]] == ["ok"]
+
+
+def test_a_forward_waits_only_for_the_loads_of_its_own_slots(monkeypatch):
+    """On CUDA each load records an event on the copy stream; a forward waits for those of the slots it
+    reads, so a copy ahead into another slot keeps running beside it. The stream is faked here (no GPU)."""
+    pool = LoraSlotPool(CONFIG, num_slots=3, max_rank=8, dtype=torch.float32, device="cpu")
+    waited = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=waited.append))
+    pool._pending = {0: "end of slot 0's load", 2: "end of slot 2's load"}
+    pool.wait_for_loads([0, 1, pool.base_slot, 0])
+    assert waited == ["end of slot 0's load"]
+    pool.wait_for_loads([0])
+    assert waited == ["end of slot 0's load"]  # waited for once
+    pool.wait_for_loads()  # None: every slot
+    assert waited == ["end of slot 0's load", "end of slot 2's load"] and not pool._pending

@@ -14,9 +14,12 @@ from typing import NamedTuple
 
 import pytest
 
+from engine.adapter_cache import HostAdapterCache
+from engine.adapter_slots import AdapterSlots
 from engine.drain import StarvationDrain
 from engine.errors import Code
 from engine.kv_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool, num_pages_for
+from engine.lora_manager import LoraManager
 from engine.radix_cache import RadixCache
 from engine.request import Failed, Finished, FinishReason, Request
 from engine.request_kv import RequestKV
@@ -62,13 +65,13 @@ class Sim:
     """A Scheduler over real KV owners, stepped by a fake model that checks KV reads and writes."""
 
     def __init__(self, tokenizer: Tokenizer, *, page_size: int, num_pages: int, max_running: int = 8,
-                 max_batch_tokens: int = 64, clock=None, lora=None, drain=None):
+                 max_batch_tokens: int = 64, clock=None, lora=None, drain=None, load_ahead: int = 0):
         self.tokenizer = tokenizer
         self.allocator = PageAllocator(num_pages, page_size)
         self.req_pool = ReqToTokenPool(max_running, MAX_CONTEXT)
         self.radix = RadixCache(page_size, self.allocator)
         kv = RequestKV(self.allocator, self.req_pool, self.radix)
-        config = SchedulerConfig(max_running, max_batch_tokens)
+        config = SchedulerConfig(max_running, max_batch_tokens, max_lora_load_ahead=load_ahead)
         self.sched = Scheduler(config, kv, clock=clock or time.monotonic, lora=lora, drain=drain)
         self.kv_content: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.events: dict[str, list] = {}
@@ -523,3 +526,94 @@ def test_an_admission_that_raises_loses_no_slot_blocked_request(tokenizer):
         sim.sched.schedule()
     # (the loop's failure path then fails every request; here only what it finds matters)
     assert [r.rid for r in sim.sched.waiting] == ["x1", "y1", "base"]
+
+
+# ------------------------------------------------------------------------------------- LoRA load ahead
+
+
+def real_lora(num_slots: int) -> LoraManager:
+    """Real slot decisions; a packed adapter's stand-in (the slots read only its rank; nothing is copied)."""
+    return LoraManager(AdapterSlots(num_slots), HostAdapterCache(8))
+
+
+def add_with_adapter(sim: Sim, rid: str, namespace: str, seed: int, max_new_tokens: int = 3) -> Request:
+    req = sim.add(rid, prompt_of(5, seed), max_new_tokens=max_new_tokens, namespace=namespace)
+    req.packed_adapter = SimpleNamespace(rank=4)  # admission fetched it before submitting
+    return req
+
+
+def step_loads(sim: Sim) -> list[tuple[str, int]]:
+    """Step, then the (digest, slot) loads the step's plan would carry."""
+    sim.step()
+    return [(load.digest, load.slot) for load in sim.sched.lora.take_loads()[0]]
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_a_waiting_requests_adapter_is_loaded_by_an_earlier_step(tokenizer, page_size):
+    """Guards the overlap: b waits behind a (running cap 1); the plan of a's first step already loads b's
+    adapter into the free slot, so the step that admits b loads nothing and b's tokens are intact."""
+    sim = Sim(tokenizer, page_size=page_size, num_pages=256, max_running=1, lora=real_lora(2), load_ahead=2)
+    a = add_with_adapter(sim, "a", "X", seed=1)
+    b = add_with_adapter(sim, "b", "Y", seed=2)
+    assert step_loads(sim) == [("X", 0), ("Y", 1)]  # X for a now, Y ahead for b
+    assert list(sim.sched.waiting) == [b]
+    while b not in sim.sched.running:
+        assert step_loads(sim) == []
+    assert b.lora_slot == 1 and sim.admission_order == ["a", "b"]
+    sim.run()
+    assert_finished(sim, a, 3) and assert_finished(sim, b, 3)
+    slots = sim.sched.lora.slots
+    assert (slots.num_loads, slots.num_loads_ahead, slots.num_evictions) == (2, 1, 0)
+    sim.assert_all_freed()
+
+
+def test_without_load_ahead_the_admitting_step_loads(tokenizer):
+    """The same queue with the knob at 0: b's adapter is loaded by the plan of the step that runs b."""
+    sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=real_lora(2), load_ahead=0)
+    add_with_adapter(sim, "a", "X", seed=1)
+    b = add_with_adapter(sim, "b", "Y", seed=2)
+    assert step_loads(sim) == [("X", 0)]
+    loads = []
+    while b not in sim.sched.running:
+        loads = step_loads(sim)
+    assert loads == [("Y", 1)] and sim.sched.lora.slots.num_loads_ahead == 0
+
+
+def test_load_ahead_is_bounded_per_step_and_follows_the_queue(tokenizer):
+    sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=real_lora(4), load_ahead=2)
+    add_with_adapter(sim, "a", "X", seed=1, max_new_tokens=6)
+    for i, (rid, namespace) in enumerate((("b", "Y"), ("c", "Z"), ("d", "Y"), ("e", "W"))):
+        add_with_adapter(sim, rid, namespace, seed=2 + i)
+    assert step_loads(sim) == [("X", 0), ("Y", 1), ("Z", 2)]  # two ahead: Y (b, d), then Z
+    assert step_loads(sim) == [("W", 3)]
+    assert step_loads(sim) == []
+    sim.run()
+    assert sim.admission_order == ["a", "b", "c", "d", "e"]
+    assert sim.sched.lora.slots.num_loads == 4 and sim.sched.lora.slots.num_evictions == 0
+    sim.assert_all_freed()
+
+
+def test_load_ahead_never_evicts_an_adapter_in_use_pinned_or_wanted(tokenizer):
+    """Slots: X used by running a, P pinned, Q idle but wanted by waiting q. Waiting b's adapter Y finds no
+    slot it may take ahead, so nothing is loaded or evicted while a runs. Once a ends, admission takes the
+    least recently used idle slot for b (Q's: admission follows plain LRU), and the load ahead puts Q back
+    for q into X's slot, idle and wanted by nobody."""
+    lora = real_lora(3)
+    sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=lora, load_ahead=2)
+    lora.pin("P", SimpleNamespace(rank=4))
+    add_with_adapter(sim, "q0", "Q", seed=1, max_new_tokens=1)
+    sim.run()
+    lora.take_loads()
+    a = add_with_adapter(sim, "a", "X", seed=2, max_new_tokens=3)
+    b = add_with_adapter(sim, "b", "Y", seed=3)
+    add_with_adapter(sim, "q", "Q", seed=4)
+    assert step_loads(sim) == [("X", 2)] and a in sim.sched.running
+    assert step_loads(sim) == [] and lora.slots.num_evictions == 0
+    assert {s.digest for s in lora.slots.slots} == {"P", "Q", "X"}
+    assert step_loads(sim) == []  # a samples its last token and ends in this step
+    assert step_loads(sim) == [("Y", 1), ("Q", 2)] and b in sim.sched.running
+    while len(sim.admission_order) < 4:
+        assert step_loads(sim) == []  # q finds Q in place
+    sim.run()
+    assert lora.slots.slot_of("P") == 0 and sim.admission_order == ["q0", "a", "b", "q"]
+    sim.assert_all_freed()
