@@ -262,7 +262,7 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     )
     p.add_argument("--lora-eviction-policy", default=env("--lora-eviction-policy", "lru"), choices=("lru", "fifo"))
     p.add_argument(
-        "--lora-load-ahead", type=int, default=int(env("--lora-load-ahead", DEFAULT_LORA_LOAD_AHEAD)),
+        "--lora-load-ahead", type=_int_in(0, 4096), default=int(env("--lora-load-ahead", DEFAULT_LORA_LOAD_AHEAD)),
         help="per step, load up to N adapters of queued requests into free GPU slots before their turn,"
         " so the copies overlap decoding; 0 turns it off",
     )
