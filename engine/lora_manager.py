@@ -1,11 +1,11 @@
 """Adapter residency for the scheduler: which digest sits in which slot, and the host cache, keyed by digest.
 
 Composes the slot assignment (AdapterSlots) and the host cache; the scheduler asks `can_acquire` before
-admitting a request and `acquire`/`release` around its run, and after admission `load_ahead` for the
+admitting a request, `acquire`/`release` around its run, and after admission `load_ahead` for the
 requests still waiting. It only decides: the slot loads it decides leave through `take_loads` in the
-next step plan, and the workers copy them. Every packed adapter comes
-from one path, `EngineCore.prepare` (local file or registry fetch -> pack -> host cache), before its
-request is submitted or its pin applied; here a missing host copy is a bug, not a reason to fetch.
+next step plan, and the workers copy them. Every packed adapter comes from one path,
+`EngineCore.prepare` (local file or registry fetch -> pack -> host cache), before its request is
+submitted or its pin applied; here a missing host copy is a bug, not a reason to fetch.
 """
 
 from __future__ import annotations
@@ -90,4 +90,3 @@ class LoraManager:
         if packed is None:
             raise LookupError(f"adapter {digest[:12]} has no packed host copy (EngineCore.prepare it first)")
         return packed
-
