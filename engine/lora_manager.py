@@ -10,7 +10,7 @@ submitted or its pin applied; here a missing host copy is a bug, not a reason to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from engine.adapter_cache import HostAdapterCache
 from engine.adapter_slots import AdapterSlots
@@ -36,10 +36,11 @@ class LoraManager:
     def can_acquire(self, digest: str) -> bool:
         return self.slots.can_acquire(digest)
 
-    def acquire(self, digest: str, packed: PackedAdapter | None = None) -> int:
-        """The slot of digest for one more running request; `packed` is the request's host copy."""
+    def acquire(self, digest: str, packed: PackedAdapter | None = None, wanted: Collection[str] = ()) -> int:
+        """The slot of digest for one more running request; `packed` is the request's host copy. An
+        eviction spares the adapters in `wanted` (those of waiting requests) while another is idle."""
         self._retired.discard(digest)  # the same content may come back under another name
-        return self.slots.acquire(digest, lambda: self._host_copy(digest, packed))
+        return self.slots.acquire(digest, lambda: self._host_copy(digest, packed), wanted)
 
     def release(self, digest: str) -> None:
         self.slots.release(digest)

@@ -200,6 +200,53 @@ def test_slots_decide_each_load_once_and_evict_on_request():
     assert slots.num_evictions == 1  # an explicit evict is not an eviction for room
 
 
+def idle(slots: AdapterSlots, *names: str) -> None:
+    """Place each name and leave it idle, the first least recently used."""
+    for name in names:
+        slots.acquire(name, loader(name))
+        slots.release(name)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_acquire_spares_wanted_adapters_while_another_is_idle(policy):
+    """w1 is the victim of either policy (least recently used, loaded first); a waiting request wants it,
+    so the unwanted idle u goes instead."""
+    slots = make_slots(3, policy)
+    idle(slots, "w1", "u", "w2")
+    u = slots.slot_of("u")
+    assert slots.acquire("new", loader("new"), wanted={"w1", "w2", "new"}) == u
+    assert slots.slot_of("u") is None and slots.slot_of("w1") is not None and slots.slot_of("w2") is not None
+    assert (slots.num_loads, slots.num_evictions) == (4, 1)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_acquire_takes_the_policys_victim_among_wanted_adapters_when_all_idle_ones_are(policy):
+    """Every idle adapter is wanted: admission still gets a slot (unlike a load ahead), the policy's victim
+    among them; the slot in use and the pinned one stay whatever `wanted` says."""
+    slots = make_slots(4, policy)
+    slots.pin("pinned", loader("pinned"))
+    slots.acquire("busy", loader("busy"))
+    idle(slots, "w1", "w2")
+    slots.acquire("w2", loader("w2"))  # w2 used again: w1 is the least recently used and the oldest load
+    slots.release("w2")
+    w1 = slots.slot_of("w1")
+    assert slots.can_acquire("new")
+    assert slots.acquire("new", loader("new"), wanted={"w1", "w2"}) == w1
+    assert {s.digest for s in slots.slots} == {"pinned", "busy", "w2", "new"}
+
+
+def test_acquire_never_evicts_in_use_or_pinned_adapters_outside_wanted():
+    """Only busy (in use) and pinned hold slots, neither wanted: spared-or-not, neither is evictable."""
+    slots = make_slots(2)
+    slots.pin("pinned", loader("pinned"))
+    slots.acquire("busy", loader("busy"))
+    assert not slots.can_acquire("new")
+    with pytest.raises(SlotsExhausted):
+        slots.acquire("new", loader("new"), wanted={"other"})
+    assert slots.slot_of("busy") is not None and slots.slot_of("pinned") is not None
+    assert (slots.num_loads, slots.num_evictions) == (2, 0)
+
+
 def test_unknown_eviction_policy_is_refused():
     with pytest.raises(ValueError, match=r"eviction policy 'mru' is not one of \['fifo', 'lru'\]"):
         AdapterSlots(1, "mru")
@@ -283,6 +330,16 @@ def test_manager_leaves_requests_without_a_host_copy_to_admission():
     lora = manager(2)
     assert lora.load_ahead([("bare", None), ("ok", packed("ok"))], max_loads=2) == 1
     assert [load.digest for load in lora.take_loads()[0]] == ["ok"]
+
+
+def test_manager_passes_the_wanted_adapters_to_the_slots():
+    lora = manager(2)
+    lora.acquire("w", packed("w"))
+    lora.acquire("u", packed("u"))
+    lora.release("w")  # w released first: LRU alone would evict it
+    lora.release("u")
+    u = lora.slots.slot_of("u")
+    assert lora.acquire("new", packed("new"), wanted={"w"}) == u and lora.slots.slot_of("w") is not None
 
 
 def test_a_forward_waits_only_for_the_loads_of_its_own_slots(monkeypatch):

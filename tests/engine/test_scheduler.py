@@ -260,7 +260,7 @@ class FakeSlots:
     def can_acquire(self, digest: str) -> bool:
         return digest in self.users or len(self.users) < self.num_slots
 
-    def acquire(self, digest: str, packed=None) -> int:
+    def acquire(self, digest: str, packed=None, wanted=()) -> int:
         assert self.can_acquire(digest), f"{digest} admitted without a slot"
         self.users[digest] = self.users.get(digest, 0) + 1
         return list(self.users).index(digest)
@@ -471,7 +471,7 @@ def test_truncate_frees_the_pages_past_the_kept_tokens(tokenizer, page_size):
 
 
 class FailingSlots(FakeSlots):
-    def acquire(self, digest: str, packed=None) -> int:
+    def acquire(self, digest: str, packed=None, wanted=()) -> int:
         raise RuntimeError("the adapter could not be loaded")
 
 
@@ -516,7 +516,7 @@ def test_an_admission_that_raises_loses_no_slot_blocked_request(tokenizer):
     sim.add("base", prompt_of(6, 9), max_new_tokens=2)
     real_admit = sim.sched._admit
 
-    def admit_raising_once(req, budget):
+    def admit_raising_once(req, budget, wanted):
         sim.sched._admit = real_admit
         sim.sched.waiting.appendleft(req)  # as a failed slot load leaves it (see _admit)
         raise RuntimeError("simulated admission fault")
@@ -595,9 +595,9 @@ def test_load_ahead_is_bounded_per_step_and_follows_the_queue(tokenizer):
 
 def test_load_ahead_never_evicts_an_adapter_in_use_pinned_or_wanted(tokenizer):
     """Slots: X used by running a, P pinned, Q idle but wanted by waiting q. Waiting b's adapter Y finds no
-    slot it may take ahead, so nothing is loaded or evicted while a runs. Once a ends, admission takes the
-    least recently used idle slot for b (Q's: admission follows plain LRU), and the load ahead puts Q back
-    for q into X's slot, idle and wanted by nobody."""
+    slot it may take ahead, so nothing is loaded or evicted while a runs. Once a ends, admission takes X's
+    slot for b, idle and wanted by nobody, though Q's is the least recently used: Q stays for q, so nothing
+    is reloaded (plain LRU would evict Q, and the load ahead would put it back into X's slot)."""
     lora = real_lora(3)
     sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=lora, load_ahead=2)
     lora.pin("P", SimpleNamespace(rank=4))
@@ -611,9 +611,83 @@ def test_load_ahead_never_evicts_an_adapter_in_use_pinned_or_wanted(tokenizer):
     assert step_loads(sim) == [] and lora.slots.num_evictions == 0
     assert {s.digest for s in lora.slots.slots} == {"P", "Q", "X"}
     assert step_loads(sim) == []  # a samples its last token and ends in this step
-    assert step_loads(sim) == [("Y", 1), ("Q", 2)] and b in sim.sched.running
+    assert lora.slots.slots[1].last_used < lora.slots.slots[2].last_used  # Q is LRU's victim
+    assert step_loads(sim) == [("Y", 2)] and b in sim.sched.running
     while len(sim.admission_order) < 4:
         assert step_loads(sim) == []  # q finds Q in place
     sim.run()
-    assert lora.slots.slot_of("P") == 0 and sim.admission_order == ["q0", "a", "b", "q"]
+    assert lora.slots.slot_of("P") == 0 and lora.slots.slot_of("Q") == 1
+    assert sim.admission_order == ["q0", "a", "b", "q"]
+    assert (lora.slots.num_loads, lora.slots.num_loads_ahead, lora.slots.num_evictions) == (4, 0, 1)
     sim.assert_all_freed()
+
+
+# --------------------------------------------------------------------------- admission's eviction victim
+
+
+def idle_adapters(sim: Sim, *namespaces: str) -> None:
+    """Run one request of each namespace in turn, so each is left idle in a slot, the first least recent."""
+    for i, namespace in enumerate(namespaces):
+        add_with_adapter(sim, f"{namespace.lower()}0", namespace, seed=20 + i, max_new_tokens=1)
+        sim.run()
+    sim.sched.lora.take_loads()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_admission_evicts_an_idle_adapter_no_waiting_request_needs(tokenizer, page_size):
+    """Guards the victim choice without load ahead: Q (least recently used) and X sit idle; b (adapter Y)
+    is admitted first while q waits for Q. b must take X's slot, so q finds Q in place: one load in all.
+    Plain LRU would evict Q and reload it for q, evicting X."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=page_size, num_pages=256, max_running=1, lora=lora)
+    idle_adapters(sim, "Q", "X")
+    q_slot, x_slot = lora.slots.slot_of("Q"), lora.slots.slot_of("X")
+    loads_before, evictions_before = lora.slots.num_loads, lora.slots.num_evictions
+    b = add_with_adapter(sim, "b", "Y", seed=1)
+    q = add_with_adapter(sim, "q", "Q", seed=2)
+    assert step_loads(sim) == [("Y", x_slot)] and list(sim.sched.waiting) == [q]
+    while q not in sim.sched.running:
+        assert step_loads(sim) == []
+    assert q.lora_slot == q_slot
+    sim.run()
+    assert_finished(sim, b, 3) and assert_finished(sim, q, 3)
+    assert (lora.slots.num_loads - loads_before, lora.slots.num_evictions - evictions_before) == (1, 1)
+    sim.assert_all_freed()
+
+
+def test_admission_falls_back_to_lru_when_every_idle_adapter_is_wanted(tokenizer):
+    """Q (least recently used) and R sit idle, both wanted by waiting requests: b's adapter Y must still get
+    a slot, and LRU decides among the wanted ones (Q goes, not R)."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=lora)
+    idle_adapters(sim, "Q", "R")
+    q_slot, r_slot = lora.slots.slot_of("Q"), lora.slots.slot_of("R")
+    add_with_adapter(sim, "b", "Y", seed=1)
+    r = add_with_adapter(sim, "r", "R", seed=2)
+    add_with_adapter(sim, "q", "Q", seed=3)
+    assert step_loads(sim) == [("Y", q_slot)]
+    while r not in sim.sched.running:
+        assert step_loads(sim) == []
+    assert r.lora_slot == r_slot  # R stayed
+    sim.run()
+    assert sim.admission_order[-3:] == ["b", "r", "q"]
+    sim.assert_all_freed()
+
+
+def test_a_request_that_left_the_queue_no_longer_protects_its_adapter(tokenizer):
+    """Guards the per-step count: `big` (adapter Q) fails at admission as too big for the KV pool, so in
+    the same step c's adapter Y may take Q's slot (now wanted by nobody) rather than X's, which d waits
+    for. A wanted set that forgot to drop big's Q would spare it and evict X."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=1, num_pages=41, max_running=4, max_batch_tokens=64, lora=lora)  # 40 KV slots
+    idle_adapters(sim, "X", "Q")  # X least recently used: LRU alone would evict X too
+    q_slot, x_slot = lora.slots.slot_of("Q"), lora.slots.slot_of("X")
+    big = sim.add("big", prompt_of(60, 1), namespace="Q")
+    c = add_with_adapter(sim, "c", "Y", seed=2)
+    d = add_with_adapter(sim, "d", "X", seed=3)
+    assert step_loads(sim) == [("Y", q_slot)]
+    assert isinstance(sim.final("big"), Failed) and big.lora_slot == -1
+    assert (c.lora_slot, d.lora_slot) == (q_slot, x_slot)
+    sim.run()
+    sim.assert_all_freed()
+
