@@ -7,8 +7,8 @@ arrival order), then newly admitted ones while the token budget, the running cap
 admission, the adapters of requests still waiting may be loaded ahead into free slots (at most
 `max_lora_load_ahead` a step, queue order): their copies then run beside this step's forward, not
 inside the step that admits them. A slot that admission loads evicts an idle adapter no waiting request
-needs while there is one (plain LRU among the wanted ones otherwise), so it does not evict what the next
-admissions or loads ahead would load again.
+needs while there is one (the eviction policy's choice among the wanted ones otherwise), so it does not
+evict what the next admissions or loads ahead would load again.
 """
 
 from __future__ import annotations
@@ -230,7 +230,6 @@ class Scheduler:
 
 def _unwant(wanted: Counter[str], namespace: str) -> None:
     """A waiting request of namespace left the queue; an adapter no request waits for leaves `wanted`."""
-    if namespace in wanted:
-        wanted[namespace] -= 1
-        if wanted[namespace] <= 0:
-            del wanted[namespace]
+    wanted[namespace] -= 1
+    if wanted[namespace] <= 0:  # (a base request's "" was never counted: -1)
+        del wanted[namespace]

@@ -691,3 +691,34 @@ def test_a_request_that_left_the_queue_no_longer_protects_its_adapter(tokenizer)
     sim.run()
     sim.assert_all_freed()
 
+
+def test_an_adapter_stays_wanted_while_another_request_waits_for_it(tokenizer):
+    """The count, not a set: big and q both want Q (least recently used); big fails at admission, q still
+    waits, so c's adapter Y takes X's slot and q finds Q in place."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=1, num_pages=41, max_running=4, max_batch_tokens=64, lora=lora)
+    idle_adapters(sim, "Q", "X")
+    q_slot, x_slot = lora.slots.slot_of("Q"), lora.slots.slot_of("X")
+    sim.add("big", prompt_of(60, 1), namespace="Q")
+    c = add_with_adapter(sim, "c", "Y", seed=2)
+    q = add_with_adapter(sim, "q", "Q", seed=3)
+    assert step_loads(sim) == [("Y", x_slot)]
+    assert isinstance(sim.final("big"), Failed) and (c.lora_slot, q.lora_slot) == (x_slot, q_slot)
+    sim.run()
+    sim.assert_all_freed()
+
+
+def test_a_base_request_failed_at_admission_leaves_the_wanted_adapters_alone(tokenizer):
+    """A base request (no adapter) that fails at admission must not disturb the count: q still waits for
+    Q (least recently used), so c's adapter Y takes X's slot."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=1, num_pages=41, max_running=4, max_batch_tokens=64, lora=lora)
+    idle_adapters(sim, "Q", "X")
+    x_slot = lora.slots.slot_of("X")
+    sim.add("big", prompt_of(60, 1))
+    add_with_adapter(sim, "c", "Y", seed=2)
+    add_with_adapter(sim, "q", "Q", seed=3)
+    assert step_loads(sim) == [("Y", x_slot)]
+    sim.run()
+    sim.assert_all_freed()
+
