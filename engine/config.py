@@ -47,7 +47,7 @@ class EngineConfig:
     lora_eviction_policy: str = "lru"  # or "fifo"
     lora_load_ahead: int = DEFAULT_LORA_LOAD_AHEAD  # queued requests' adapters loaded a step ahead; 0 = off
     lora_drain_wait_s: float = DEFAULT_LORA_DRAIN_WAIT_S  # starvation drain threshold (DESIGN 7); 0 = off
-    lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked" / "splitk"
+    lora_backend: str = ""  # "" = "splitk" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked" / "splitk"
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off

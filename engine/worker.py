@@ -420,7 +420,9 @@ def _auto_kv_slots(local: ModelConfig, device: torch.device, dtype: torch.dtype,
 
 
 def _lora_backend(config: EngineConfig, device: torch.device) -> str:
-    return config.lora_backend or ("triton" if device.type == "cuda" else "ref")
+    # splitk: the plain Triton SGMV for prefill, the split-K shrink for decode steps (faster in every
+    # measured decode step; BENCHMARKS.md)
+    return config.lora_backend or ("splitk" if device.type == "cuda" else "ref")
 
 
 def _attention_backend(config: EngineConfig, device: torch.device) -> str:

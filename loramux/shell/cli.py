@@ -266,7 +266,7 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="per step, load up to N adapters of queued requests into free GPU slots before their turn,"
         " so the copies overlap decoding; 0 turns it off",
     )
-    p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton, chunked or splitk (default: triton on cuda)")
+    p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton, chunked or splitk (default: splitk on cuda, ref on cpu)")
     p.add_argument(
         "--tensor-parallel-size", type=int, default=int(env("--tensor-parallel-size", 1)),
         help="model workers, one per GPU (cuda:0..N-1); gloo processes on cpu",

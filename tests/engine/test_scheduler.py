@@ -103,7 +103,7 @@ class Sim:
         written: dict[int, Request] = {}
         for e in entries:
             req, ids = e.req, e.req.all_ids
-            assert self.req_pool.read(req.req_row, 0, req.kv_len).tolist() == req.kv_slots
+            assert self.req_pool.read(req.req_row, 0, req.kv_len) == req.kv_slots
             for i in range(e.start):  # the prefix this step attends to holds this request's own history
                 assert self.kv_content.get(req.kv_slots[i]) == (req.namespace, tuple(ids[: i + 1])), (req.rid, i)
             for i in range(e.start, e.start + e.extend_len):
