@@ -80,7 +80,7 @@ def reference(tiny_llama_dir, adapter_dirs, tmp_path_factory):
     return run_batch(tiny_llama_dir, adapter_dirs, tmp_path_factory.mktemp("ref"), attention_backend="ref", lora_backend="ref")
 
 
-@pytest.mark.parametrize("lora_backend", ["triton", "chunked"])
+@pytest.mark.parametrize("lora_backend", ["triton", "chunked", "splitk"])
 def test_sdpa_and_sgmv_backends_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, lora_backend):
     tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, attention_backend="sdpa", lora_backend=lora_backend)
     assert tokens == reference
@@ -88,13 +88,13 @@ def test_sdpa_and_sgmv_backends_give_the_reference_tokens(tiny_llama_dir, adapte
 
 
 def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):
-    """dtype bfloat16 with SDPA and Triton SGMV (the CUDA defaults but graphs): at every step the token
+    """dtype bfloat16 with SDPA and the splitk LoRA backend (the CUDA defaults but graphs): at every step the token
     chosen is within BF16_LOGIT_SLACK of the best float32 logit of peft for that adapter."""
     from transformers import AutoTokenizer
 
     from loramux.testing.peft_adapters import load_peft_model
 
-    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, dtype="bfloat16", attention_backend="sdpa", lora_backend="triton")
+    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, dtype="bfloat16", attention_backend="sdpa", lora_backend="splitk")
     model = load_peft_model(tiny_llama_dir, adapter_dirs)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     for (prompt, adapter), generated in zip(JOBS, tokens, strict=True):
