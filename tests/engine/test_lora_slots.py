@@ -120,26 +120,30 @@ def test_clear_makes_a_slot_rank_0_and_the_next_load_replaces_it_whole():
     assert pool.ranks == [2, 4, 0]
 
 
-class _FakeStream:
-    """Stands for a CUDA stream on this CPU-only machine: records the events it is told to wait for."""
-
-    def __init__(self, name: str):
-        self.name, self.waited = name, []
-
-    def wait_event(self, event) -> None:
-        self.waited.append(event)
-
-
-def test_loads_copy_on_their_own_stream_and_the_compute_stream_waits_for_each_once(monkeypatch):
-    """Guards the CUDA ordering of slot loads, with fake streams: every copy is issued on the pool's copy
-    stream, an event recorded after a load's copies marks its end, the compute stream is not made to wait
-    by `load` itself but by `wait_for_loads`, on every load issued since the last wait and only once."""
+def test_loads_copy_on_their_own_stream_after_queued_work_and_forwards_wait_for_the_latest(monkeypatch):
+    """Guards the CUDA ordering of slot loads, with fake streams (no GPU here): a load makes the copy stream
+    wait for the work queued on the compute stream (it may still read the slot's previous tenant), issues
+    every copy on the copy stream, then records an event; `load` never makes the compute stream wait, and
+    `wait_for_loads` waits for the latest load of each slot asked for, once."""
     pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
-    copy_stream, compute_stream, active = _FakeStream("copy"), _FakeStream("compute"), [None]
-    pool._copy_stream = copy_stream  # what the pool makes for itself on a CUDA device
-    issued_on = []  # the stream active when each target's copy was issued
-    copy_target = pool._copy_target
-    monkeypatch.setattr(pool, "_copy_target", lambda *args: (issued_on.append(active[0]), copy_target(*args)))
+    log, active = [], [None]
+
+    class FakeStream:
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait_stream(self, stream) -> None:
+            log.append(f"{self.name} waits for {stream.name}")
+
+        def wait_event(self, event) -> None:
+            log.append(f"{self.name} waits for event {event.number}")
+
+    class FakeEvent:
+        def __init__(self):
+            self.number = sum(entry.startswith("event") for entry in log)
+
+        def record(self, stream) -> None:
+            log.append(f"event {self.number} on {stream.name}")
 
     @contextlib.contextmanager
     def on_stream(stream):
@@ -147,27 +151,25 @@ def test_loads_copy_on_their_own_stream_and_the_compute_stream_waits_for_each_on
         yield
         active[0] = None
 
-    class FakeEvent:
-        def record(self, stream) -> None:
-            self.stream, self.num_copies_before = stream, len(issued_on)
-
+    copy_stream, compute_stream = FakeStream("copy"), FakeStream("compute")
+    pool._copy_stream = copy_stream  # what the pool makes for itself on a CUDA device
+    copy_target = pool._copy_target
+    monkeypatch.setattr(pool, "_copy_target", lambda *args: (log.append(f"copy on {active[0].name}"), copy_target(*args)))
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: compute_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute_stream)
 
-    pool.load(0, packed("a", seed=1))
-    pool.load(1, packed("b", seed=2))
-    num_targets = len(pool.targets)
-    assert issued_on == [copy_stream] * (2 * num_targets)
-    assert compute_stream.waited == []  # loading alone never stalls the compute stream
+    for slot, name in ((0, "a"), (1, "b"), (0, "c")):
+        pool.load(slot, packed(name, seed=len(log)))
+    one_load = ["copy waits for compute", *["copy on copy"] * len(pool.targets)]
+    assert log == [*one_load, "event 0 on copy", *one_load, "event 1 on copy", *one_load, "event 2 on copy"]
+    del log[:]
+    pool.wait_for_loads([1, pool.base_slot])
+    assert log == ["compute waits for event 1"]
     pool.wait_for_loads()
-    events = compute_stream.waited
-    assert [(e.stream, e.num_copies_before) for e in events] == [(copy_stream, num_targets), (copy_stream, 2 * num_targets)]
-    pool.wait_for_loads()  # nothing loaded since: nothing more to wait for
-    assert compute_stream.waited == events
-    pool.load(0, packed("c", seed=3))
+    assert log == ["compute waits for event 1", "compute waits for event 2"]  # slot 0's latest covers its first
     pool.wait_for_loads()
-    assert len(compute_stream.waited) == 3 and compute_stream.waited[-1].num_copies_before == 3 * num_targets
+    assert len(log) == 2
     assert pool.ranks[:2] == [4, 4] and pool.a["qkv"][:, 0].any()
 
 
