@@ -250,7 +250,7 @@ def _corrupt_namespace(cache: RadixCache, node) -> None:
         (_corrupt_sizes, "evictable_size out of sync"),
         (_corrupt_protected, "protected_size out of sync"),
         (_corrupt_child_key, "child keyed inconsistently"),
-        (_corrupt_misaligned, "not whole pages"),
+        (_corrupt_misaligned, "node is not whole pages"),
         (_corrupt_length, "key/value length mismatch"),
         (_corrupt_lock_order, "locked node under a less locked parent"),
         (_corrupt_negative_lock, "negative lock_ref"),
