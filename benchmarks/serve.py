@@ -22,8 +22,10 @@ sends --prompt-len random token ids and generates exactly --output-len tokens (i
 
 Reported per (engine, scenario): output tok/s over the scenario's wall time, TTFT and inter-token
 latency mean/p50/p99 (ms; a stream delta of k tokens counts as k gaps of its delay / k), adapter slot
-loads and host-cache hits/misses during the scenario (the engine's own counters in process; its
-Prometheus /metrics over gRPC), LoRA/base throughput, and engine/HF+peft throughput. JSON to --out.
+loads (of them, loads ahead for queued requests) and host-cache hits/misses/joined lookups (a miss is
+one fetch; a joined lookup waited for a fetch in flight) during the scenario (the engine's own counters
+in process; its Prometheus /metrics over gRPC), LoRA/base throughput, and engine/HF+peft throughput.
+--lora-load-ahead 0 turns load-ahead off for a comparison. JSON to --out.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.admission import GenerateInput
-from engine.config import EngineConfig
+from engine.config import DEFAULT_LORA_LOAD_AHEAD, EngineConfig
 from engine.request import Finished, TokenDelta
 from engine.sampling import SamplingParams
 from engine.server import start_engine
@@ -229,8 +231,10 @@ class InProcessClient:
             return {}
         return {
             "slot_loads": lora.slots.num_loads,
+            "slot_loads_ahead": lora.slots.num_loads_ahead,
             "host_cache_hits": lora.host_cache.num_hits,
             "host_cache_misses": lora.host_cache.num_misses,
+            "host_cache_joined": lora.host_cache.num_joined,
         }
 
     async def close(self) -> None:
@@ -242,8 +246,10 @@ class GrpcClient:
 
     METRICS: ClassVar[dict[str, str]] = {
         "slot_loads": "loramux_engine_adapter_loads_total",
+        "slot_loads_ahead": "loramux_engine_adapter_loads_ahead_total",
         "host_cache_hits": "loramux_engine_host_cache_hits_total",
         "host_cache_misses": "loramux_engine_host_cache_misses_total",
+        "host_cache_joined": "loramux_engine_host_cache_joined_total",
     }
 
     def __init__(self, process: Service, address: str, metrics_url: str):
@@ -364,6 +370,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "--max-batch-tokens", str(config.max_batch_tokens), "--max-context", str(config.max_context),
         "--num-kv-slots", str(config.num_kv_slots),
         "--max-queued-requests", str(config.max_queued_requests),
+        "--lora-load-ahead", str(config.lora_load_ahead),
     ]  # fmt: skip
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
@@ -494,6 +501,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         num_kv_slots=(args.max_running + 8) * max_context,
         max_queued_requests=max(1024, args.num_requests),
         lora_backend=args.lora_backend,
+        lora_load_ahead=args.lora_load_ahead,
     )
 
 
@@ -522,6 +530,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--lora-backend", default="", help="the engine's SGMV backend (default: its own)")
+    p.add_argument(
+        "--lora-load-ahead", type=int, default=DEFAULT_LORA_LOAD_AHEAD,
+        help="the engine's loads ahead per step for queued requests' adapters (0 = off)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="write the JSON report here")
     return p.parse_args(argv)

@@ -50,6 +50,11 @@ class HostAdapterCache:
 
     Thread-safe: request handlers fill it before submitting, the engine loop reads it. An evicted
     entry stays alive while a queued request still holds it (Request.packed_adapter).
+
+    Lookup counters, one per request that looks an adapter up (hits + misses + joined = lookups): a hit
+    found it here; a miss started the one fetch of its digest (so misses = fetches); a joined lookup
+    found that fetch in flight and waited for it without fetching. `get` counts hits; whoever fetches
+    (EngineCore.prepare) counts misses and joined lookups, since it alone knows which fetches are shared.
     """
 
     def __init__(self, max_adapters: int):
@@ -60,6 +65,7 @@ class HostAdapterCache:
         self._lock = threading.Lock()
         self.num_hits = 0
         self.num_misses = 0
+        self.num_joined = 0
 
     def __contains__(self, digest: str) -> bool:
         with self._lock:
@@ -70,14 +76,22 @@ class HostAdapterCache:
             return len(self._entries)
 
     def get(self, digest: str) -> PackedAdapter | None:
+        """The cached entry (a hit, now most recently used), or None (counted by the caller)."""
         with self._lock:
             entry = self._entries.get(digest)
             if entry is None:
-                self.num_misses += 1
                 return None
             self.num_hits += 1
             self._entries.move_to_end(digest)
             return entry
+
+    def count_miss(self, joined: bool = False) -> None:
+        """A lookup that missed: it starts the digest's fetch, or (joined) waits for the one in flight."""
+        with self._lock:
+            if joined:
+                self.num_joined += 1
+            else:
+                self.num_misses += 1
 
     def put(self, adapter: PackedAdapter) -> None:
         with self._lock:

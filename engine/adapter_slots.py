@@ -3,6 +3,12 @@
 Invariants: a slot used by a running request (num_users > 0) or pinned is never evicted; at most
 num_slots - 1 slots are pinned, so one slot always stays available to unpinned adapters. The
 eviction policy is a named function over the evictable slots (LRU by default, FIFO selectable).
+Admission (`acquire`) takes an empty slot, else the policy's victim among the evictable slots whose
+adapter no waiting request needs (`wanted`), and only when every evictable slot holds a wanted adapter,
+the policy's victim among them all: evicting an adapter that is about to be admitted costs a reload.
+A load ahead (`load_ahead`, for a request still waiting) places an adapter without a user: it takes an
+empty slot, else the policy's victim among the evictable slots whose adapter no waiting request needs;
+it never falls back to a wanted one.
 
 Deciding only: placing an adapter records a `LoadSlot` command (and keeps its packed host copy) for the
 next step plan; the model workers perform the copies. An emptied slot needs no command: no segment of
@@ -12,7 +18,7 @@ a plan names it until a later load, which zeroes it first.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from engine.lora_pool import PackedAdapter
@@ -60,7 +66,8 @@ class AdapterSlots:
         self._by_digest: dict[str, SlotState] = {}
         self._loads: list[LoadSlot] = []  # decided, not yet handed to the workers
         self._packed: dict[str, PackedAdapter] = {}  # the host copies those loads read
-        self.num_loads = 0
+        self.num_loads = 0  # loads ahead included
+        self.num_loads_ahead = 0
         self.num_evictions = 0
 
     def take_loads(self) -> tuple[tuple[LoadSlot, ...], dict[str, PackedAdapter]]:
@@ -76,11 +83,25 @@ class AdapterSlots:
     def can_acquire(self, digest: str) -> bool:
         return digest in self._by_digest or self._free_slot() is not None
 
-    def acquire(self, digest: str, load: Callable[[], PackedAdapter]) -> int:
-        """The slot holding digest for one more running request; loads it (evicting) when absent."""
-        state = self._by_digest.get(digest) or self._place(digest, load)
+    def acquire(self, digest: str, load: Callable[[], PackedAdapter], wanted: Collection[str] = ()) -> int:
+        """The slot holding digest for one more running request; loads it when absent, evicting when no
+        slot is empty: an idle adapter outside `wanted` (those waiting requests need) when there is one."""
+        state = self._by_digest.get(digest) or self._place(digest, load, self._free_slot(spare=wanted))
         state.num_users += 1
         state.last_used = self.clock()
+        return state.index
+
+    def load_ahead(self, digest: str, load: Callable[[], PackedAdapter], keep: Collection[str]) -> int | None:
+        """Place digest, not yet used, so that its copy runs before its request's turn; never evicts an
+        adapter in `keep` (those waiting requests need). Returns its slot, or None: already placed, or
+        no slot is empty or evictable outside `keep`."""
+        if digest in self._by_digest:
+            return None
+        state = self._free_slot(keep=keep)
+        if state is None:
+            return None
+        self._place(digest, load, state)
+        self.num_loads_ahead += 1
         return state.index
 
     def release(self, digest: str) -> None:
@@ -96,7 +117,7 @@ class AdapterSlots:
         if state is None or not state.is_pinned:
             if num_pinned >= self.num_slots - 1:
                 raise SlotsExhausted(f"at most {self.num_slots - 1} of {self.num_slots} slots may be pinned")
-            state = state or self._place(digest, load)
+            state = state or self._place(digest, load, self._free_slot())
             state.is_pinned = True
         return state.index
 
@@ -115,15 +136,18 @@ class AdapterSlots:
         self._empty(state)
         return True
 
-    def _free_slot(self) -> SlotState | None:
+    def _free_slot(self, keep: Collection[str] = (), spare: Collection[str] = ()) -> SlotState | None:
+        """An empty slot, else the policy's victim among the evictable slots outside `keep`, taken among
+        those outside `spare` too while there are any."""
         empty = [s for s in self.slots if s.digest is None]
         if empty:
             return empty[0]
-        candidates = [s for s in self.slots if s.is_evictable]
+        evictable = [s for s in self.slots if s.is_evictable and s.digest not in keep]
+        candidates = [s for s in evictable if s.digest not in spare] or evictable
         return self.choose_victim(candidates) if candidates else None
 
-    def _place(self, digest: str, load: Callable[[], PackedAdapter]) -> SlotState:
-        state = self._free_slot()
+    def _place(self, digest: str, load: Callable[[], PackedAdapter], state: SlotState | None) -> SlotState:
+        """Load digest into state (emptying it first), the slot `_free_slot` chose; None: none could be."""
         if state is None:
             raise SlotsExhausted("every slot is used by running requests or pinned")
         if state.digest is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.auth import KeyChecker, OpenDoor
 from engine.core import EngineCore, InvalidPrompt
+from engine.delivery import EventDelivery
 from engine.errors import NotFound
 from engine.request import Event, Failed, Finished, Request, TokenDelta
 from engine.sampling import InvalidSampling, SamplingParams
@@ -164,10 +165,11 @@ class Generation:
 
 
 def _thread_safe_sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
-    """A sink the engine thread calls; events land in the handler's queue on the server's loop."""
+    """A sink the engine thread calls; events land in the handler's queue on the server's loop, through
+    that loop's one EventDelivery."""
+    delivery = EventDelivery.of(loop)
 
     def sink(event: Event) -> None:
-        with contextlib.suppress(RuntimeError):  # the server's loop has closed: nobody listens any more
-            loop.call_soon_threadsafe(events.put_nowait, event)
+        delivery.put(events, event)
 
     return sink

@@ -17,6 +17,10 @@ DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible front of `loramux up` (vLLM's 
 # not minutes (tests/engine/test_drain.py runs the default configuration through both cases).
 DEFAULT_LORA_DRAIN_WAIT_S = 2.0
 
+# Two a step: an 8B rank-16 adapter copies in ~1-2 ms, a decode step takes ~7-11 ms, so two copies hide
+# behind one step's compute, and a burst of new adapters still loads a few steps ahead of admission.
+DEFAULT_LORA_LOAD_AHEAD = 2
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -34,15 +38,16 @@ class EngineConfig:
     max_batch_tokens: int = 2048
     max_queued_requests: int = 1024
     max_prompt_bytes: int = 1 << 20
-    attention_backend: str = ""  # "" = "sdpa" on CUDA, "ref" on CPU; or "ref" / "sdpa" explicitly
+    attention_backend: str = ""  # "" = "sdpa" on CUDA, "ref" on CPU; or "ref" / "sdpa" / "triton"
     # LoRA: adapters served from local files (NAME, DIR), the GPU slot pool and the host cache.
     adapters: tuple[tuple[str, str], ...] = ()
     max_loras_per_batch: int = 8  # GPU adapter slots; 0 disables LoRA
     max_lora_rank: int = 64
     max_host_adapters: int = 64
     lora_eviction_policy: str = "lru"  # or "fifo"
+    lora_load_ahead: int = DEFAULT_LORA_LOAD_AHEAD  # queued requests' adapters loaded a step ahead; 0 = off
     lora_drain_wait_s: float = DEFAULT_LORA_DRAIN_WAIT_S  # starvation drain threshold (DESIGN 7); 0 = off
-    lora_backend: str = ""  # "" = "triton" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked" / "splitk"
+    lora_backend: str = ""  # "" = "splitk" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked" / "splitk"
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
@@ -58,6 +63,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.lora_load_ahead < 0:
+            raise ValueError(f"lora_load_ahead must be >= 0, got {self.lora_load_ahead}")
 
     @property
     def resolved_base_model_name(self) -> str:

@@ -73,7 +73,9 @@ class EngineCore:
         allocator = PageAllocator(workers.info.num_kv_slots // config.page_size, config.page_size)
         req_pool = ReqToTokenPool(config.max_running_requests, max_context)
         kv = RequestKV(allocator, req_pool, RadixCache(config.page_size, allocator))
-        scheduler_config = SchedulerConfig(config.max_running_requests, config.max_batch_tokens)
+        scheduler_config = SchedulerConfig(
+            config.max_running_requests, config.max_batch_tokens, max_lora_load_ahead=config.lora_load_ahead
+        )
         lora = None
         if config.max_loras_per_batch > 0:
             slots = AdapterSlots(config.max_loras_per_batch, config.lora_eviction_policy)
@@ -146,11 +148,13 @@ class EngineCore:
 
     async def prepare(self, record: AdapterRecord) -> PackedAdapter:
         """The adapter's packed host copy: from the host cache, its local file, or a registry fetch.
-        Concurrent callers for one digest share one load (fetch, check, pack, cache)."""
+        Concurrent callers for one digest share one load (fetch, check, pack, cache): the cache counts
+        one miss for the caller that starts it and a joined lookup for each caller that waits on it."""
         packed = self.lora.host_cache.get(record.digest)
         if packed is not None:
             return packed
         task = self._loading.get(record.digest)
+        self.lora.host_cache.count_miss(joined=task is not None)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._load(record))
             self._loading[record.digest] = task

@@ -75,7 +75,7 @@ class DecodeGraphs:
         with_lora = lora_slots is not None
         if with_lora:
             pool = self.lora_pool
-            pool.wait_for_loads()
+            pool.wait_for_loads(lora_slots)  # loads ahead into other slots keep running beside the replay
             slots = lora_slots + [pool.base_slot] * (batch - n)
             self.lora_meta.fill([1] * batch, slots, pool.ranks, pool.scalings)
         graph, logits = self.graphs[(batch, with_lora)]

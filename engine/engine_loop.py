@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from engine.delivery import batched
 from engine.errors import Code, Unavailable
 from engine.request import Failed, FinishReason, Request, TokenDelta
 from engine.scheduler import BatchEntry, Scheduler
@@ -127,19 +128,20 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._wake.clear()
-            self._run_calls()
-            while not self._inbox.empty():
-                self.scheduler.add(self._inbox.get())
-            try:
-                entries = self.scheduler.schedule()
-                if entries:
-                    self._step(entries)
-                if self.after_step is not None:
-                    self.after_step()
-            except Exception:  # a bug must not leave every stream hanging: fail them, keep serving
-                log.exception("engine step failed outside the forward")
-                self._fail_all(Code.INTERNAL, "the engine failed this request (see the engine log)", keep_kv=False)
-                entries = []
+            with batched():  # the step's events reach each server loop in one wake-up (engine/delivery.py)
+                self._run_calls()
+                while not self._inbox.empty():
+                    self.scheduler.add(self._inbox.get())
+                try:
+                    entries = self.scheduler.schedule()
+                    if entries:
+                        self._step(entries)
+                    if self.after_step is not None:
+                        self.after_step()
+                except Exception:  # a bug must not leave every stream hanging: fail them, keep serving
+                    log.exception("engine step failed outside the forward")
+                    self._fail_all(Code.INTERNAL, "the engine failed this request (see the engine log)", keep_kv=False)
+                    entries = []
             if not entries:
                 self._wake.wait(IDLE_WAIT_S)
         if self.failure is None:

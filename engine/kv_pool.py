@@ -103,16 +103,18 @@ class PageAllocator:
 class ReqToTokenPool:
     """Owns the rows of the request-to-token table: `table[row, i]` is the KV slot of token i.
 
-    table: [max_reqs, max_context] int64, on the host. A row belongs to one running request between
-    `alloc` and `free`; its content past the request's length is stale and must not be read. The table
-    does not own the slots it names: the request (or the radix cache) does. Every write is also logged
-    for the next step plan (`take_writes`): each model worker keeps its own device copy of the table.
+    A row belongs to one running request between `alloc` and `free`; its content past the request's
+    length is stale and must not be read. The table does not own the slots it names: the request (or
+    the radix cache) does. Every write is logged for the next step plan (`take_writes`): each model
+    worker keeps the [max_reqs, max_context] table on its device. The front's own copy is a Python list
+    per row, only as long as the row's written tokens (a host tensor cost a conversion per request per
+    step, the largest part of planning a decode step).
     """
 
     def __init__(self, max_reqs: int, max_context: int) -> None:
         self.max_reqs = max_reqs
         self.max_context = max_context
-        self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64)
+        self._rows: list[list[int]] = [[] for _ in range(max_reqs)]
         self._writes: list[tuple[int, int, tuple[int, ...]]] = []
         self._free_rows: list[int] = list(range(max_reqs - 1, -1, -1))
         self._is_free = [True] * max_reqs
@@ -135,6 +137,7 @@ class ReqToTokenPool:
         if not 0 <= row < self.max_reqs or self._is_free[row]:
             raise ValueError(f"request row {row} is not allocated")
         self._is_free[row] = True
+        self._rows[row] = []
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: Sequence[int] | torch.Tensor) -> None:
@@ -144,16 +147,20 @@ class ReqToTokenPool:
         end = start + len(slots)
         if not 0 <= start <= end <= self.max_context:
             raise ValueError(f"tokens [{start}, {end}) do not fit max_context {self.max_context}")
-        self.table[row, start:end] = torch.as_tensor(slots, dtype=torch.int64)
-        self._writes.append((row, start, tuple(int(s) for s in slots)))
+        values = tuple(slots.tolist() if isinstance(slots, torch.Tensor) else map(int, slots))
+        cells = self._rows[row]
+        if len(cells) < start:
+            cells.extend([0] * (start - len(cells)))  # never read: a request writes its row from 0 up
+        cells[start:end] = values
+        self._writes.append((row, start, values))
 
     def take_writes(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """(row, start, slots) of every write since the last call, in order."""
         writes, self._writes = self._writes, []
         return writes
 
-    def read(self, row: int, start: int, end: int) -> torch.Tensor:
-        return self.table[row, start:end]
+    def read(self, row: int, start: int, end: int) -> list[int]:
+        return self._rows[row][start:end]
 
 
 def num_slots_for_memory(free_bytes: int, fraction: float, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -19,8 +19,8 @@ from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 
 def sgmv_ops(backend: str) -> tuple[Callable, Callable]:
     """(shrink, expand) of a backend: 'ref' (PyTorch, the CPU default), 'triton', 'chunked', or 'splitk'
-    (Triton, with the split-K shrink of kernels/sgmv_decode.py for steps of segments of at most 4 tokens:
-    decode steps and their CUDA graphs)."""
+    (Triton, the CUDA default: the split-K shrink and the decode expand of kernels/sgmv_decode.py for
+    steps of segments of at most 4 tokens, i.e. decode steps and their CUDA graphs; `sgmv_*` otherwise)."""
     if backend == "ref":
         return sgmv_shrink_ref, sgmv_expand_ref
     if backend == "triton":
@@ -32,10 +32,9 @@ def sgmv_ops(backend: str) -> tuple[Callable, Callable]:
 
         return sgmv_shrink_chunked, sgmv_expand_chunked
     if backend == "splitk":
-        from kernels.sgmv import sgmv_expand
-        from kernels.sgmv_decode import sgmv_shrink_auto
+        from kernels.sgmv_decode import sgmv_expand_auto, sgmv_shrink_auto
 
-        return sgmv_shrink_auto, sgmv_expand
+        return sgmv_shrink_auto, sgmv_expand_auto
     raise ValueError(f"lora backend must be 'ref', 'triton', 'chunked' or 'splitk', not {backend!r}")
 
 

@@ -1,13 +1,16 @@
 """Adapter residency for the scheduler: which digest sits in which slot, and the host cache, keyed by digest.
 
 Composes the slot assignment (AdapterSlots) and the host cache; the scheduler asks `can_acquire` before
-admitting a request and `acquire`/`release` around its run. It only decides: the slot loads it decides
-leave through `take_loads` in the next step plan, and the workers copy them. Every packed adapter comes
-from one path, `EngineCore.prepare` (local file or registry fetch -> pack -> host cache), before its
-request is submitted or its pin applied; here a missing host copy is a bug, not a reason to fetch.
+admitting a request, `acquire`/`release` around its run, and after admission `load_ahead` for the
+requests still waiting. It only decides: the slot loads it decides leave through `take_loads` in the
+next step plan, and the workers copy them. Every packed adapter comes from one path,
+`EngineCore.prepare` (local file or registry fetch -> pack -> host cache), before its request is
+submitted or its pin applied; here a missing host copy is a bug, not a reason to fetch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 from engine.adapter_cache import HostAdapterCache
 from engine.adapter_slots import AdapterSlots
@@ -33,15 +36,36 @@ class LoraManager:
     def can_acquire(self, digest: str) -> bool:
         return self.slots.can_acquire(digest)
 
-    def acquire(self, digest: str, packed: PackedAdapter | None = None) -> int:
-        """The slot of digest for one more running request; `packed` is the request's host copy."""
+    def acquire(self, digest: str, packed: PackedAdapter | None = None, wanted: Collection[str] = ()) -> int:
+        """The slot of digest for one more running request; `packed` is the request's host copy. An
+        eviction spares the adapters in `wanted` (those of waiting requests) while another is idle."""
         self._retired.discard(digest)  # the same content may come back under another name
-        return self.slots.acquire(digest, lambda: self._host_copy(digest, packed))
+        return self.slots.acquire(digest, lambda: self._host_copy(digest, packed), wanted)
 
     def release(self, digest: str) -> None:
         self.slots.release(digest)
         if digest in self._retired and self.slots.evict(digest):
             self._retired.discard(digest)
+
+    def load_ahead(self, waiting: Sequence[tuple[str, PackedAdapter | None]], max_loads: int) -> int:
+        """Load the adapters of waiting requests ((digest, host copy) in queue order) that no slot holds,
+        at most max_loads, so that their copies overlap the steps before their turn. A slot taken ahead
+        stays evictable (admission may still take it); it never evicts what a waiting request needs.
+        A request without a host copy (admission fetches before it submits) is left to admission. Returns
+        the number of loads decided."""
+        wanted: dict[str, PackedAdapter | None] = {}  # digest -> a host copy, in queue order
+        for digest, packed in waiting:
+            wanted[digest] = wanted.get(digest) or packed
+        num_loads = 0
+        for digest, packed in wanted.items():
+            if num_loads >= max_loads:
+                break
+            if packed is None or self.slots.slot_of(digest) is not None:
+                continue
+            if self.slots.load_ahead(digest, lambda p=packed: p, wanted) is None:
+                break  # no slot is empty or evictable outside `wanted`: none for later adapters either
+            num_loads += 1
+        return num_loads
 
     def pin(self, digest: str, packed: PackedAdapter | None = None) -> int:
         return self.slots.pin(digest, lambda: self._host_copy(digest, packed))

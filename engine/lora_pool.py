@@ -19,6 +19,7 @@ an adapter is loaded into it. `ranks[s]` / `scalings[s]` hold each slot's rank a
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +74,6 @@ class PackedAdapter:
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
-
 
 class LoraSlotPool:
     """Owns the slot buffers and each slot's rank/scaling; knows nothing of which adapter is where."""
@@ -98,22 +95,26 @@ class LoraSlotPool:
         self.scalings = [0.0] * total
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
-        self._pending: list[torch.cuda.Event] = []
+        self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its latest load, not yet waited for
 
     def load(self, slot: int, adapter: PackedAdapter) -> None:
-        """Zero every target of `slot`, then copy the adapter in (asynchronously on CUDA)."""
+        """Zero every target of `slot`, then copy the adapter in (asynchronously on CUDA: on the copy
+        stream, after the work already queued on the compute stream, which may still read the slot's
+        previous tenant; `wait_for_loads` makes a later forward wait for it)."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not an adapter slot (0..{self.num_slots - 1})")
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter rank {adapter.rank} is over the pool's max rank {self.max_rank}")
         stream = self._copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, target in self.targets.items():
                 self._copy_target(slot, target, adapter.a[name], adapter.b[name], adapter.rank)
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
-                self._pending.append(event)
+                self._pending[slot] = event  # one stream runs in order: the latest load covers the earlier
         self.ranks[slot] = adapter.rank
         self.scalings[slot] = adapter.scaling
 
@@ -122,13 +123,17 @@ class LoraSlotPool:
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
 
-    def wait_for_loads(self) -> None:
-        """Make the compute stream wait for every slot load issued so far (call before a forward)."""
-        if self._pending:
-            current = torch.cuda.current_stream(self.device)
-            for event in self._pending:
+    def wait_for_loads(self, slots: Iterable[int] | None = None) -> None:
+        """Make the compute stream wait for the loads of `slots` (None: every slot) issued so far; call
+        before a forward with the slots it reads. Loads of other slots (loaded ahead for waiting requests)
+        keep running beside it."""
+        if not self._pending:
+            return
+        current = torch.cuda.current_stream(self.device)
+        for slot in list(self._pending) if slots is None else set(slots):
+            event = self._pending.pop(slot, None)
+            if event is not None:
                 current.wait_event(event)
-            self._pending.clear()
 
     def _shard(self, target: FusedTarget, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed (full) target -> this rank's A and B; see the module doc."""

@@ -5,13 +5,13 @@ Which families exist and what each has (biases, q/k norms) is the family's `Arch
 
 from dataclasses import dataclass, field
 
-from loraformat.architectures import ArchSpec, spec_for_config
+from loraformat.architectures import ArchSpec, Dims, spec_for_config
 
 SUPPORTED_ROPE_TYPES = ("linear", "llama3")  # plus plain RoPE, stored as rope_scaling None
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Dims):
     arch: ArchSpec
     model_type: str
     vocab_size: int
@@ -34,14 +34,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Stored, not applied: attention is full causal, exact while contexts stay within the window.
     sliding_window: int | None = None
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":

@@ -98,8 +98,7 @@ class ModelRunner:
     def _run_graph(self, plan: StepPlan) -> torch.Tensor:
         lora_slots = None
         if self.lora_pool is not None and plan.lora_slots is not None:
-            self.lora_pool.wait_for_loads()
-            lora_slots = self._slots(plan.lora_slots)
+            lora_slots = self._slots(plan.lora_slots)  # DecodeGraphs.run waits for their loads
         return self.graphs.run(list(plan.input_ids), list(plan.positions), list(plan.out_cache_loc), list(plan.req_rows), lora_slots)
 
     def _lora_inputs(self, plan: StepPlan) -> LoraInputs | None:
@@ -107,8 +106,9 @@ class ModelRunner:
         pool = self.lora_pool
         if pool is None or plan.lora_slots is None:
             return None
-        pool.wait_for_loads()
-        meta = self.lora_meta.fill(list(plan.extend_lens), self._slots(plan.lora_slots), pool.ranks, pool.scalings)
+        slots = self._slots(plan.lora_slots)
+        pool.wait_for_loads(slots)  # only this step's slots: loads ahead for waiting requests run on
+        meta = self.lora_meta.fill(list(plan.extend_lens), slots, pool.ranks, pool.scalings)
         return LoraInputs(pool, meta, *self.lora_ops)
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

@@ -3,7 +3,12 @@ tenant and by fair share between tenants (engine/fair_share.py), and retraction 
 when KV runs out.
 
 A step is a list of `BatchEntry`: running requests first (decodes and unfinished prefill chunks, in
-arrival order), then newly admitted ones while the token budget, the running cap and KV allow.
+arrival order), then newly admitted ones while the token budget, the running cap and KV allow. After
+admission, the adapters of requests still waiting may be loaded ahead into free slots (at most
+`max_lora_load_ahead` a step, queue order): their copies then run beside this step's forward, not
+inside the step that admits them. A slot that admission loads evicts an idle adapter no waiting request
+needs while there is one (the eviction policy's choice among the wanted ones otherwise), so it does not
+evict what the next admissions or loads ahead would load again.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from engine.request_kv import RequestKV
 class SchedulerConfig:
     max_running_requests: int = 64
     max_batch_tokens: int = 2048  # tokens computed per step: decodes + prefill chunks
+    max_lora_load_ahead: int = 0  # adapters of waiting requests loaded per step before their turn; 0 = off
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < self.max_running_requests:
@@ -98,6 +104,9 @@ class Scheduler:
         if self.drain is not None and self.lora is not None:
             self.drain.update(self.waiting, self.running, self.lora)
         entries += self._admit_waiting(budget)
+        if self.lora is not None and self.config.max_lora_load_ahead > 0:
+            waiting = [(r.namespace, r.packed_adapter) for r in self.waiting if r.namespace]
+            self.lora.load_ahead(waiting, self.config.max_lora_load_ahead)
         return entries
 
     def finish(self, req: Request, event: Finished | Failed) -> None:
@@ -126,20 +135,25 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int) -> list[BatchEntry]:
         """Admission in fair-share order (FCFS within a tenant); a request whose adapter cannot get a
-        slot now (or is being drained) waits without blocking others."""
+        slot now (or is being drained) waits without blocking others. A slot load evicts an idle adapter
+        no waiting request needs when there is one: `wanted` counts the waiting requests per adapter,
+        once per step; a request failed here leaves it (an admitted one's adapter is in use, so never a
+        victim in this step either way)."""
         entries, slot_blocked = [], []
+        wanted = Counter(r.namespace for r in self.waiting if r.namespace) if self.lora is not None else Counter()
         try:
             while self.waiting and budget > 0 and self._can_admit_more():
                 req = self._pop_next()
                 no_slot = req.namespace and self.lora is not None and not self.lora.can_acquire(req.namespace)
                 if no_slot or (self.drain is not None and self.drain.blocks(req)):
-                    slot_blocked.append(req)
+                    slot_blocked.append(req)  # still waiting: its adapter stays wanted
                     continue
-                entry = self._admit(req, budget)
+                entry = self._admit(req, budget, wanted)
                 if entry is None:
                     if self.running:  # KV frees as running requests finish
                         self.waiting.appendleft(req)
                         break
+                    _unwant(wanted, req.namespace)
                     self.finish(req, self._too_big())  # nothing will ever free enough KV for it
                     continue
                 self.running.append(req)
@@ -161,7 +175,7 @@ class Scheduler:
         num_prompt = max(0, min(entry.start + entry.extend_len, prompt_len) - entry.start)
         self.fair_share.charge(entry.req.tenant, num_prompt, entry.extend_len - num_prompt)
 
-    def _admit(self, req: Request, budget: int) -> BatchEntry | None:
+    def _admit(self, req: Request, budget: int, wanted: Counter[str]) -> BatchEntry | None:
         self.kv.admit(req)
         extend_len = min(req.num_pending, budget)
         if not self.kv.grow(req, extend_len):
@@ -169,7 +183,7 @@ class Scheduler:
             return None
         if req.namespace and self.lora is not None:
             try:
-                req.lora_slot = self.lora.acquire(req.namespace, req.packed_adapter)
+                req.lora_slot = self.lora.acquire(req.namespace, req.packed_adapter, wanted)
             except Exception:
                 self.kv.truncate(req, req.cached_len)  # nothing of this step was computed
                 self.kv.release(req)
@@ -212,3 +226,10 @@ class Scheduler:
                 self.finish(req, self.finished_event(req, FinishReason.CANCELLED))
             elif req.deadline is not None and now > req.deadline:
                 self.finish(req, Failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed"))
+
+
+def _unwant(wanted: Counter[str], namespace: str) -> None:
+    """A waiting request of namespace left the queue; an adapter no request waits for leaves `wanted`."""
+    wanted[namespace] -= 1
+    if wanted[namespace] <= 0:  # (a base request's "" was never counted: -1)
+        del wanted[namespace]

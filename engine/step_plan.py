@@ -30,7 +30,9 @@ class SampleRow:
 
 @dataclass(frozen=True)
 class LoadSlot:
-    """Copy the packed adapter `digest` (shared host memory) into adapter slot `slot` before the step."""
+    """Copy the packed adapter `digest` (shared host memory) into adapter slot `slot`: issued before the
+    step's forward, which waits for it only if one of its rows reads `slot` (a load ahead for a queued
+    request runs beside the forward)."""
 
     slot: int
     digest: str
@@ -46,7 +48,7 @@ class StepPlan:
     extend_lens: tuple[int, ...]  # [B] new tokens this step
     samples: tuple[SampleRow | None, ...]  # [B] None: the row computes KV only (a mid-prefill chunk)
     lora_slots: tuple[int, ...] | None  # [B] adapter slot per request, -1 = base model; None = no adapter
-    loads: tuple[LoadSlot, ...] = ()  # slot loads decided by admission, done before the forward
+    loads: tuple[LoadSlot, ...] = ()  # slot loads (admission's, then ahead for queued requests), issued first
     table_writes: tuple[tuple[int, int, tuple[int, ...]], ...] = ()  # (row, start, KV slots) to record
     released: tuple[int, ...] = ()  # uids of finished requests: their generators can go
 

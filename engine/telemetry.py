@@ -41,7 +41,9 @@ class StepSampler:
         m.host_cache_size.set(len(lora.host_cache))
         self._add(m.host_cache_hits, "hits", lora.host_cache.num_hits)
         self._add(m.host_cache_misses, "misses", lora.host_cache.num_misses)
+        self._add(m.host_cache_joined, "joined", lora.host_cache.num_joined)
         self._add(m.adapter_loads, "loads", lora.slots.num_loads)
+        self._add(m.adapter_loads_ahead, "loads_ahead", lora.slots.num_loads_ahead)
         self._add(m.adapter_evictions, "evictions", lora.slots.num_evictions)
         while self.load_seconds:
             m.lora_load_latency.labels("gpu").observe(self.load_seconds.popleft())

@@ -50,7 +50,8 @@ CPU_KV_SLOTS = 16384
 START_TIMEOUT_S = 600.0  # loading a large shard and capturing graphs
 COLLECTIVE_TIMEOUT_S = 600.0  # torch.distributed's own bound; the watcher reports a dead rank far sooner
 STOP_TIMEOUT_S = 10.0  # leaving the process group at shutdown
-DEATH_GRACE_S = 5.0  # after a failed step: how long a rank's death may take to show
+DEATH_GRACE_S = 5.0
+JOINING = "joining"  # a spawned rank's first message: it is alive and about to join the process group  # after a failed step: how long a rank's death may take to show
 
 
 class WorkerDied(RuntimeError):
@@ -172,9 +173,7 @@ class ProcessWorkers:
         self._closing = threading.Event()
         self._dead_lock = threading.Lock()
         try:
-            _init_group(spec, store)
-            self.local = ModelWorker.build(spec)
-            self._await_ready()
+            self.local = self._start(spec, store)
         except BaseException:
             self.close()
             raise
@@ -205,6 +204,11 @@ class ProcessWorkers:
         for conn in self._conns:
             with contextlib.suppress(OSError):  # already gone
                 conn.send(None)
+        starting = self.__dict__.get("_starting")
+        if starting is not None and starting.is_alive():  # a failed start: stop the ranks rank 0 waits on
+            for proc in self._procs:
+                proc.kill()
+            starting.join(timeout)
         if not abandon:
             if self.__dict__.get("local") is not None:
                 self.local.release()
@@ -215,16 +219,80 @@ class ProcessWorkers:
                 proc.kill()
                 proc.join(timeout)
 
-    def _await_ready(self) -> None:
-        for rank, conn in enumerate(self._conns, start=1):
-            if not conn.poll(START_TIMEOUT_S):
-                raise WorkerDied(f"model worker rank {rank} did not start within {START_TIMEOUT_S:.0f} s")
+    def _start(self, spec: WorkerSpec, store) -> ModelWorker:
+        """Build rank 0 while watching the other ranks. Joining the group and building wait on every rank
+        (a rendezvous, then collectives), so a rank that fails first would hold rank 0 until torch's own
+        timeout (minutes). So rank 0 joins only once every rank has said it is joining, and then builds
+        in a thread while this one raises WorkerDied as soon as a rank reports a failure or exits (close()
+        then gives that thread a bounded wait: a collective with a dead rank fails)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        self._await_all(JOINING, deadline, lambda: False)
+        built: dict[str, object] = {}
+        done = threading.Event()
+
+        def build() -> None:
             try:
-                info = conn.recv()
-            except EOFError:
-                raise WorkerDied(f"model worker rank {rank} exited while starting (code {self._procs[rank - 1].exitcode})") from None
-            if isinstance(info, BaseException):
-                raise WorkerDied(f"model worker rank {rank} failed to start: {info}")
+                _init_group(spec, store)
+                built["worker"] = ModelWorker.build(spec)
+            except BaseException as exc:  # handed to the caller below
+                built["error"] = exc
+            finally:
+                done.set()
+
+        self._starting = threading.Thread(target=build, name="rank0-start", daemon=True)
+        self._starting.start()
+
+        def rank_0_done() -> bool:
+            if "error" in built:
+                raise built["error"]
+            return done.is_set()
+
+        self._await_all(WorkerInfo, deadline, rank_0_done)
+        while not rank_0_done():
+            if time.monotonic() > deadline:
+                raise WorkerDied(f"model worker rank 0 did not start within {START_TIMEOUT_S:.0f} s")
+            done.wait(0.1)
+        return built["worker"]
+
+    def _await_all(self, expected: object, deadline: float, check: Callable[[], bool]) -> None:
+        """Receive one message from every spawned rank (the `JOINING` marker, or a value of the type
+        `expected`), raising WorkerDied on a rank's failure, exit or lateness; `check` runs between waits."""
+        waiting = dict(enumerate(self._conns, start=1))
+        while waiting:
+            self._receive_ready(waiting, expected, 0.1)
+            try:
+                check()
+            except BaseException:
+                # Rank 0 failed, most likely because a rank it waited on failed first and exited: that
+                # rank's own report names the cause, so it wins when it arrives within a second.
+                self._receive_ready(waiting, expected, 1.0)
+                raise
+            if waiting and time.monotonic() > deadline:
+                late = ", ".join(str(r) for r in waiting)
+                raise WorkerDied(f"model worker rank {late} did not start within {START_TIMEOUT_S:.0f} s")
+
+    def _receive_ready(self, waiting: dict[int, multiprocessing.connection.Connection], expected: object, timeout: float) -> None:
+        ready = multiprocessing.connection.wait([*waiting.values(), *(p.sentinel for p in self._procs)], timeout)
+        for rank, conn in list(waiting.items()):
+            if conn in ready:
+                message = self._receive(rank, conn)
+                if message != expected and not (isinstance(expected, type) and isinstance(message, expected)):
+                    raise WorkerDied(f"model worker rank {rank} sent {message!r} while starting")
+                del waiting[rank]
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.sentinel in ready and rank not in waiting:
+                raise WorkerDied(f"model worker rank {rank} exited while starting (code {proc.exitcode})")
+
+    def _receive(self, rank: int, conn: multiprocessing.connection.Connection) -> object:
+        try:
+            message = conn.recv()
+        except EOFError:
+            proc = self._procs[rank - 1]
+            proc.join(1.0)
+            raise WorkerDied(f"model worker rank {rank} exited while starting (code {proc.exitcode})") from None
+        if isinstance(message, BaseException):
+            raise WorkerDied(f"model worker rank {rank} failed to start: {message}")
+        return message
 
     def _watch(self) -> None:
         sentinels = [p.sentinel for p in self._procs]
@@ -259,6 +327,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
     _exit_with_parent()
     from torch.distributed import TCPStore
 
+    conn.send(JOINING)
     try:
         store = TCPStore("127.0.0.1", spec.store_port, spec.tp.size, is_master=False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         _init_group(spec, store)
@@ -351,7 +420,9 @@ def _auto_kv_slots(local: ModelConfig, device: torch.device, dtype: torch.dtype,
 
 
 def _lora_backend(config: EngineConfig, device: torch.device) -> str:
-    return config.lora_backend or ("triton" if device.type == "cuda" else "ref")
+    # splitk: the plain Triton SGMV for prefill, the split-K shrink for decode steps (faster in every
+    # measured decode step; BENCHMARKS.md)
+    return config.lora_backend or ("splitk" if device.type == "cuda" else "ref")
 
 
 def _attention_backend(config: EngineConfig, device: torch.device) -> str:

@@ -238,6 +238,18 @@ def sgmv_expand(
     output_slices: tuple[tuple[int, int], ...],  # ((offset, size), ...) one per stacked target
 ) -> None:
     """y[seg, o_k : o_k + n_k] += scalings[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T."""
+    check_expand_args(v, B, meta, y, output_slices)
+    max_rank = B.shape[2]
+    config = _expand_config(meta.max_seg_len, max_rank)
+    _launch(
+        v, B, y, meta, is_shrink=False, K=0, max_rank=max_rank, slices=tuple(output_slices), config=config
+    )
+
+
+def check_expand_args(
+    v: torch.Tensor, B: torch.Tensor, meta: SgmvMeta, y: torch.Tensor, output_slices: tuple[tuple[int, int], ...]
+) -> None:
+    """The shapes, dtypes and slices every expand kernel takes; ValueError naming what is wrong."""
     if v.dim() != 2 or B.dim() != 3 or y.dim() != 2 or y.shape[0] != v.shape[0] or B.shape[1] != y.shape[1]:
         raise ValueError(
             f"want v [T, stack*R], B [slots, out_dim, R], y [T, out_dim]; "
@@ -251,7 +263,3 @@ def sgmv_expand(
     if v.dtype != B.dtype:
         raise ValueError(f"v is {v.dtype}, B is {B.dtype}")
     _check_meta(meta, v.device)
-    config = _expand_config(meta.max_seg_len, max_rank)
-    _launch(
-        v, B, y, meta, is_shrink=False, K=0, max_rank=max_rank, slices=tuple(output_slices), config=config
-    )

@@ -27,6 +27,16 @@ Both grids are fixed by host ints (num_segments, in_dim, the device's SM count),
 syncs and a captured CUDA graph serves every step of its batch size. Rows are visited one at a time, so
 long (prefill) segments are slow here: `sgmv_shrink_auto` sends steps with segments longer than
 DECODE_MAX_SEG_LEN tokens to `sgmv_shrink`.
+
+The decode expand, `sgmv_expand_decode` (semantics of `sgmv_expand`):
+
+    y[seg, o_k : o_k + n_k] += scaling[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T
+
+    grid (num_segments, cdiv(max n_k, BLOCK_N), num_stack): program (g, j, k) loads its segment's
+        [BLOCK_N, r] tile of B once (columns past the slot's rank are masked, so they are never read)
+        and, for each row of the segment, adds the fp32 sum over r of B * v[row] into y's BLOCK_N
+        columns. No tensor-core tile of 16 rows with one real row, no atomics: every (row, column) of y
+        has one writer. A base-model segment (rank 0) returns at once.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sgmv import MAX_GRID_YZ, sgmv_shrink, shrink_output
+from kernels.sgmv import MAX_GRID_YZ, MAX_STACK, check_expand_args, sgmv_expand, sgmv_shrink, shrink_output
 from kernels.sgmv_ref import SgmvMeta
 
 DECODE_MAX_SEG_LEN = 4
@@ -217,3 +227,91 @@ def sgmv_shrink_auto(
     so a graph captured for a decode batch keeps the decode kernel), `sgmv_shrink` otherwise."""
     shrink = sgmv_shrink_decode if meta.max_seg_len <= DECODE_MAX_SEG_LEN else sgmv_shrink
     return shrink(x, A, meta, num_stack=num_stack, out=out)
+
+
+@triton.jit
+def _expand_decode_kernel(
+    # pointers
+    v_ptr,  # [T, num_stack * R]
+    b_ptr,  # [num_slots, out_dim, R]
+    y_ptr,  # [T, out_dim]
+    seg_indptr_ptr,  # [num_segments + 1] int32
+    weight_indices_ptr,  # [num_segments] int32
+    lora_ranks_ptr,  # [num_slots] int32
+    scalings_ptr,  # [num_slots] fp32
+    # sizes
+    max_rank,
+    off0, size0, off1, size1, off2, size2,  # output slices (offset, size) of up to MAX_STACK targets
+    # strides
+    stride_vm, stride_vn,
+    stride_bw, stride_bn, stride_br,
+    stride_ym, stride_yn,
+    # meta-parameters
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # >= R
+):  # fmt: skip
+    seg = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)  # stacked target
+    slot = tl.load(weight_indices_ptr + seg)
+    rank = tl.load(lora_ranks_ptr + slot)
+    offset = tl.where(pid_k == 0, off0, tl.where(pid_k == 1, off1, off2))
+    size = tl.where(pid_k == 0, size0, tl.where(pid_k == 1, size1, size2))
+    if rank > 0 and pid_n * BLOCK_N < size:
+        scaling = tl.load(scalings_ptr + slot)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_n = offs_n < size
+        mask_r = offs_r < rank
+        b_ptrs = b_ptr + slot.to(tl.int64) * stride_bw + (offset + offs_n)[:, None] * stride_bn + offs_r[None, :] * stride_br
+        b = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+        for row in range(tl.load(seg_indptr_ptr + seg), tl.load(seg_indptr_ptr + seg + 1)):
+            vv = tl.load(v_ptr + row * stride_vm + (pid_k * max_rank + offs_r) * stride_vn, mask=mask_r, other=0.0)
+            delta = tl.sum(b * vv.to(tl.float32)[None, :], axis=1) * scaling  # [BLOCK_N]
+            y_ptrs = y_ptr + row * stride_ym + (offset + offs_n) * stride_yn
+            y = tl.load(y_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+def sgmv_expand_decode(
+    v: torch.Tensor,  # [T, num_stack * R]
+    B: torch.Tensor,  # [num_slots, out_dim, R], v.dtype
+    meta: SgmvMeta,
+    y: torch.Tensor,  # [T, out_dim], updated in place
+    *,
+    output_slices: tuple[tuple[int, int], ...],  # ((offset, size), ...) one per stacked target
+    block_n: int = 0,  # 0: chosen from the widest slice
+) -> None:
+    """y[seg, o_k : o_k + n_k] += scaling[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T, one
+    program per (segment, column block, target); see the module doc."""
+    check_expand_args(v, B, meta, y, output_slices)
+    if meta.num_segments == 0 or v.shape[0] == 0:
+        return
+    max_rank = B.shape[2]
+    widest = max(size for _, size in output_slices)
+    if widest == 0:
+        return
+    block_n = block_n or (256 if widest >= 4096 else 128)
+    slices = [x for pair in output_slices for x in pair] + [0, 0] * (MAX_STACK - len(output_slices))
+    _expand_decode_kernel[(meta.num_segments, triton.cdiv(widest, block_n), len(output_slices))](
+        v, B, y, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
+        max_rank, *slices,
+        v.stride(0), v.stride(1),
+        B.stride(0), B.stride(1), B.stride(2),
+        y.stride(0), y.stride(1),
+        BLOCK_N=block_n, BLOCK_R=max(triton.next_power_of_2(max_rank), 16), num_warps=4,
+    )  # fmt: skip
+
+
+def sgmv_expand_auto(
+    v: torch.Tensor,  # [T, num_stack * R]
+    B: torch.Tensor,  # [num_slots, out_dim, R], v.dtype
+    meta: SgmvMeta,
+    y: torch.Tensor,  # [T, out_dim], updated in place
+    *,
+    output_slices: tuple[tuple[int, int], ...],
+) -> None:
+    """The decode expand for steps whose segments hold at most DECODE_MAX_SEG_LEN tokens (a host int),
+    `sgmv_expand` otherwise."""
+    expand = sgmv_expand_decode if meta.max_seg_len <= DECODE_MAX_SEG_LEN else sgmv_expand
+    expand(v, B, meta, y, output_slices=output_slices)

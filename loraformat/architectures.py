@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from loraformat.errors import FailedPrecondition, InvalidArgument
 
@@ -26,17 +26,23 @@ class Split(enum.Enum):
     ROW = "row"  # input features split; the partial outputs are summed by an all-reduce (o, down)
 
 
-class Dims(Protocol):
-    """What a projection's width is read from: the registry's ModelShape and the engine's ModelConfig."""
+class Dims:
+    """What a projection's width is read from, mixed into the registry's ModelShape and the engine's
+    ModelConfig (both dataclasses with these fields): the attention widths are derived here, once."""
 
     hidden_size: int
     intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
     @property
-    def q_size(self) -> int: ...
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
 
     @property
-    def kv_size(self) -> int: ...
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraformat import bounded_json
-from loraformat.architectures import DENSE_PROJECTIONS, ArchSpec, spec_for_config
+from loraformat.architectures import DENSE_PROJECTIONS, ArchSpec, Dims, spec_for_config
 from loraformat.errors import InvalidArgument, quote
 
 # Plausibility bounds on a base model's config: several times the largest open models of these
@@ -49,7 +49,7 @@ def module_path(layer: int, module: str) -> str:
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(Dims):
     arch: ArchSpec
     model_type: str
     num_layers: int
@@ -86,14 +86,6 @@ class ModelShape:
         if not isinstance(cfg, dict):
             raise InvalidArgument("config_json must be a JSON object")
         return cls.from_config(cfg)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     def module_dims(self, module: str) -> tuple[int, int]:
         """(in_dim, out_dim) of the projection: its weight is [out_dim, in_dim]."""

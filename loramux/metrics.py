@@ -115,9 +115,17 @@ class EngineMetrics:
         self.slots_pinned = self._gauge("lora_slots_pinned", "GPU LoRA slots holding a pinned adapter.")
         self.slots_total = self._gauge("lora_slots_total", "GPU LoRA slots allocated at start.")
         self.host_cache_hits = self._counter("host_cache_hits", "Adapter lookups found in the host cache.")
-        self.host_cache_misses = self._counter("host_cache_misses", "Adapter lookups missing the host cache.")
+        self.host_cache_misses = self._counter(
+            "host_cache_misses", "Adapter lookups missing the host cache; each started one fetch."
+        )
+        self.host_cache_joined = self._counter(
+            "host_cache_joined", "Adapter lookups that waited for the same adapter's fetch already in flight."
+        )
         self.host_cache_size = self._gauge("host_cache_adapters", "Adapters held in the host cache.")
         self.adapter_loads = self._counter("adapter_loads", "Adapters loaded into a GPU slot.")
+        self.adapter_loads_ahead = self._counter(
+            "adapter_loads_ahead", "Of adapter_loads, those planned for a waiting request before its turn."
+        )
         self.adapter_evictions = self._counter("adapter_evictions", "Adapters evicted from a GPU slot.")
         self.adapter_fetch_bytes = self._counter("adapter_fetch_bytes", "Artifact bytes fetched from the registry.")
         self.adapter_fetch_latency = self._histogram(

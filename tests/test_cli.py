@@ -46,10 +46,22 @@ def test_drain_help_says_how_to_turn_it_off():
     assert "0 turns it off" in " ".join(up.split())
 
 
+def test_lora_load_ahead_reaches_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_load_ahead == 2
+    args = cli.build_parser({"LORAMUX_LORA_LOAD_AHEAD": "5"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_load_ahead == 5
+    args = cli.build_parser({"LORAMUX_LORA_LOAD_AHEAD": "5"}).parse_args([*serve, "--lora-load-ahead", "0"])
+    assert engine_config(args, "m", 0).lora_load_ahead == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["generate", "--max-new-tokens", "99999999999", "x"], "--max-new-tokens"),
+        (["engine", "serve", "--model", "m", "--lora-load-ahead", "-1"], "--lora-load-ahead"),
         (["generate", "--top-p", "0", "x"], "--top-p"),
         (["generate", "--temperature", "-1", "x"], "--temperature"),
         (["generate", "--seed", "-3", "x"], "--seed"),

@@ -9,7 +9,12 @@ from collections.abc import Mapping
 
 import grpc
 
-from engine.config import DEFAULT_ENGINE_PORT, DEFAULT_HTTP_PORT, DEFAULT_LORA_DRAIN_WAIT_S
+from engine.config import (
+    DEFAULT_ENGINE_PORT,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_LORA_DRAIN_WAIT_S,
+    DEFAULT_LORA_LOAD_AHEAD,
+)
 from loraformat.errors import StatusError
 from loramux.shell import commands
 from registry.config import (
@@ -247,7 +252,7 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         "--cuda-graph-max-batch", type=int, default=int(env("--cuda-graph-max-batch", 64)),
         help="replay captured CUDA graphs for decode steps of up to N requests (0 = off)",
     )
-    p.add_argument("--attention-backend", default=env("--attention-backend", ""), help="ref or sdpa (default: sdpa on cuda)")
+    p.add_argument("--attention-backend", default=env("--attention-backend", ""), help="ref, sdpa or triton (default: sdpa on cuda, ref on cpu)")
     p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")
     p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))
     p.add_argument(
@@ -256,7 +261,12 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " to the running adapter with the fewest remaining tokens; 0 turns it off",
     )
     p.add_argument("--lora-eviction-policy", default=env("--lora-eviction-policy", "lru"), choices=("lru", "fifo"))
-    p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton, chunked or splitk (default: triton on cuda)")
+    p.add_argument(
+        "--lora-load-ahead", type=_int_in(0, 4096), default=int(env("--lora-load-ahead", DEFAULT_LORA_LOAD_AHEAD)),
+        help="per step, load up to N adapters of queued requests into free GPU slots before their turn,"
+        " so the copies overlap decoding; 0 turns it off",
+    )
+    p.add_argument("--lora-backend", default=env("--lora-backend", ""), help="ref, triton, chunked or splitk (default: splitk on cuda, ref on cpu)")
     p.add_argument(
         "--tensor-parallel-size", type=int, default=int(env("--tensor-parallel-size", 1)),
         help="model workers, one per GPU (cuda:0..N-1); gloo processes on cpu",

@@ -78,6 +78,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         max_lora_rank=args.max_lora_rank,
         max_host_adapters=args.max_host_adapters,
         lora_eviction_policy=args.lora_eviction_policy,
+        lora_load_ahead=args.lora_load_ahead,
         lora_drain_wait_s=args.lora_drain_wait_s,
         lora_backend=args.lora_backend,
         registry=registry or getattr(args, "registry", ""),

@@ -102,22 +102,27 @@ def test_extend_slots_example_and_checks():
 
 def test_req_to_token_pool_rows():
     pool = ReqToTokenPool(max_reqs=2, max_context=8)
-    assert pool.table.shape == (2, 8) and pool.table.dtype == torch.int64
     row_a, row_b = pool.alloc(), pool.alloc()
     assert row_a != row_b and not pool.can_alloc()
     with pytest.raises(MemoryError):
         pool.alloc()
     pool.write(row_a, 0, [4, 5, 6])
     pool.write(row_a, 3, torch.tensor([9]))
-    assert pool.read(row_a, 0, 4).tolist() == [4, 5, 6, 9]
+    assert pool.read(row_a, 0, 4) == [4, 5, 6, 9]
+    pool.write(row_a, 1, [7])  # an overwrite inside the row keeps the rest
+    assert pool.read(row_a, 0, 4) == [4, 7, 6, 9]
+    # The workers' copies follow the logged writes, in order, as plain ints.
+    assert pool.take_writes() == [(row_a, 0, (4, 5, 6)), (row_a, 3, (9,)), (row_a, 1, (7,))] and pool.take_writes() == []
     with pytest.raises(ValueError, match='do not fit max_context'):
         pool.write(row_a, 6, [1, 2, 3])  # past max_context
+    pool.write(row_b, 0, [3, 3])
     pool.free(row_b)
     with pytest.raises(ValueError, match='is not allocated'):
         pool.free(row_b)
     with pytest.raises(ValueError, match='is not allocated'):
         pool.write(row_b, 0, [1])  # a freed row takes no writes
     assert pool.can_alloc() and pool.alloc() == row_b
+    assert pool.read(row_b, 0, 1) == []  # a row handed out again starts empty
 
 
 def test_kv_slots_for_memory_hold_k_and_v_of_every_layer():

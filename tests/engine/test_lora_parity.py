@@ -255,3 +255,54 @@ def test_tensor_parallel_size_that_does_not_divide_is_refused_at_start(tiny_llam
     config = EngineConfig(model_dir=str(tiny_llama_dir), tensor_parallel_size=3, work_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 does not divide the attention heads \(4\)"):
         EngineCore.build(config)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_queued_adapters_load_ahead_and_match_peft(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running, tensor_parallel_size):
+    """One request runs at a time, so the others queue: an earlier step's plan loads the next adapters
+    into free slots (every rank copies them from the plan), the step that first runs one of them loads
+    nothing into its slot, and no forward waits for a copy into a slot it does not read. Tokens are peft's."""
+    core = make_core(
+        tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=2, max_running_requests=1,
+        tensor_parallel_size=tensor_parallel_size,
+    )  # fmt: skip
+    running(core)
+    plans, waited = [], []
+    execute, pool = core.workers.execute, core.workers.local.runner.lora_pool
+    wait_for_loads = pool.wait_for_loads
+
+    def record_plan(plan, adapters):
+        plans.append(plan)
+        waited.append(set())
+        return execute(plan, adapters)
+
+    def record_wait(slots=None):
+        waited[-1] |= set(range(pool.num_slots) if slots is None else slots)
+        wait_for_loads(slots)
+
+    core.workers.execute, pool.wait_for_loads = record_plan, record_wait
+    jobs = [(PROMPTS[i % len(PROMPTS)], a) for i, a in enumerate(["attn", "mlp", "all", "", "patterns", "attn"])]
+    for (tokens, _), (prompt, adapter) in zip(run_all(core, jobs), jobs, strict=True):
+        assert tokens == oracle(prompt, adapter), (prompt, adapter)
+    assert num_loads_ahead_used(plans, waited) >= 2
+    assert core.lora.slots.num_loads_ahead >= num_loads_ahead_used(plans, waited)
+
+
+def num_loads_ahead_used(plans, waited: list[set[int]]) -> int:
+    """Loads into a slot that their own step does not read (ahead), whose slot a later step reads with no
+    load into it in between: the copy that step would otherwise have waited for. Checks on the way that
+    no step's forward waited for a load ahead."""
+    def reads(plan, slot: int) -> bool:
+        return slot in (plan.lora_slots or ())
+
+    def loads_into(plan, slot: int) -> bool:
+        return any(load.slot == slot for load in plan.loads)
+
+    num_used = 0
+    for i, plan in enumerate(plans):
+        for load in (load for load in plan.loads if not reads(plan, load.slot)):
+            assert load.slot not in waited[i], (i, load)  # the step's forward ran beside the copy
+            later = (p for p in plans[i + 1 :] if reads(p, load.slot) or loads_into(p, load.slot))
+            first = next(later, None)
+            num_used += first is not None and not loads_into(first, load.slot)
+    return num_used

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
+from engine.lora_manager import LoraManager
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
 from engine.named_shapes import NAMED_SHAPES
+from engine.parallel import TensorParallel
+from loraformat.architectures import Split
 from loraformat.peft_compile import CanonicalAdapter
 
 CONFIG = NAMED_SHAPES["tiny"]
@@ -62,12 +68,15 @@ def test_packed_adapter_reproduces_every_projection():
     adapter = canonical(4, seed=1)
     pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
     pool.load(1, pack_adapter("x", adapter, pool.targets, torch.float32, pin=False))
+    pool.wait_for_loads()  # the runner's call before every forward: on the CPU, nothing to wait for
     assert (pool.ranks[1], pool.scalings[1]) == (4, 2.0)
     for layer in range(CONFIG.num_layers):
         for module in MODULES:
             a, b = adapter.module_weights(layer, module)
             torch.testing.assert_close(slot_delta(pool, 1, layer, module), b @ a)
     assert pool.ranks[pool.base_slot] == 0 and not pool.a["qkv"][:, pool.base_slot].any()
+    with pytest.raises(dataclasses.FrozenInstanceError):  # the slot buffers were sized from a target's widths
+        pool.targets["qkv"].in_dim = 1
 
 
 def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
@@ -80,6 +89,110 @@ def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
     assert not pool.a["qkv"][:, 0, 2:16].any()  # q's rows past rank 2
     assert not pool.b["qkv"][:, 0, :, 2:].any()
     assert pool.ranks[0] == 2
+
+
+def test_load_refuses_the_base_slot_and_ranks_over_the_max():
+    """Guards the base slot (rank 0 forever, so base-model tokens get no delta) and the buffer bound."""
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    for slot in (-1, pool.base_slot):
+        with pytest.raises(ValueError, match=rf"slot {slot} is not an adapter slot \(0\.\.1\)"):
+            pool.load(slot, packed("x", rank=4))
+    with pytest.raises(ValueError, match="adapter rank 9 is over the pool's max rank 8"):
+        pool.load(0, packed("x", rank=9))
+    assert pool.ranks == [0, 0, 0] and not any(t.any() for t in (*pool.a.values(), *pool.b.values()))
+    pool.load(1, packed("full", rank=8))  # the largest slot and rank themselves fit
+    assert pool.ranks == [0, 8, 0] and pool.scalings == [0.0, 2.0, 0.0]
+    assert pool.a["qkv"][:, 1].any() and not pool.a["qkv"][:, pool.base_slot].any()
+
+
+def test_clear_makes_a_slot_rank_0_and_the_next_load_replaces_it_whole():
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    pool.load(0, packed("a", rank=8, seed=1))
+    pool.load(1, packed("b", rank=4, seed=2))
+    pool.clear(0)
+    assert (pool.ranks, pool.scalings) == ([0, 4, 0], [0.0, 2.0, 0.0])
+    adapter = canonical(2, modules=("o_proj",), seed=3)
+    pool.load(0, pack_adapter("c", adapter, pool.targets, torch.float32, pin=False))
+    for layer in range(CONFIG.num_layers):
+        a, b = adapter.module_weights(layer, "o_proj")
+        torch.testing.assert_close(slot_delta(pool, 0, layer, "o_proj"), b @ a)
+        assert not slot_delta(pool, 0, layer, "q_proj").any()
+    assert pool.ranks == [2, 4, 0]
+
+
+def test_loads_copy_on_their_own_stream_after_queued_work_and_forwards_wait_for_the_latest(monkeypatch):
+    """Guards the CUDA ordering of slot loads, with fake streams (no GPU here): a load makes the copy stream
+    wait for the work queued on the compute stream (it may still read the slot's previous tenant), issues
+    every copy on the copy stream, then records an event; `load` never makes the compute stream wait, and
+    `wait_for_loads` waits for the latest load of each slot asked for, once."""
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    log, active = [], [None]
+
+    class FakeStream:
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait_stream(self, stream) -> None:
+            log.append(f"{self.name} waits for {stream.name}")
+
+        def wait_event(self, event) -> None:
+            log.append(f"{self.name} waits for event {event.number}")
+
+    class FakeEvent:
+        def __init__(self):
+            self.number = sum(entry.startswith("event") for entry in log)
+
+        def record(self, stream) -> None:
+            log.append(f"event {self.number} on {stream.name}")
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        active[0] = stream
+        yield
+        active[0] = None
+
+    copy_stream, compute_stream = FakeStream("copy"), FakeStream("compute")
+    pool._copy_stream = copy_stream  # what the pool makes for itself on a CUDA device
+    copy_target = pool._copy_target
+    monkeypatch.setattr(pool, "_copy_target", lambda *args: (log.append(f"copy on {active[0].name}"), copy_target(*args)))
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute_stream)
+
+    for slot, name in ((0, "a"), (1, "b"), (0, "c")):
+        pool.load(slot, packed(name, seed=len(log)))
+    one_load = ["copy waits for compute", *["copy on copy"] * len(pool.targets)]
+    assert log == [*one_load, "event 0 on copy", *one_load, "event 1 on copy", *one_load, "event 2 on copy"]
+    del log[:]
+    pool.wait_for_loads([1, pool.base_slot])
+    assert log == ["compute waits for event 1"]
+    pool.wait_for_loads()
+    assert log == ["compute waits for event 1", "compute waits for event 2"]  # slot 0's latest covers its first
+    pool.wait_for_loads()
+    assert len(log) == 2
+    assert pool.ranks[:2] == [4, 4] and pool.a["qkv"][:, 0].any()
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_tensor_parallel_slot_holds_the_ranks_shard_of_every_projection(tp_rank):
+    """A rank's slot holds, per projection, the full delta's output rows of its shard (column targets:
+    q/k/v, gate/up) or input columns of its shard (row targets: o, down), so the ranks' deltas, summed
+    by the all-reduce, are the full adapter's."""
+    tp = TensorParallel(tp_rank, 2)
+    adapter = canonical(4, seed=5)
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu", tp=tp)
+    pool.load(1, pack_adapter("x", adapter, {t.name: t for t in fused_targets(CONFIG)}, torch.float32, pin=False))
+    assert pool.ranks[1] == 4
+    for target in pool.targets.values():
+        for module in target.modules:
+            for layer in range(CONFIG.num_layers):
+                a, b = adapter.module_weights(layer, module)
+                full = b @ a  # [out, in]
+                if target.split is Split.ROW:
+                    expected = full[:, tp.part(full.shape[1])]
+                else:
+                    expected = full[tp.part(full.shape[0])]
+                torch.testing.assert_close(slot_delta(pool, 1, layer, module), expected, msg=module)
 
 
 def make_slots(num_slots: int, policy: str = "lru"):
@@ -172,7 +285,11 @@ def test_host_cache_is_lru_by_digest():
     cache.put(packed("c"))
     assert "b" not in cache and "a" in cache and "c" in cache
     assert cache.get("b") is None
-    assert (cache.num_hits, cache.num_misses) == (1, 1)
+    assert (cache.num_hits, cache.num_misses, cache.num_joined) == (1, 0, 0)  # a miss is its fetcher's to count
+    cache.count_miss()
+    cache.count_miss(joined=True)
+    cache.count_miss(joined=True)
+    assert (cache.num_hits, cache.num_misses, cache.num_joined) == (1, 1, 2)
 
 
 def test_slots_decide_each_load_once_and_evict_on_request():
@@ -194,6 +311,53 @@ def test_slots_decide_each_load_once_and_evict_on_request():
     assert slots.num_evictions == 1  # an explicit evict is not an eviction for room
 
 
+def idle(slots: AdapterSlots, *names: str) -> None:
+    """Place each name and leave it idle, the first least recently used."""
+    for name in names:
+        slots.acquire(name, loader(name))
+        slots.release(name)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_acquire_spares_wanted_adapters_while_another_is_idle(policy):
+    """w1 is the victim of either policy (least recently used, loaded first); a waiting request wants it,
+    so the unwanted idle u goes instead."""
+    slots = make_slots(3, policy)
+    idle(slots, "w1", "u", "w2")
+    u = slots.slot_of("u")
+    assert slots.acquire("new", loader("new"), wanted={"w1", "w2", "new"}) == u
+    assert slots.slot_of("u") is None and slots.slot_of("w1") is not None and slots.slot_of("w2") is not None
+    assert (slots.num_loads, slots.num_evictions) == (4, 1)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_acquire_takes_the_policys_victim_among_wanted_adapters_when_all_idle_ones_are(policy):
+    """Every idle adapter is wanted: admission still gets a slot (unlike a load ahead), the policy's victim
+    among them; the slot in use and the pinned one stay whatever `wanted` says."""
+    slots = make_slots(4, policy)
+    slots.pin("pinned", loader("pinned"))
+    slots.acquire("busy", loader("busy"))
+    idle(slots, "w1", "w2")
+    slots.acquire("w2", loader("w2"))  # w2 used again: w1 is the least recently used and the oldest load
+    slots.release("w2")
+    w1 = slots.slot_of("w1")
+    assert slots.can_acquire("new")
+    assert slots.acquire("new", loader("new"), wanted={"w1", "w2"}) == w1
+    assert {s.digest for s in slots.slots} == {"pinned", "busy", "w2", "new"}
+
+
+def test_acquire_never_evicts_in_use_or_pinned_adapters_outside_wanted():
+    """Only busy (in use) and pinned hold slots, neither wanted: spared-or-not, neither is evictable."""
+    slots = make_slots(2)
+    slots.pin("pinned", loader("pinned"))
+    slots.acquire("busy", loader("busy"))
+    assert not slots.can_acquire("new")
+    with pytest.raises(SlotsExhausted):
+        slots.acquire("new", loader("new"), wanted={"other"})
+    assert slots.slot_of("busy") is not None and slots.slot_of("pinned") is not None
+    assert (slots.num_loads, slots.num_evictions) == (2, 0)
+
+
 def test_unknown_eviction_policy_is_refused():
     with pytest.raises(ValueError, match=r"eviction policy 'mru' is not one of \['fifo', 'lru'\]"):
         AdapterSlots(1, "mru")
@@ -213,3 +377,92 @@ def test_fifo_goes_by_load_time_not_by_slot_order():
     assert slots.acquire("c", loader("c")) == y
     assert [s.digest for s in slots.slots] == ["b", "c"]
     assert slots.num_loads == 4
+
+
+# ---------------------------------------------------------------------------------------- load ahead
+
+
+def test_load_ahead_takes_an_empty_slot_that_admission_then_finds():
+    slots = make_slots(2)
+    busy = slots.acquire("busy", loader("busy"))
+    slots.take_loads()
+    ahead = slots.load_ahead("next", loader("next"), keep={"next"})
+    assert ahead == 1 - busy and slots.slots[ahead].num_users == 0
+    assert [(load.slot, load.digest) for load in slots.take_loads()[0]] == [(ahead, "next")]
+    assert (slots.num_loads, slots.num_loads_ahead, slots.num_evictions) == (2, 1, 0)
+    assert slots.load_ahead("next", loader("next"), keep={"next"}) is None  # placed already: no second copy
+    assert slots.acquire("next", loader("next")) == ahead  # its turn: no load left to do
+    assert slots.take_loads() == ((), {}) and slots.num_loads == 2
+
+
+def test_load_ahead_evicts_only_idle_adapters_no_waiting_request_needs():
+    """busy is used by a running request, pinned is pinned, wanted is idle but a waiting request needs
+    it, idle is idle and unwanted: only idle's slot may go, and only once."""
+    slots = make_slots(4)
+    for name in ("busy", "wanted", "idle"):
+        slots.acquire(name, loader(name))
+    slots.pin("pinned", loader("pinned"))
+    slots.release("idle")
+    slots.release("wanted")  # now the least recently used: LRU alone would take it first
+    keep = {"wanted", "x", "y"}
+    assert slots.load_ahead("x", loader("x"), keep) == slots.slots.index(next(s for s in slots.slots if s.digest == "x"))
+    assert slots.slot_of("idle") is None and slots.num_evictions == 1
+    assert slots.load_ahead("y", loader("y"), keep) is None  # x is wanted too: no slot left
+    assert {s.digest for s in slots.slots} == {"busy", "pinned", "wanted", "x"}
+    assert slots.num_loads_ahead == 1
+
+
+def test_admission_may_still_take_a_slot_loaded_ahead():
+    """A slot loaded ahead has no user: it never blocks a request that can run now."""
+    slots = make_slots(1)
+    slots.load_ahead("later", loader("later"), keep={"later"})
+    assert slots.can_acquire("now")
+    assert slots.acquire("now", loader("now")) == 0 and slots.slot_of("later") is None
+
+
+def manager(num_slots: int) -> LoraManager:
+    return LoraManager(make_slots(num_slots), HostAdapterCache(4))
+
+
+def test_manager_loads_ahead_in_queue_order_once_per_adapter_within_the_bound():
+    lora = manager(4)
+    lora.acquire("run", packed("run"))
+    lora.take_loads()
+    waiting = [(name, packed(name)) for name in ("a", "run", "b", "a", "c", "d")]
+    assert lora.load_ahead(waiting, max_loads=2) == 2
+    assert [load.digest for load in lora.take_loads()[0]] == ["a", "b"]  # run holds a slot already
+    assert lora.load_ahead(waiting, max_loads=2) == 1  # one empty slot left
+    assert [load.digest for load in lora.take_loads()[0]] == ["c"]
+    assert lora.load_ahead(waiting, max_loads=2) == 0  # every other slot holds what the queue wants
+    assert lora.slots.slot_of("d") is None and lora.slots.num_evictions == 0
+
+
+def test_manager_leaves_requests_without_a_host_copy_to_admission():
+    lora = manager(2)
+    assert lora.load_ahead([("bare", None), ("ok", packed("ok"))], max_loads=2) == 1
+    assert [load.digest for load in lora.take_loads()[0]] == ["ok"]
+
+
+def test_manager_passes_the_wanted_adapters_to_the_slots():
+    lora = manager(2)
+    lora.acquire("w", packed("w"))
+    lora.acquire("u", packed("u"))
+    lora.release("w")  # w released first: LRU alone would evict it
+    lora.release("u")
+    u = lora.slots.slot_of("u")
+    assert lora.acquire("new", packed("new"), wanted={"w"}) == u and lora.slots.slot_of("w") is not None
+
+
+def test_a_forward_waits_only_for_the_loads_of_its_own_slots(monkeypatch):
+    """On CUDA each load records an event on the copy stream; a forward waits for those of the slots it
+    reads, so a copy ahead into another slot keeps running beside it. The stream is faked here (no GPU)."""
+    pool = LoraSlotPool(CONFIG, num_slots=3, max_rank=8, dtype=torch.float32, device="cpu")
+    waited = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=waited.append))
+    pool._pending = {0: "end of slot 0's load", 2: "end of slot 2's load"}
+    pool.wait_for_loads([0, 1, pool.base_slot, 0])
+    assert waited == ["end of slot 0's load"]
+    pool.wait_for_loads([0])
+    assert waited == ["end of slot 0's load"]  # waited for once
+    pool.wait_for_loads()  # None: every slot
+    assert waited == ["end of slot 0's load", "end of slot 2's load"] and not pool._pending

@@ -76,11 +76,31 @@ async def test_adapter_by_name_through_the_registry(stack, make_adapter, tmp_pat
 
 
 async def test_many_requests_for_one_uncached_adapter_fetch_once(stack, make_adapter):
+    """Eight requests look the adapter up while its one fetch is held in flight: the host cache counts one
+    miss (the fetch) and seven joined lookups, in its counters and on /metrics; a later request hits."""
     registry, engine, stub = stack
     await registry.register("popular", make_adapter("link-pop", r=4, lora_alpha=8, seed=52))
-    results = await asyncio.gather(*(generate(stub, "popular") for _ in range(8)))
+    link, release = engine.core.link, asyncio.Event()
+    real_fetch = link._fetch_once
+
+    async def held(record):
+        await release.wait()
+        return await real_fetch(record)
+
+    link._fetch_once = held
+    calls = [asyncio.ensure_future(generate(stub, "popular")) for _ in range(8)]
+    while engine.admission.num_fetching < 8:
+        await asyncio.sleep(0.02)
+    release.set()
+    results = await asyncio.gather(*calls)
     assert len({tuple(ids) for ids, _, _ in results}) == 1
     assert engine.core.link.num_fetches == 1
+    await generate(stub, "popular")
+    cache = engine.core.lora.host_cache
+    assert (cache.num_misses, cache.num_joined, cache.num_hits) == (1, 7, 1)
+    sample = engine.metrics.registry.get_sample_value
+    counted = [sample(f"loramux_engine_host_cache_{kind}_total") for kind in ("misses", "joined", "hits")]
+    assert counted == [1, 7, 1]
 
 
 async def test_new_version_is_used_and_never_the_old_kv_or_slot(stack, make_adapter):

@@ -14,9 +14,12 @@ from typing import NamedTuple
 
 import pytest
 
+from engine.adapter_cache import HostAdapterCache
+from engine.adapter_slots import AdapterSlots
 from engine.drain import StarvationDrain
 from engine.errors import Code
 from engine.kv_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool, num_pages_for
+from engine.lora_manager import LoraManager
 from engine.radix_cache import RadixCache
 from engine.request import Failed, Finished, FinishReason, Request
 from engine.request_kv import RequestKV
@@ -62,13 +65,13 @@ class Sim:
     """A Scheduler over real KV owners, stepped by a fake model that checks KV reads and writes."""
 
     def __init__(self, tokenizer: Tokenizer, *, page_size: int, num_pages: int, max_running: int = 8,
-                 max_batch_tokens: int = 64, clock=None, lora=None, drain=None):
+                 max_batch_tokens: int = 64, clock=None, lora=None, drain=None, load_ahead: int = 0):
         self.tokenizer = tokenizer
         self.allocator = PageAllocator(num_pages, page_size)
         self.req_pool = ReqToTokenPool(max_running, MAX_CONTEXT)
         self.radix = RadixCache(page_size, self.allocator)
         kv = RequestKV(self.allocator, self.req_pool, self.radix)
-        config = SchedulerConfig(max_running, max_batch_tokens)
+        config = SchedulerConfig(max_running, max_batch_tokens, max_lora_load_ahead=load_ahead)
         self.sched = Scheduler(config, kv, clock=clock or time.monotonic, lora=lora, drain=drain)
         self.kv_content: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.events: dict[str, list] = {}
@@ -100,7 +103,7 @@ class Sim:
         written: dict[int, Request] = {}
         for e in entries:
             req, ids = e.req, e.req.all_ids
-            assert self.req_pool.read(req.req_row, 0, req.kv_len).tolist() == req.kv_slots
+            assert self.req_pool.read(req.req_row, 0, req.kv_len) == req.kv_slots
             for i in range(e.start):  # the prefix this step attends to holds this request's own history
                 assert self.kv_content.get(req.kv_slots[i]) == (req.namespace, tuple(ids[: i + 1])), (req.rid, i)
             for i in range(e.start, e.start + e.extend_len):
@@ -257,7 +260,7 @@ class FakeSlots:
     def can_acquire(self, digest: str) -> bool:
         return digest in self.users or len(self.users) < self.num_slots
 
-    def acquire(self, digest: str, packed=None) -> int:
+    def acquire(self, digest: str, packed=None, wanted=()) -> int:
         assert self.can_acquire(digest), f"{digest} admitted without a slot"
         self.users[digest] = self.users.get(digest, 0) + 1
         return list(self.users).index(digest)
@@ -468,7 +471,7 @@ def test_truncate_frees_the_pages_past_the_kept_tokens(tokenizer, page_size):
 
 
 class FailingSlots(FakeSlots):
-    def acquire(self, digest: str, packed=None) -> int:
+    def acquire(self, digest: str, packed=None, wanted=()) -> int:
         raise RuntimeError("the adapter could not be loaded")
 
 
@@ -513,7 +516,7 @@ def test_an_admission_that_raises_loses_no_slot_blocked_request(tokenizer):
     sim.add("base", prompt_of(6, 9), max_new_tokens=2)
     real_admit = sim.sched._admit
 
-    def admit_raising_once(req, budget):
+    def admit_raising_once(req, budget, wanted):
         sim.sched._admit = real_admit
         sim.sched.waiting.appendleft(req)  # as a failed slot load leaves it (see _admit)
         raise RuntimeError("simulated admission fault")
@@ -523,3 +526,199 @@ def test_an_admission_that_raises_loses_no_slot_blocked_request(tokenizer):
         sim.sched.schedule()
     # (the loop's failure path then fails every request; here only what it finds matters)
     assert [r.rid for r in sim.sched.waiting] == ["x1", "y1", "base"]
+
+
+# ------------------------------------------------------------------------------------- LoRA load ahead
+
+
+def real_lora(num_slots: int) -> LoraManager:
+    """Real slot decisions; a packed adapter's stand-in (the slots read only its rank; nothing is copied)."""
+    return LoraManager(AdapterSlots(num_slots), HostAdapterCache(8))
+
+
+def add_with_adapter(sim: Sim, rid: str, namespace: str, seed: int, max_new_tokens: int = 3) -> Request:
+    req = sim.add(rid, prompt_of(5, seed), max_new_tokens=max_new_tokens, namespace=namespace)
+    req.packed_adapter = SimpleNamespace(rank=4)  # admission fetched it before submitting
+    return req
+
+
+def step_loads(sim: Sim) -> list[tuple[str, int]]:
+    """Step, then the (digest, slot) loads the step's plan would carry."""
+    sim.step()
+    return [(load.digest, load.slot) for load in sim.sched.lora.take_loads()[0]]
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_a_waiting_requests_adapter_is_loaded_by_an_earlier_step(tokenizer, page_size):
+    """Guards the overlap: b waits behind a (running cap 1); the plan of a's first step already loads b's
+    adapter into the free slot, so the step that admits b loads nothing and b's tokens are intact."""
+    sim = Sim(tokenizer, page_size=page_size, num_pages=256, max_running=1, lora=real_lora(2), load_ahead=2)
+    a = add_with_adapter(sim, "a", "X", seed=1)
+    b = add_with_adapter(sim, "b", "Y", seed=2)
+    assert step_loads(sim) == [("X", 0), ("Y", 1)]  # X for a now, Y ahead for b
+    assert list(sim.sched.waiting) == [b]
+    while b not in sim.sched.running:
+        assert step_loads(sim) == []
+    assert b.lora_slot == 1 and sim.admission_order == ["a", "b"]
+    sim.run()
+    assert_finished(sim, a, 3) and assert_finished(sim, b, 3)
+    slots = sim.sched.lora.slots
+    assert (slots.num_loads, slots.num_loads_ahead, slots.num_evictions) == (2, 1, 0)
+    sim.assert_all_freed()
+
+
+def test_without_load_ahead_the_admitting_step_loads(tokenizer):
+    """The same queue with the knob at 0: b's adapter is loaded by the plan of the step that runs b."""
+    sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=real_lora(2), load_ahead=0)
+    add_with_adapter(sim, "a", "X", seed=1)
+    b = add_with_adapter(sim, "b", "Y", seed=2)
+    assert step_loads(sim) == [("X", 0)]
+    loads = []
+    while b not in sim.sched.running:
+        loads = step_loads(sim)
+    assert loads == [("Y", 1)] and sim.sched.lora.slots.num_loads_ahead == 0
+
+
+def test_load_ahead_is_bounded_per_step_and_follows_the_queue(tokenizer):
+    sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=real_lora(4), load_ahead=2)
+    add_with_adapter(sim, "a", "X", seed=1, max_new_tokens=6)
+    for i, (rid, namespace) in enumerate((("b", "Y"), ("c", "Z"), ("d", "Y"), ("e", "W"))):
+        add_with_adapter(sim, rid, namespace, seed=2 + i)
+    assert step_loads(sim) == [("X", 0), ("Y", 1), ("Z", 2)]  # two ahead: Y (b, d), then Z
+    assert step_loads(sim) == [("W", 3)]
+    assert step_loads(sim) == []
+    sim.run()
+    assert sim.admission_order == ["a", "b", "c", "d", "e"]
+    assert sim.sched.lora.slots.num_loads == 4 and sim.sched.lora.slots.num_evictions == 0
+    sim.assert_all_freed()
+
+
+def test_load_ahead_never_evicts_an_adapter_in_use_pinned_or_wanted(tokenizer):
+    """Slots: X used by running a, P pinned, Q idle but wanted by waiting q. Waiting b's adapter Y finds no
+    slot it may take ahead, so nothing is loaded or evicted while a runs. Once a ends, admission takes X's
+    slot for b, idle and wanted by nobody, though Q's is the least recently used: Q stays for q, so nothing
+    is reloaded (plain LRU would evict Q, and the load ahead would put it back into X's slot)."""
+    lora = real_lora(3)
+    sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=lora, load_ahead=2)
+    lora.pin("P", SimpleNamespace(rank=4))
+    add_with_adapter(sim, "q0", "Q", seed=1, max_new_tokens=1)
+    sim.run()
+    lora.take_loads()
+    a = add_with_adapter(sim, "a", "X", seed=2, max_new_tokens=3)
+    b = add_with_adapter(sim, "b", "Y", seed=3)
+    add_with_adapter(sim, "q", "Q", seed=4)
+    assert step_loads(sim) == [("X", 2)] and a in sim.sched.running
+    assert step_loads(sim) == [] and lora.slots.num_evictions == 0
+    assert {s.digest for s in lora.slots.slots} == {"P", "Q", "X"}
+    assert step_loads(sim) == []  # a samples its last token and ends in this step
+    assert lora.slots.slots[1].last_used < lora.slots.slots[2].last_used  # Q is LRU's victim
+    assert step_loads(sim) == [("Y", 2)] and b in sim.sched.running
+    while len(sim.admission_order) < 4:
+        assert step_loads(sim) == []  # q finds Q in place
+    sim.run()
+    assert lora.slots.slot_of("P") == 0 and lora.slots.slot_of("Q") == 1
+    assert sim.admission_order == ["q0", "a", "b", "q"]
+    assert (lora.slots.num_loads, lora.slots.num_loads_ahead, lora.slots.num_evictions) == (4, 0, 1)
+    sim.assert_all_freed()
+
+
+# --------------------------------------------------------------------------- admission's eviction victim
+
+
+def idle_adapters(sim: Sim, *namespaces: str) -> None:
+    """Run one request of each namespace in turn, so each is left idle in a slot, the first least recent."""
+    for i, namespace in enumerate(namespaces):
+        add_with_adapter(sim, f"{namespace.lower()}0", namespace, seed=20 + i, max_new_tokens=1)
+        sim.run()
+    sim.sched.lora.take_loads()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_admission_evicts_an_idle_adapter_no_waiting_request_needs(tokenizer, page_size):
+    """Guards the victim choice without load ahead: Q (least recently used) and X sit idle; b (adapter Y)
+    is admitted first while q waits for Q. b must take X's slot, so q finds Q in place: one load in all.
+    Plain LRU would evict Q and reload it for q, evicting X."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=page_size, num_pages=256, max_running=1, lora=lora)
+    idle_adapters(sim, "Q", "X")
+    q_slot, x_slot = lora.slots.slot_of("Q"), lora.slots.slot_of("X")
+    loads_before, evictions_before = lora.slots.num_loads, lora.slots.num_evictions
+    b = add_with_adapter(sim, "b", "Y", seed=1)
+    q = add_with_adapter(sim, "q", "Q", seed=2)
+    assert step_loads(sim) == [("Y", x_slot)] and list(sim.sched.waiting) == [q]
+    while q not in sim.sched.running:
+        assert step_loads(sim) == []
+    assert q.lora_slot == q_slot
+    sim.run()
+    assert_finished(sim, b, 3) and assert_finished(sim, q, 3)
+    assert (lora.slots.num_loads - loads_before, lora.slots.num_evictions - evictions_before) == (1, 1)
+    sim.assert_all_freed()
+
+
+def test_admission_falls_back_to_lru_when_every_idle_adapter_is_wanted(tokenizer):
+    """Q (least recently used) and R sit idle, both wanted by waiting requests: b's adapter Y must still get
+    a slot, and LRU decides among the wanted ones (Q goes, not R)."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=lora)
+    idle_adapters(sim, "Q", "R")
+    q_slot, r_slot = lora.slots.slot_of("Q"), lora.slots.slot_of("R")
+    add_with_adapter(sim, "b", "Y", seed=1)
+    r = add_with_adapter(sim, "r", "R", seed=2)
+    add_with_adapter(sim, "q", "Q", seed=3)
+    assert step_loads(sim) == [("Y", q_slot)]
+    while r not in sim.sched.running:
+        assert step_loads(sim) == []
+    assert r.lora_slot == r_slot  # R stayed
+    sim.run()
+    assert sim.admission_order[-3:] == ["b", "r", "q"]
+    sim.assert_all_freed()
+
+
+def test_a_request_that_left_the_queue_no_longer_protects_its_adapter(tokenizer):
+    """Guards the per-step count: `big` (adapter Q) fails at admission as too big for the KV pool, so in
+    the same step c's adapter Y may take Q's slot (now wanted by nobody) rather than X's, which d waits
+    for. A wanted set that forgot to drop big's Q would spare it and evict X."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=1, num_pages=41, max_running=4, max_batch_tokens=64, lora=lora)  # 40 KV slots
+    idle_adapters(sim, "X", "Q")  # X least recently used: LRU alone would evict X too
+    q_slot, x_slot = lora.slots.slot_of("Q"), lora.slots.slot_of("X")
+    big = sim.add("big", prompt_of(60, 1), namespace="Q")
+    c = add_with_adapter(sim, "c", "Y", seed=2)
+    d = add_with_adapter(sim, "d", "X", seed=3)
+    assert step_loads(sim) == [("Y", q_slot)]
+    assert isinstance(sim.final("big"), Failed) and big.lora_slot == -1
+    assert (c.lora_slot, d.lora_slot) == (q_slot, x_slot)
+    sim.run()
+    sim.assert_all_freed()
+
+
+def test_an_adapter_stays_wanted_while_another_request_waits_for_it(tokenizer):
+    """The count, not a set: big and q both want Q (least recently used); big fails at admission, q still
+    waits, so c's adapter Y takes X's slot and q finds Q in place."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=1, num_pages=41, max_running=4, max_batch_tokens=64, lora=lora)
+    idle_adapters(sim, "Q", "X")
+    q_slot, x_slot = lora.slots.slot_of("Q"), lora.slots.slot_of("X")
+    sim.add("big", prompt_of(60, 1), namespace="Q")
+    c = add_with_adapter(sim, "c", "Y", seed=2)
+    q = add_with_adapter(sim, "q", "Q", seed=3)
+    assert step_loads(sim) == [("Y", x_slot)]
+    assert isinstance(sim.final("big"), Failed) and (c.lora_slot, q.lora_slot) == (x_slot, q_slot)
+    sim.run()
+    sim.assert_all_freed()
+
+
+def test_a_base_request_failed_at_admission_leaves_the_wanted_adapters_alone(tokenizer):
+    """A base request (no adapter) that fails at admission must not disturb the count: q still waits for
+    Q (least recently used), so c's adapter Y takes X's slot."""
+    lora = real_lora(2)
+    sim = Sim(tokenizer, page_size=1, num_pages=41, max_running=4, max_batch_tokens=64, lora=lora)
+    idle_adapters(sim, "Q", "X")
+    x_slot = lora.slots.slot_of("X")
+    sim.add("big", prompt_of(60, 1))
+    add_with_adapter(sim, "c", "Y", seed=2)
+    add_with_adapter(sim, "q", "Q", seed=3)
+    assert step_loads(sim) == [("Y", x_slot)]
+    sim.run()
+    sim.assert_all_freed()
+

@@ -8,6 +8,7 @@ import asyncio
 import os
 import pickle
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -171,3 +172,41 @@ async def _assert_engine_ended(server, stub, health) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Generate(generate_request("again", max_new_tokens=2)).read()
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _exit_at_once(spec, conn) -> None:
+    """A spawned rank that dies before it joins the process group (a crash at import or device set-up)."""
+    os._exit(3)
+
+
+@pytest.mark.parametrize("when", ["before joining", "while building"])
+def test_a_rank_failing_at_start_fails_the_start_at_once(tiny_llama_dir, monkeypatch, when):
+    """A rank that dies before joining the group (rank 0's rendezvous would wait for it until the store's
+    timeout), or one that reports a failure while rank 0 builds (rank 0 waits for it in a collective):
+    the start fails with WorkerDied naming the rank, not with rank 0's own error after a timeout, and no
+    rank is left running."""
+    import multiprocessing
+
+    from engine import worker as worker_module
+    from engine.parallel import TensorParallel
+    from engine.worker import WorkerDied
+
+    monkeypatch.setattr(worker_module, "START_TIMEOUT_S", 30.0)  # the rendezvous' own bound, should the fix regress
+    spawn = multiprocessing.get_context("spawn")
+    real_process = spawn.Process
+
+    def rank_1(target, args, **kwargs):
+        rank_spec, conn = args
+        if when == "before joining":
+            return real_process(target=_exit_at_once, args=args, **kwargs)
+        # Rank 1 gets a model directory that does not exist: it joins, fails in its build and says so,
+        # while rank 0 (a real directory) waits for it in the build's first collective.
+        broken = replace(rank_spec, config=replace(rank_spec.config, model_dir=str(tiny_llama_dir) + "-missing"))
+        return real_process(target=target, args=(broken, conn), **kwargs)
+
+    monkeypatch.setattr(spawn, "Process", rank_1)
+    config = EngineConfig(model_dir=str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, max_running_requests=4, num_kv_slots=256)
+    expected = "rank 1 exited while starting [(]code 3[)]" if when == "before joining" else "rank 1 failed to start: .*-missing"
+    with pytest.raises(WorkerDied, match=expected):
+        start_workers(WorkerSpec(config, 128, TensorParallel(0, 2)))
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("loramux-worker")]

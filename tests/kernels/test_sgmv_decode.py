@@ -1,6 +1,7 @@
-"""The split-K decode shrink on decode-shaped batches (one token per segment, as a decode step or its
-CUDA graph builds them) against an fp64 loop, over adapter popularity, batch sizes, ranks below the slot
-capacity and split configurations; and the auto dispatch between it and `sgmv_shrink`.
+"""The split-K decode shrink and the decode expand on decode-shaped batches (one token per segment, as a
+decode step or its CUDA graph builds them) against fp64 loops, over adapter popularity, batch sizes,
+ranks below the slot capacity, stacked targets and split configurations; and the auto dispatch between
+them and `sgmv_shrink` / `sgmv_expand`.
 
 Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
 imported). The general-segment grid (long, empty, base-model segments) is in test_sgmv.py's "decode"
@@ -24,7 +25,13 @@ pytest.importorskip("triton")
 
 from kernels import sgmv_decode  # noqa: E402
 from kernels.sgmv import sgmv_expand  # noqa: E402
-from kernels.sgmv_decode import decode_config, sgmv_shrink_auto, sgmv_shrink_decode  # noqa: E402
+from kernels.sgmv_decode import (  # noqa: E402
+    decode_config,
+    sgmv_expand_auto,
+    sgmv_expand_decode,
+    sgmv_shrink_auto,
+    sgmv_shrink_decode,
+)
 from kernels.sgmv_ref import SgmvMeta  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -144,9 +151,128 @@ def test_decode_shrink_with_expand_is_the_lora_delta():
         expected[row] += scalings[w] * (
             B[w, :, :r].double().cpu() @ (A[w, :r].double().cpu() @ x[row].double().cpu())
         )
-    sgmv_expand(sgmv_shrink_auto(x, A, meta, num_stack=1), B, meta, y, output_slices=((0, out_dim),))
-    assert (y.double().cpu() - expected).abs().max().item() <= 1e-3 * expected.abs().max().item()
+    v = sgmv_shrink_auto(x, A, meta, num_stack=1)
+    y2 = y.clone()
+    sgmv_expand(v, B, meta, y, output_slices=((0, out_dim),))
+    sgmv_expand_auto(v, B, meta, y2, output_slices=((0, out_dim),))  # the splitk backend's pair
+    for got in (y, y2):
+        assert (got.double().cpu() - expected).abs().max().item() <= 1e-3 * expected.abs().max().item()
     assert (expected - y_before).abs().max().item() > 0.1  # a no-op shrink would fail above
+
+
+def fp64_expand(y, v, B, seg_lens, slots, ranks, scalings, output_slices):
+    """y after the LoRA expand, in fp64: y[row, o_k + n] += scaling * v[row, k*R : k*R + r] . B[w, o_k + n, :r]."""
+    expected, v, B = y.double().cpu().clone(), v.double().cpu(), B.double().cpu()
+    start = 0
+    for seg_len, w in zip(seg_lens, slots, strict=True):
+        r = ranks[w]
+        for row in range(start, start + seg_len):
+            for k, (offset, size) in enumerate(output_slices):
+                if r:
+                    delta = B[w, offset : offset + size, :r] @ v[row, k * MAX_RANK : k * MAX_RANK + r]
+                    expected[row, offset : offset + size] += scalings[w] * delta
+        start += seg_len
+    return expected
+
+
+def check_expand(expand, dtype, seg_lens, slots, ranks, output_slices, out_dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_stack, total = len(output_slices), sum(seg_lens)
+    B = (torch.randn(len(ranks), out_dim, MAX_RANK, generator=gen) / 4).to(DEVICE, dtype)
+    v = torch.randn(total, num_stack * MAX_RANK, generator=gen).to(DEVICE, dtype)
+    y = torch.randn(total, out_dim, generator=gen).to(DEVICE, dtype)
+    scalings = [0.0] + [0.25 * (i + 1) for i in range(len(ranks) - 1)]
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    expected = fp64_expand(y, v, B, seg_lens, slots, ranks, scalings, output_slices)
+    before = y.double().cpu().clone()
+    expand(v, B, meta, y, output_slices=output_slices)
+    got = y.double().cpu()
+    covered = torch.zeros(out_dim, dtype=torch.bool)
+    for offset, size in output_slices:
+        covered[offset : offset + size] = True
+    assert torch.equal(got[:, ~covered], before[:, ~covered]), "columns outside the output slices were written"
+    base_rows = [row for row, w in enumerate(w for n, w in zip(seg_lens, slots, strict=True) for _ in range(n)) if ranks[w] == 0]
+    assert torch.equal(got[base_rows], before[base_rows]), "rows without a LoRA were written"
+    tolerance = TOLERANCE[dtype] * max(1.0, expected.abs().max().item())
+    assert (got - expected).abs().max().item() <= tolerance
+    assert (expected - before).abs().max().item() > tolerance  # a no-op expand would fail the check above
+    return meta
+
+
+# (output_slices, out_dim): q/k/v (stacked, unequal widths), gate/up, one target, a gap left untouched
+SLICES = [(((0, 96), (96, 32), (128, 32)), 160), (((0, 300), (300, 300)), 600), (((0, 520),), 520), (((8, 40),), 64)]
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str), ids=str)
+@pytest.mark.parametrize("output_slices, out_dim", SLICES)
+def test_decode_expand_matches_fp64(popularity, dtype, output_slices, out_dim):
+    seg_lens, slots, ranks = decode_batch(popularity, batch=20, num_adapters=6, seed=len(popularity) + out_dim)
+    check_expand(sgmv_expand_decode, dtype, seg_lens, slots, ranks, output_slices, out_dim, seed=out_dim)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 33, 64])
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_decode_expand_batch_sizes_and_column_blocks(batch, block_n):
+    """Column blocks that do and do not divide the widths; one segment alone; a graph-sized batch."""
+    seg_lens, slots, ranks = decode_batch("uniform", batch, num_adapters=min(batch, 8), seed=batch)
+    expand = functools.partial(sgmv_expand_decode, block_n=block_n)
+    check_expand(expand, torch.bfloat16, seg_lens, slots, ranks, ((0, 200), (200, 72), (272, 72)), 344, seed=batch)
+
+
+def test_decode_expand_multi_token_segments_and_graph_padding():
+    """Segments of 2-4 tokens reuse their B tile for every row; trailing base-slot rows stay untouched."""
+    seg_lens, slots, ranks = [1, 3, 2, 4, 1, 1, 1], [1, 2, 1, 3, 0, 0, 0], [0, 16, 64, 1]
+    check_expand(sgmv_expand_decode, torch.float32, seg_lens, slots, ranks, ((0, 70), (70, 70)), 140)
+
+
+def test_expand_auto_sends_decode_steps_to_the_decode_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sgmv_decode, "sgmv_expand_decode", lambda *a, **k: calls.append("decode"))
+    monkeypatch.setattr(sgmv_decode, "sgmv_expand", lambda *a, **k: calls.append("sgmv"))
+    v, B, y = torch.zeros(6, 4), torch.zeros(2, 8, 4), torch.zeros(6, 8)
+    for seg_lens in ([1] * 6, [4, 2], [5, 1]):
+        meta = SgmvMeta.from_lists(seg_lens, [1] * len(seg_lens), [0, 4], [0.0, 1.0])
+        sgmv_expand_auto(v, B, meta, y, output_slices=((0, 8),))
+    assert calls == ["decode", "decode", "sgmv"]
+
+
+def test_decode_expand_refuses_what_sgmv_expand_refuses():
+    meta = SgmvMeta.from_lists([1], [1], [0, 4], [0.0, 1.0], DEVICE)
+    v, B, y = torch.zeros(1, 4, device=DEVICE), torch.zeros(2, 8, 4, device=DEVICE), torch.zeros(1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="fall outside out_dim"):
+        sgmv_expand_decode(v, B, meta, y, output_slices=((4, 8),))
+    with pytest.raises(ValueError, match="targets x R=4"):
+        sgmv_expand_decode(v, B, meta, y, output_slices=((0, 4), (4, 4)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
+def test_decode_expand_graph_replay_follows_refilled_slots_and_ranks():
+    """Captured once, replayed after the metadata was refilled in place with other slots, ranks and scalings."""
+    batch, out_dim, num_slots = 12, 900, 5
+    output_slices = ((0, 500), (500, 200), (700, 200))
+    gen = torch.Generator().manual_seed(9)
+    B = (torch.randn(num_slots, out_dim, MAX_RANK, generator=gen) / 4).to(DEVICE, torch.bfloat16)
+    v = torch.randn(batch, 3 * MAX_RANK, generator=gen).to(DEVICE, torch.bfloat16)
+    y = torch.zeros(batch, out_dim, device=DEVICE, dtype=torch.bfloat16)
+    meta = SgmvMeta.from_lists([1] * batch, [0] * batch, [0, 16, 64, 4, 0], [1.0] * num_slots, DEVICE)
+    sgmv_expand_decode(v, B, meta, y, output_slices=output_slices)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sgmv_expand_decode(v, B, meta, y, output_slices=output_slices)
+    for slots, ranks, scalings in (
+        ([1, 2, 3, 0] * 3, [0, 16, 64, 4, 0], [0.0, 1.0, 0.5, 2.0, 1.0]),
+        ([4] * 12, [0, 8, 8, 8, 32], [0.0, 1.0, 1.0, 1.0, 0.25]),
+    ):
+        meta.weight_indices.copy_(torch.tensor(slots, dtype=torch.int32))
+        meta.lora_ranks.copy_(torch.tensor(ranks, dtype=torch.int32))
+        meta.scalings.copy_(torch.tensor(scalings))
+        y.zero_()
+        graph.replay()
+        expected = fp64_expand(torch.zeros(batch, out_dim), v, B, [1] * batch, slots, ranks, scalings, output_slices)
+        assert (y.double().cpu() - expected).abs().max().item() <= 4e-2 * max(1.0, expected.abs().max().item())
 
 
 @pytest.mark.gpu
