@@ -100,6 +100,26 @@ def test_idle_time_banks_no_credit(tokenizer):
     assert 2 <= sum(rid.startswith("a") for rid in firsts) <= 6
 
 
+def test_a_tenant_that_went_idle_banks_no_credit(tokenizer):
+    """Guards the scheduler's count of each tenant's queued and running requests: c ran one request and was
+    idle (nothing queued or running) during a's flood, so its return lifts its counter to a's, as for a
+    newcomer. A count that kept c busy after its request ended would leave c's small counter in place, and
+    c's burst would take every admission."""
+    sim = TenantSim(tokenizer, page_size=1, num_pages=4096, max_running=4, max_batch_tokens=64)
+    sim.add_for("c", "c-early")
+    sim.run()
+    for i in range(40):
+        sim.add_for("a", f"a{i}")
+    for _ in range(25):
+        sim.step()
+    before = len(sim.admission_order)
+    for i in range(12):
+        sim.add_for("c", f"c{i}")
+    while len(sim.admission_order) < before + 8:
+        sim.step()
+    assert 2 <= sum(rid.startswith("a") for rid in sim.admitted_after(before)[:8]) <= 6
+
+
 def test_one_tenant_is_served_first_come_first_served(tokenizer):
     sim = TenantSim(tokenizer, page_size=1, num_pages=4096, max_running=2, max_batch_tokens=64)
     for i in range(8):
