@@ -128,6 +128,18 @@ def test_one_tenant_is_served_first_come_first_served(tokenizer):
     assert sim.admission_order == [f"s{i}" for i in range(8)]
 
 
+def test_the_scheduler_charges_prefill_at_the_prompt_weight_and_decodes_at_the_output_weight(tokenizer):
+    """Guards the split of each step's tokens: a 40-token prompt in chunks of 16 costs 1 a token, each
+    decode after it 2 (the defaults). Charging everything as output would double the prefill."""
+    sim = TenantSim(tokenizer, page_size=1, num_pages=256, max_running=2, max_batch_tokens=16)
+    sim.add_for("t", "long", prompt_len=40, max_new_tokens=3)
+    counters = []
+    while sim.sched.num_requests:
+        sim.step()
+        counters.append(sim.sched.fair_share.counters["t"])
+    assert counters == [16.0, 32.0, 40.0, 42.0, 44.0]
+
+
 @pytest.mark.parametrize("weights", [(1.0, 2.0), (1.0, 1.0)])
 def test_counters_charge_prompt_and_output_tokens_by_weight(weights):
     share = FairShare(*weights)

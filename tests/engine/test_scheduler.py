@@ -150,6 +150,7 @@ class Sim:
 
     def assert_all_freed(self) -> None:
         assert not self.sched.running and not self.sched.waiting
+        assert not self.sched._num_by_tenant and not self.sched._counted  # no bookkeeping of ended requests
         assert self.radix.protected_size() == 0
         self.radix.reset()
         assert self.allocator.num_free_pages == self.allocator.num_usable_pages
