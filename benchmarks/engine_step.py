@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--num-decode", type=int, default=20)
-    parser.add_argument("--attention", choices=("ref", "sdpa"), default="sdpa")
+    parser.add_argument("--attention", choices=("ref", "sdpa", "triton"), default="sdpa", help="the eager (prefill) attention backend")
     parser.add_argument("--adapters", type=int, nargs="+", default=[0], help="distinct rank-16 adapters (0 = base)")
     parser.add_argument("--lora-backend", default="triton", choices=("ref", "triton", "chunked", "splitk"))
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")

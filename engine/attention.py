@@ -9,8 +9,9 @@ the model calls in every layer (the model never asks which kernel runs):
 
     metadata.attend(q [T, H, D], k_cache [S, Hkv, D], v_cache [S, Hkv, D], scale) -> o [T, H, D]
 
-`ref` (kernels/attention_ref.py, any step), `sdpa` (kernels/attention_sdpa.py, any step) and `decode`
-(kernels/decode_attention.py, all-decode steps only, graph-safe) are the backends.
+`ref` (kernels/attention_ref.py, any step), `sdpa` (kernels/attention_sdpa.py, any step), `triton`
+(kernels/extend_attention.py, any step: a FlashAttention-style Triton kernel over the paged cache, made
+for prefill) and `decode` (kernels/decode_attention.py, all-decode steps only, graph-safe) are the backends.
 """
 
 from __future__ import annotations
@@ -54,6 +55,23 @@ class SdpaMetadata:
 
 
 @dataclass
+class TritonMetadata:
+    req_to_token: torch.Tensor  # [max_reqs, max_context]
+    req_rows: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    plan: object = None  # kernels.extend_attention.ExtendPlan, built by the first layer (it needs the head grouping)
+
+    def attend(self, q, k_cache, v_cache, scale):
+        from kernels.extend_attention import ExtendPlan, extend_attention  # Triton: imported on use
+
+        if self.plan is None:
+            group = q.shape[1] // k_cache.shape[1]
+            self.plan = ExtendPlan(self.req_rows, self.prefix_lens, self.extend_lens, group, q.device)
+        return extend_attention(q, k_cache, v_cache, self.req_to_token, self.plan, scale)
+
+
+@dataclass
 class DecodeKernelMetadata:
     req_to_token: torch.Tensor  # [max_reqs, max_context]
     req_rows: torch.Tensor  # [B] int64 static buffer
@@ -91,6 +109,16 @@ class SdpaBackend:
         return SdpaMetadata(SdpaPlan.build(list(req_rows), list(prefix_lens), list(extend_lens), self.req_to_token, self.req_to_token.device))
 
 
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, req_to_token: torch.Tensor):
+        self.req_to_token = req_to_token
+
+    def prepare(self, req_rows, prefix_lens, extend_lens) -> TritonMetadata:
+        return TritonMetadata(self.req_to_token, list(req_rows), list(prefix_lens), list(extend_lens))
+
+
 class DecodeKernelBackend:
     """The paged split-KV decode kernel: all-decode steps only, with a graph-safe launch."""
 
@@ -109,7 +137,7 @@ class DecodeKernelBackend:
         return DecodeKernelMetadata(self.req_to_token, req_rows, seq_lens, max_context, workspace)
 
 
-EAGER_BACKENDS: dict[str, type] = {"ref": RefBackend, "sdpa": SdpaBackend}
+EAGER_BACKENDS: dict[str, type] = {"ref": RefBackend, "sdpa": SdpaBackend, "triton": TritonBackend}
 
 
 def eager_backend(name: str, req_to_token: torch.Tensor) -> AttentionBackend:

@@ -74,10 +74,6 @@ class PackedAdapter:
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
-
 
 class LoraSlotPool:
     """Owns the slot buffers and each slot's rank/scaling; knows nothing of which adapter is where."""

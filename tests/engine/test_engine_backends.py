@@ -87,6 +87,18 @@ def test_sdpa_and_sgmv_backends_give_the_reference_tokens(tiny_llama_dir, adapte
     assert len({tuple(t) for t in tokens}) == len(JOBS)  # base and adapters differ: LoRA was applied
 
 
+def test_triton_prefill_attention_gives_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, monkeypatch):
+    """The Triton extend-attention kernel serves every eager step (prefill, prefix hits, decode)."""
+    from kernels import extend_attention as module
+
+    calls, real = [], module.extend_attention
+    monkeypatch.setattr(module, "extend_attention", lambda *args: calls.append(args[4].num_tokens) or real(*args))
+    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, attention_backend="triton", lora_backend="ref")
+    assert tokens == reference
+    # the prefill step (every prompt) and decode steps (one token per request) both ran through it
+    assert max(calls) > len(JOBS) and len(JOBS) in calls
+
+
 def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):
     """dtype bfloat16 with SDPA and the splitk LoRA backend (the CUDA defaults but graphs): at every step the token
     chosen is within BF16_LOGIT_SLACK of the best float32 logit of peft for that adapter."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import zlib
 from types import SimpleNamespace
 
@@ -13,6 +15,8 @@ from engine.adapter_slots import AdapterSlots, SlotsExhausted
 from engine.lora_manager import LoraManager
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
 from engine.named_shapes import NAMED_SHAPES
+from engine.parallel import TensorParallel
+from loraformat.architectures import Split
 from loraformat.peft_compile import CanonicalAdapter
 
 CONFIG = NAMED_SHAPES["tiny"]
@@ -64,12 +68,15 @@ def test_packed_adapter_reproduces_every_projection():
     adapter = canonical(4, seed=1)
     pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
     pool.load(1, pack_adapter("x", adapter, pool.targets, torch.float32, pin=False))
+    pool.wait_for_loads()  # the runner's call before every forward: on the CPU, nothing to wait for
     assert (pool.ranks[1], pool.scalings[1]) == (4, 2.0)
     for layer in range(CONFIG.num_layers):
         for module in MODULES:
             a, b = adapter.module_weights(layer, module)
             torch.testing.assert_close(slot_delta(pool, 1, layer, module), b @ a)
     assert pool.ranks[pool.base_slot] == 0 and not pool.a["qkv"][:, pool.base_slot].any()
+    with pytest.raises(dataclasses.FrozenInstanceError):  # the slot buffers were sized from a target's widths
+        pool.targets["qkv"].in_dim = 1
 
 
 def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
@@ -82,6 +89,110 @@ def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
     assert not pool.a["qkv"][:, 0, 2:16].any()  # q's rows past rank 2
     assert not pool.b["qkv"][:, 0, :, 2:].any()
     assert pool.ranks[0] == 2
+
+
+def test_load_refuses_the_base_slot_and_ranks_over_the_max():
+    """Guards the base slot (rank 0 forever, so base-model tokens get no delta) and the buffer bound."""
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    for slot in (-1, pool.base_slot):
+        with pytest.raises(ValueError, match=rf"slot {slot} is not an adapter slot \(0\.\.1\)"):
+            pool.load(slot, packed("x", rank=4))
+    with pytest.raises(ValueError, match="adapter rank 9 is over the pool's max rank 8"):
+        pool.load(0, packed("x", rank=9))
+    assert pool.ranks == [0, 0, 0] and not any(t.any() for t in (*pool.a.values(), *pool.b.values()))
+    pool.load(1, packed("full", rank=8))  # the largest slot and rank themselves fit
+    assert pool.ranks == [0, 8, 0] and pool.scalings == [0.0, 2.0, 0.0]
+    assert pool.a["qkv"][:, 1].any() and not pool.a["qkv"][:, pool.base_slot].any()
+
+
+def test_clear_makes_a_slot_rank_0_and_the_next_load_replaces_it_whole():
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    pool.load(0, packed("a", rank=8, seed=1))
+    pool.load(1, packed("b", rank=4, seed=2))
+    pool.clear(0)
+    assert (pool.ranks, pool.scalings) == ([0, 4, 0], [0.0, 2.0, 0.0])
+    adapter = canonical(2, modules=("o_proj",), seed=3)
+    pool.load(0, pack_adapter("c", adapter, pool.targets, torch.float32, pin=False))
+    for layer in range(CONFIG.num_layers):
+        a, b = adapter.module_weights(layer, "o_proj")
+        torch.testing.assert_close(slot_delta(pool, 0, layer, "o_proj"), b @ a)
+        assert not slot_delta(pool, 0, layer, "q_proj").any()
+    assert pool.ranks == [2, 4, 0]
+
+
+def test_loads_copy_on_their_own_stream_after_queued_work_and_forwards_wait_for_the_latest(monkeypatch):
+    """Guards the CUDA ordering of slot loads, with fake streams (no GPU here): a load makes the copy stream
+    wait for the work queued on the compute stream (it may still read the slot's previous tenant), issues
+    every copy on the copy stream, then records an event; `load` never makes the compute stream wait, and
+    `wait_for_loads` waits for the latest load of each slot asked for, once."""
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    log, active = [], [None]
+
+    class FakeStream:
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait_stream(self, stream) -> None:
+            log.append(f"{self.name} waits for {stream.name}")
+
+        def wait_event(self, event) -> None:
+            log.append(f"{self.name} waits for event {event.number}")
+
+    class FakeEvent:
+        def __init__(self):
+            self.number = sum(entry.startswith("event") for entry in log)
+
+        def record(self, stream) -> None:
+            log.append(f"event {self.number} on {stream.name}")
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        active[0] = stream
+        yield
+        active[0] = None
+
+    copy_stream, compute_stream = FakeStream("copy"), FakeStream("compute")
+    pool._copy_stream = copy_stream  # what the pool makes for itself on a CUDA device
+    copy_target = pool._copy_target
+    monkeypatch.setattr(pool, "_copy_target", lambda *args: (log.append(f"copy on {active[0].name}"), copy_target(*args)))
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute_stream)
+
+    for slot, name in ((0, "a"), (1, "b"), (0, "c")):
+        pool.load(slot, packed(name, seed=len(log)))
+    one_load = ["copy waits for compute", *["copy on copy"] * len(pool.targets)]
+    assert log == [*one_load, "event 0 on copy", *one_load, "event 1 on copy", *one_load, "event 2 on copy"]
+    del log[:]
+    pool.wait_for_loads([1, pool.base_slot])
+    assert log == ["compute waits for event 1"]
+    pool.wait_for_loads()
+    assert log == ["compute waits for event 1", "compute waits for event 2"]  # slot 0's latest covers its first
+    pool.wait_for_loads()
+    assert len(log) == 2
+    assert pool.ranks[:2] == [4, 4] and pool.a["qkv"][:, 0].any()
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_tensor_parallel_slot_holds_the_ranks_shard_of_every_projection(tp_rank):
+    """A rank's slot holds, per projection, the full delta's output rows of its shard (column targets:
+    q/k/v, gate/up) or input columns of its shard (row targets: o, down), so the ranks' deltas, summed
+    by the all-reduce, are the full adapter's."""
+    tp = TensorParallel(tp_rank, 2)
+    adapter = canonical(4, seed=5)
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu", tp=tp)
+    pool.load(1, pack_adapter("x", adapter, {t.name: t for t in fused_targets(CONFIG)}, torch.float32, pin=False))
+    assert pool.ranks[1] == 4
+    for target in pool.targets.values():
+        for module in target.modules:
+            for layer in range(CONFIG.num_layers):
+                a, b = adapter.module_weights(layer, module)
+                full = b @ a  # [out, in]
+                if target.split is Split.ROW:
+                    expected = full[:, tp.part(full.shape[1])]
+                else:
+                    expected = full[tp.part(full.shape[0])]
+                torch.testing.assert_close(slot_delta(pool, 1, layer, module), expected, msg=module)
 
 
 def make_slots(num_slots: int, policy: str = "lru"):

@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from engine.kv_pool import PageAllocator, num_new_pages, pages_of_slots, slots_of_pages
 from engine.radix_cache import RadixCache
@@ -160,6 +161,114 @@ def test_split_keeps_locks_of_the_locked_node():
     cache.dec_lock_ref(node)
     assert cache.evict(100) == 6
     cache.check_invariants()
+
+
+def test_insert_of_a_cached_prefix_counts_as_a_use():
+    """A request that inserts tokens the tree holds already (it matched them, or computed them alongside
+    another request) makes them recently used: eviction takes the older prefix first."""
+    clock = Clock()
+    cache = make_cache(clock=clock)
+    for clock.now, tokens in enumerate([[1, 2], [7, 8]]):
+        cache_tokens(cache, "", tokens)
+    clock.now = 5
+    slots = take_slots(cache, 2)
+    assert cache.insert("", [1, 2], slots) == 2  # all cached already: (1, 2) is now used at 5
+    cache.allocator.free(slots)
+    assert cache.evict(2) == 2
+    assert cache.match_prefix("", [7, 8]).cached_len == 0  # (7, 8), used at 1, went first
+    assert cache.match_prefix("", [1, 2]).cached_len == 2
+    cache.check_invariants()
+
+
+def test_token_ids_as_a_tensor_key_the_same_nodes_as_a_list():
+    cache = make_cache(page_size=2)
+    slots = take_slots(cache, 5)
+    assert cache.insert("", torch.tensor([1, 2, 3, 4, 5]), slots) == 0  # the partial page stays the caller's
+    free_whole_pages(cache, slots[4:])
+    assert cache.match_prefix("", torch.tensor([1, 2, 3, 9])).slots.tolist() == slots[:2]
+    assert cache.match_prefix("", [1, 2, 3, 4]).slots.tolist() == slots[:4]
+    assert cache.insert("", torch.tensor([1, 2, 3, 4]), slots[:4]) == 4
+    assert cache.total_size() == 4
+    cache.check_invariants()
+
+
+def test_allocator_of_another_page_size_is_refused():
+    with pytest.raises(ValueError, match=r"^page_size 2 != allocator page_size 4$"):
+        RadixCache(2, PageAllocator(8, 4))
+
+
+def _corrupt_sizes(cache: RadixCache, node) -> None:
+    cache._evictable_size += 2
+
+
+def _corrupt_protected(cache: RadixCache, node) -> None:
+    cache._protected_size += 2
+
+
+def _corrupt_child_key(cache: RadixCache, node) -> None:
+    node.key = (9, 9)
+
+
+def _corrupt_misaligned(cache: RadixCache, node) -> None:
+    node.key, node.value = node.key[:1], node.value[:1]
+
+
+def _corrupt_length(cache: RadixCache, node) -> None:
+    node.key = (*node.key, 3, 4)  # two more tokens than slots
+
+
+def _corrupt_lock_order(cache: RadixCache, node) -> None:
+    child = next(iter(node.children.values()))
+    child.lock_ref = 1  # locked, under an unlocked parent
+    cache._evictable_size -= len(child.key)
+    cache._protected_size += len(child.key)
+
+
+def _corrupt_negative_lock(cache: RadixCache, node) -> None:
+    node.lock_ref = -1
+
+
+def _corrupt_shared_slot(cache: RadixCache, node) -> None:
+    child = next(iter(node.children.values()))
+    child.value = node.value[: len(child.value)].clone()
+
+
+def _corrupt_page_order(cache: RadixCache, node) -> None:
+    node.value = node.value.flip(0)  # the page's slots, last first
+
+
+def _corrupt_namespace(cache: RadixCache, node) -> None:
+    child = next(iter(node.children.values()))
+    del node.children[("x", child.key[:2])]
+    child.namespace = "y"
+    node.children[("y", child.key[:2])] = child
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (_corrupt_sizes, "evictable_size out of sync"),
+        (_corrupt_protected, "protected_size out of sync"),
+        (_corrupt_child_key, "child keyed inconsistently"),
+        (_corrupt_misaligned, "node is not whole pages"),
+        (_corrupt_length, "key/value length mismatch"),
+        (_corrupt_lock_order, "locked node under a less locked parent"),
+        (_corrupt_negative_lock, "negative lock_ref"),
+        (_corrupt_shared_slot, "slot held by two nodes"),
+        (_corrupt_namespace, "namespace differs from parent's"),
+        (_corrupt_page_order, "whole pages in page order"),
+    ],
+)
+def test_check_invariants_catches_each_inconsistency(corrupt, message):
+    """Every test that ends in check_invariants relies on it failing for a broken tree."""
+    cache = make_cache(page_size=2)
+    cache_tokens(cache, "x", [1, 2, 3, 4])
+    cache_tokens(cache, "x", [1, 2, 5, 6])  # (1, 2) -> {(3, 4), (5, 6)}
+    cache.check_invariants()
+    node = cache.match_prefix("x", [1, 2]).node
+    corrupt(cache, node)
+    with pytest.raises((AssertionError, ValueError), match=message):  # ValueError: from pages_of_slots
+        cache.check_invariants()
 
 
 def test_insert_rejects_misaligned_slots():

@@ -1,5 +1,6 @@
 """The sampler against argmax and softmax, per-request seeds under batching, and SamplingParams checks."""
 
+import dataclasses
 import math
 
 import pytest
@@ -74,6 +75,20 @@ def test_top_p_keeps_the_smallest_set_holding_top_p():
     counts = _draw_many(logits, SamplingParams(temperature=1.0, top_p=0.75), 4000)
     assert set(counts.nonzero().flatten().tolist()) == {1, 3}
     assert abs(counts[1].item() / 4000 - 0.5 / 0.8) < 0.03  # renormalised over the kept tokens
+
+
+def test_tied_logits_rank_by_id_as_argmax_does():
+    """top_k 1 over a row of equal logits is the greedy token (the lowest id), and top_k 3 keeps ids 0-2."""
+    for top_k, kept in ((1, {0}), (3, {0, 1, 2})):
+        counts = _draw_many(torch.zeros(VOCAB_SIZE), SamplingParams(temperature=1.0, top_k=top_k), 500)
+        assert set(counts.nonzero().flatten().tolist()) == kept
+
+
+def test_top_p_drops_a_token_once_the_tokens_above_it_hold_exactly_top_p():
+    """Four equal tokens, top_p 0.5: the first two hold exactly half the mass, so the smallest set
+    holding top_p is those two (equal logits rank by id, as in argmax)."""
+    counts = _draw_many(torch.zeros(4), SamplingParams(temperature=1.0, top_p=0.5), 2000)
+    assert set(counts.nonzero().flatten().tolist()) == {0, 1}
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -161,6 +176,7 @@ MAX_CONTEXT = 512
         ({"stop": ("x" * 257,)}, "stop"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
         ({"stop_token_ids": (3, VOCAB_SIZE)}, "stop_token_ids"),
+        ({"stop_token_ids": tuple(i % VOCAB_SIZE for i in range(65))}, "stop_token_ids"),  # in range, 65 of them
     ],
 )
 def test_every_invalid_field_is_named(fields, field):
@@ -171,6 +187,30 @@ def test_every_invalid_field_is_named(fields, field):
     assert isinstance(excinfo.value, ValueError)
 
 
+def test_defaults_are_the_wires_zero_values():
+    """An unset field on the wire is greedy, unfiltered, unseeded, the default length, and stops at EOS."""
+    params = SamplingParams()
+    assert params.is_greedy and (params.top_p, params.top_k, params.seed, params.max_new_tokens) == (1.0, 0, None, 0)
+    assert (params.stop, params.stop_token_ids, params.ignore_eos) == ((), (), False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"temperature": -0.5}, "sampling.temperature: must be finite and >= 0, got -0.5"),
+        ({"top_k": -2}, "sampling.top_k: must be >= 0 (0 disables it), got -2"),
+        ({"max_new_tokens": -5}, "sampling.max_new_tokens: must be > 0, got -5 (511 of 512 context tokens left)"),
+        ({"stop": ("ok", "")}, "sampling.stop: stop[1] is empty"),
+        ({"stop_token_ids": (3, 70)}, "sampling.stop_token_ids: stop_token_ids[1] = 70 is outside [0, 64)"),
+    ],
+)
+def test_error_message_names_the_field_and_the_value(fields, message):
+    """The message is what a client reads (INVALID_ARGUMENT): the field's wire name, the rule, the value."""
+    with pytest.raises(InvalidSampling) as excinfo:
+        SamplingParams(**fields).resolve(prompt_len=1, max_context=MAX_CONTEXT).validate(VOCAB_SIZE, MAX_CONTEXT, 1)
+    assert str(excinfo.value) == message
+
+
 def test_limits_themselves_are_valid():
     params = SamplingParams(
         temperature=0.0,
@@ -179,23 +219,27 @@ def test_limits_themselves_are_valid():
         seed=2**64 - 1,
         max_new_tokens=MAX_CONTEXT - 1,
         stop=["x" * 256] * 16,
-        stop_token_ids=[0, VOCAB_SIZE - 1],
+        stop_token_ids=[0, *range(2, 64), VOCAB_SIZE - 1],  # 64 ids, the most allowed
         ignore_eos=True,
     )
     params.validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
+    for lowest in ({"seed": 0}, {"max_new_tokens": 1}):
+        dataclasses.replace(params, **lowest).validate(VOCAB_SIZE, MAX_CONTEXT, prompt_len=1)
+    dataclasses.replace(params, max_new_tokens=MAX_CONTEXT).validate(VOCAB_SIZE, MAX_CONTEXT)  # no prompt: all of it
     assert params.stop == ("x" * 256,) * 16  # lists from the wire become tuples
+    assert len(params.stop_token_ids) == 64
     hash(params)
 
 
 def test_resolve_fills_the_default_capped_by_the_context_left():
-    assert (
-        SamplingParams().resolve(prompt_len=10, max_context=MAX_CONTEXT).max_new_tokens
-        == DEFAULT_MAX_NEW_TOKENS
-    )
+    assert DEFAULT_MAX_NEW_TOKENS == 256  # the default the README documents for clients
+    assert SamplingParams().resolve(prompt_len=10, max_context=MAX_CONTEXT).max_new_tokens == 256
     assert SamplingParams().resolve(prompt_len=500, max_context=MAX_CONTEXT).max_new_tokens == 12
-    assert (
-        SamplingParams(max_new_tokens=7).resolve(prompt_len=500, max_context=MAX_CONTEXT).max_new_tokens == 7
-    )
+    for asked in (1, 7):  # a value the request set is kept, even the smallest
+        assert (
+            SamplingParams(max_new_tokens=asked).resolve(prompt_len=500, max_context=MAX_CONTEXT).max_new_tokens
+            == asked
+        )
 
 
 def test_prompt_filling_the_context_leaves_no_new_tokens():
@@ -208,3 +252,12 @@ def test_temperature_below_the_greedy_threshold_is_argmax():
     logits = _logits(16)
     assert SamplingParams(temperature=1e-7).is_greedy
     assert torch.equal(_draw(logits, SamplingParams(temperature=1e-7), 0), logits.argmax(dim=-1))
+
+
+def test_temperature_at_the_greedy_threshold_still_samples():
+    """Only temperatures below 1e-5 are greedy: at 1e-5 itself, logits 5e-6 apart are 0.5 apart once
+    scaled, so both tokens are drawn."""
+    params = SamplingParams(temperature=1e-5)
+    assert not params.is_greedy
+    counts = _draw_many(torch.tensor([0.0, 5e-6]), params, 2000)
+    assert counts[0] > 0 and counts[1] > counts[0]

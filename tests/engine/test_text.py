@@ -36,6 +36,39 @@ def hf_tokenizer(tiny_llama_dir: Path):
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
+# A SentencePiece-style vocabulary: "▁" marks a word's leading space, which the Metaspace decoder drops
+# from the first token of a decode. Scores favour whole words over letters.
+_METASPACE_WORDS = ("▁", "▁The", "▁the", "▁fox", "▁jumps", "▁over", "▁dog", "▁Hello", "▁world", "▁a", "s", "ed")
+_METASPACE_PIECES = ("<s>", "</s>", "<unk>", *_METASPACE_WORDS, ",", ".", "!", *"abcdefghijklmnopqrstuvwxyzTHW")
+# Added after the base vocabulary, as chat models add their turn markers: ids past the model's own pieces.
+_ADDED_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def metaspace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer directory like a SentencePiece (Llama 2, Mistral) checkpoint's, built here: a Unigram
+    model with a Metaspace pre-tokenizer and decoder, <s> prepended, and two special tokens added past
+    the base vocabulary."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    vocab = [(piece, -1.0 if len(piece) > 1 else -10.0) for piece in _METASPACE_PIECES]
+    backend = Backend(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    backend.add_special_tokens(["<s>", "</s>", "<unk>", *_ADDED_TOKENS])
+    model_dir = tmp_path_factory.mktemp("metaspace")
+    backend.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def metaspace(metaspace_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(metaspace_dir)
+
+
 # --- Tokenizer ------------------------------------------------------------------------------------------
 
 
@@ -66,6 +99,17 @@ def test_special_ids_and_vocab_size(tokenizer, hf_tokenizer):
     assert tokenizer.vocab_size == len(hf_tokenizer) == 512
     assert tokenizer.bos_token_id == hf_tokenizer.bos_token_id == 0
     assert tokenizer.eos_token_ids == frozenset({hf_tokenizer.eos_token_id}) == frozenset({1})
+
+
+def test_vocab_size_counts_tokens_added_past_the_base_vocabulary(metaspace_dir, metaspace):
+    """The sampler's and the stop-id check's bound must cover every id encode returns, added tokens too."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(metaspace_dir / "tokenizer.json"))
+    assert metaspace.vocab_size == len(hf) == len(_METASPACE_PIECES) + len(_ADDED_TOKENS)
+    ids = metaspace.encode("Hello<|im_end|>", add_special_tokens=False)
+    assert ids[-1] == metaspace.vocab_size - 1 > max(ids[:-1])
+    assert (metaspace.bos_token_id, metaspace.eos_token_ids) == (0, frozenset({1}))
 
 
 def _copy_tokenizer_only(src: Path, dst: Path) -> Path:
@@ -139,6 +183,32 @@ def test_random_token_sequences_add_up_to_decode(tokenizer, prompt):
         assert "".join(deltas) + tail == tokenizer.decode(generated)
         # A delta ends on a whole character: U+FFFD only ever stands for bytes that no later token completes.
         assert not any(delta.endswith("\ufffd") for delta in deltas)
+
+
+def test_metaspace_first_delta_has_the_space_a_full_decode_has(metaspace):
+    """The first generated word after a prompt keeps its leading space, as in decoding prompt and output
+    together; decoded alone, SentencePiece's first token would lose it."""
+    for prompt in ("The", "The fox jumps over"):  # 1 and 4 tokens, without <s>
+        deltas, _ = _stream(metaspace, metaspace.encode(prompt, add_special_tokens=False),
+                            metaspace.encode("the dog", add_special_tokens=False))
+        assert "".join(deltas) == " the dog", prompt
+    deltas, _ = _stream(metaspace, [], metaspace.encode("the dog", add_special_tokens=False))
+    assert "".join(deltas) == "the dog"  # nothing before it: no space, as a full decode has none either
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_metaspace_deltas_add_up_to_the_full_decode_for_every_prompt_length(metaspace, add_special_tokens):
+    """decode(prompt) + deltas == decode(prompt + generated) for prompts of 0 to 8 tokens: the first decode
+    sees prompt context exactly when the full decode has text before the output."""
+    rng = random.Random(1)
+    sentence = metaspace.encode("The fox jumps over the dog, Hello world!", add_special_tokens=add_special_tokens)
+    base_ids = range(3, len(_METASPACE_PIECES))  # ordinary pieces (special ones are skipped in both decodes)
+    for prompt_len in range(9):
+        prompt_ids = sentence[:prompt_len]
+        for _ in range(40):
+            generated = [rng.choice(base_ids) for _ in range(rng.randint(1, 6))]
+            deltas, tail = _stream(metaspace, prompt_ids, generated)
+            assert metaspace.decode(prompt_ids) + "".join(deltas) + tail == metaspace.decode(prompt_ids + generated)
 
 
 # --- StopMatcher ----------------------------------------------------------------------------------------

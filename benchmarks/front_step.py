@@ -1,0 +1,117 @@
+"""Host time of the front per step, with no model: schedule, plan, then the tokens' way back (detokenize,
+stop strings, events delivered to an asyncio loop in another thread, as the servers' handlers get them).
+
+    python benchmarks/front_step.py --batch 64 --steps 200
+
+The workers are replaced by one that returns token ids at once, so what is timed is what a GPU step
+waits on the host between two forwards (today the front does not plan step k+1 while step k runs). A
+real tokenizer (the demo model's byte-level BPE) and one stop string per request; every request decodes
+until the run ends. Prints one JSON line: median milliseconds a step, and per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from engine.admission import _thread_safe_sink
+from engine.delivery import batched
+from engine.engine_loop import EngineLoop
+from engine.kv_pool import PageAllocator, ReqToTokenPool
+from engine.radix_cache import RadixCache
+from engine.request import Request
+from engine.request_kv import RequestKV
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
+from loramux.demo_model import write_llama_checkpoint
+
+
+class InstantWorkers:
+    """Returns a token for every sampling row at once (ids the demo tokenizer decodes to text)."""
+
+    on_failure = None
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+
+    def execute(self, plan, adapters) -> list[int]:
+        self.num_steps += 1
+        return [50 + (17 * i + self.num_steps) % 400 for i in range(len(plan.sample_rows))]
+
+    def close(self) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--page-size", type=int, default=16)
+    args = parser.parse_args()
+    tokenizer = Tokenizer.from_dir(write_llama_checkpoint(Path(tempfile.mkdtemp()) / "model", seed=1))
+    max_context = 64 + args.steps + 8
+    allocator = PageAllocator(args.batch * max_context, args.page_size)
+    kv = RequestKV(allocator, ReqToTokenPool(args.batch, max_context), RadixCache(args.page_size, allocator))
+    loop = EngineLoop(Scheduler(SchedulerConfig(args.batch, 8192), kv), InstantWorkers())
+    server = asyncio.new_event_loop()
+    threading.Thread(target=server.run_forever, daemon=True).start()
+    counts = [0] * args.batch
+    queues, consumers = asyncio.run_coroutine_threadsafe(_consumers(counts), server).result()
+    for i, queue in enumerate(queues):
+        prompt = tokenizer.encode(f"Request {i}: tell me a story about cats and dogs")
+        loop.scheduler.add(Request(
+            rid=str(i), namespace="", prompt_ids=prompt, sink=_thread_safe_sink(server, queue),
+            params=SamplingParams(max_new_tokens=args.steps + 2, stop=("the end",)),
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt), stop_matcher=StopMatcher(("the end",)),
+            eos_token_ids=frozenset(),
+        ))  # fmt: skip
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        with batched():  # as EngineLoop._run wraps each iteration
+            loop._step(loop.scheduler.schedule())
+        times.append(time.perf_counter() - start)
+    step_ms = statistics.median(times[5:]) * 1e3
+    # Every token reached its handler's queue (a step's token per request; none finished early).
+    expected = args.batch * args.steps
+    delivered = asyncio.run_coroutine_threadsafe(_wait_for(counts, expected), server).result(30)
+    print(json.dumps({"batch": args.batch, "front_step_ms": step_ms, "per_request_us": step_ms * 1e3 / args.batch,
+                      "events_delivered": delivered, "events_expected": expected}))  # fmt: skip
+    asyncio.run_coroutine_threadsafe(_cancel(consumers), server).result()
+    server.call_soon_threadsafe(server.stop)
+
+
+async def _consumers(counts: list[int]) -> tuple[list[asyncio.Queue], list[asyncio.Task]]:
+    """One queue per request, each drained by a task on this loop (as the handlers drain theirs)."""
+    queues = [asyncio.Queue() for _ in counts]
+    return queues, [asyncio.create_task(_drain(q, counts, i)) for i, q in enumerate(queues)]
+
+
+async def _wait_for(counts: list[int], expected: int, timeout: float = 10.0) -> int:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while sum(counts) < expected and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    return sum(counts)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _drain(queue: asyncio.Queue, counts: list[int], i: int) -> None:
+    while True:
+        await queue.get()
+        counts[i] += 1
+
+
+if __name__ == "__main__":
+    main()
