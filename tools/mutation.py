@@ -35,9 +35,10 @@ VERBOSE = bool(os.environ.get("MUTATION_VERBOSE"))  # show the tests' output (to
 
 # module -> (source file, the tests that cover it: pytest arguments)
 MODULES: dict[str, tuple[str, list[str]]] = {
-    "scheduler": ("engine/scheduler.py", ["tests/engine/test_scheduler.py"]),
+    "scheduler": ("engine/scheduler.py", ["tests/engine/test_scheduler.py", "tests/engine/test_fair_share.py"]),
     "drain": ("engine/drain.py", ["tests/engine/test_drain.py", "-k", "not flow"]),
-    "adapter_slots": ("engine/adapter_slots.py", ["tests/engine/test_lora_slots.py", "tests/engine/test_drain.py", "-k", "not flow"]),
+    "adapter_slots": ("engine/adapter_slots.py", ["tests/engine/test_lora_slots.py", "tests/engine/test_drain.py",
+                                                 "tests/engine/test_scheduler.py", "-k", "not flow"]),
     "lora_pool": ("engine/lora_pool.py", ["tests/engine/test_lora_slots.py", "tests/engine/test_lora_meta.py"]),
     "radix_cache": ("engine/radix_cache.py", ["tests/engine/test_radix_cache.py", "tests/engine/test_scheduler.py"]),
     "request_kv": ("engine/request_kv.py", ["tests/engine/test_scheduler.py"]),

@@ -100,12 +100,44 @@ def test_idle_time_banks_no_credit(tokenizer):
     assert 2 <= sum(rid.startswith("a") for rid in firsts) <= 6
 
 
+def test_a_tenant_that_went_idle_banks_no_credit(tokenizer):
+    """Guards the scheduler's count of each tenant's queued and running requests: c ran one request and was
+    idle (nothing queued or running) during a's flood, so its return lifts its counter to a's, as for a
+    newcomer. A count that kept c busy after its request ended would leave c's small counter in place, and
+    c's burst would take every admission."""
+    sim = TenantSim(tokenizer, page_size=1, num_pages=4096, max_running=4, max_batch_tokens=64)
+    sim.add_for("c", "c-early")
+    sim.run()
+    for i in range(40):
+        sim.add_for("a", f"a{i}")
+    for _ in range(25):
+        sim.step()
+    before = len(sim.admission_order)
+    for i in range(12):
+        sim.add_for("c", f"c{i}")
+    while len(sim.admission_order) < before + 8:
+        sim.step()
+    assert 2 <= sum(rid.startswith("a") for rid in sim.admitted_after(before)[:8]) <= 6
+
+
 def test_one_tenant_is_served_first_come_first_served(tokenizer):
     sim = TenantSim(tokenizer, page_size=1, num_pages=4096, max_running=2, max_batch_tokens=64)
     for i in range(8):
         sim.add_for("solo", f"s{i}")
     sim.run()
     assert sim.admission_order == [f"s{i}" for i in range(8)]
+
+
+def test_the_scheduler_charges_prefill_at_the_prompt_weight_and_decodes_at_the_output_weight(tokenizer):
+    """Guards the split of each step's tokens: a 40-token prompt in chunks of 16 costs 1 a token, each
+    decode after it 2 (the defaults). Charging everything as output would double the prefill."""
+    sim = TenantSim(tokenizer, page_size=1, num_pages=256, max_running=2, max_batch_tokens=16)
+    sim.add_for("t", "long", prompt_len=40, max_new_tokens=3)
+    counters = []
+    while sim.sched.num_requests:
+        sim.step()
+        counters.append(sim.sched.fair_share.counters["t"])
+    assert counters == [16.0, 32.0, 40.0, 42.0, 44.0]
 
 
 @pytest.mark.parametrize("weights", [(1.0, 2.0), (1.0, 1.0)])

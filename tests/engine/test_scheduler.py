@@ -150,6 +150,7 @@ class Sim:
 
     def assert_all_freed(self) -> None:
         assert not self.sched.running and not self.sched.waiting
+        assert not self.sched._num_by_tenant and not self.sched._counted  # no bookkeeping of ended requests
         assert self.radix.protected_size() == 0
         self.radix.reset()
         assert self.allocator.num_free_pages == self.allocator.num_usable_pages
@@ -437,6 +438,27 @@ def test_cancel_and_deadline_free_every_page(tokenizer, page_size):
     sim.assert_all_freed()
 
 
+def test_each_ended_request_is_released_to_the_next_plan_once(tokenizer):
+    """Guards `take_released`: the uids of the requests that ended since the last plan (finished, cancelled
+    while waiting, failed as too big), in the order they ended, each handed over once, so the workers
+    drop their per-request state."""
+    sim = Sim(tokenizer, page_size=1, num_pages=41, max_running=4, max_batch_tokens=64)  # 40 KV slots
+    short = sim.add("short", prompt_of(4, 1), max_new_tokens=1)
+    big = sim.add("big", prompt_of(60, 2))
+    long = sim.add("long", prompt_of(5, 3), max_new_tokens=3)
+    sim.step()  # short samples its only token and ends; big waits for KV while short runs
+    assert sim.sched.take_released() == [short.uid]
+    assert sim.sched.take_released() == []
+    sim.step()  # nothing runs: big fails at admission as too big, long is admitted
+    assert sim.sched.take_released() == [big.uid] and isinstance(sim.final("big"), Failed)
+    cancelled = sim.add("cancelled", prompt_of(6, 4))
+    cancelled.is_cancelled = True
+    sim.run()
+    assert sim.sched.take_released() == [cancelled.uid, long.uid]
+    assert sim.sched.take_released() == []
+    sim.assert_all_freed()
+
+
 # -------------------------------------------------------------------------------------------- truncation
 
 
@@ -590,6 +612,18 @@ def test_load_ahead_is_bounded_per_step_and_follows_the_queue(tokenizer):
     sim.run()
     assert sim.admission_order == ["a", "b", "c", "d", "e"]
     assert sim.sched.lora.slots.num_loads == 4 and sim.sched.lora.slots.num_evictions == 0
+    sim.assert_all_freed()
+
+
+def test_a_load_ahead_bound_of_one_loads_one_adapter_a_step(tokenizer):
+    """The smallest bound is on: one waiting request's adapter a step, in queue order."""
+    sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=real_lora(4), load_ahead=1)
+    add_with_adapter(sim, "a", "X", seed=1, max_new_tokens=6)
+    for i, (rid, namespace) in enumerate((("b", "Y"), ("c", "Z"), ("d", "W"))):
+        add_with_adapter(sim, rid, namespace, seed=2 + i)
+    assert [step_loads(sim) for _ in range(4)] == [[("X", 0), ("Y", 1)], [("Z", 2)], [("W", 3)], []]
+    assert sim.sched.lora.slots.num_loads_ahead == 3
+    sim.run()
     sim.assert_all_freed()
 
 
