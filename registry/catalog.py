@@ -382,7 +382,7 @@ def _decode_token(token: str) -> tuple[str, int]:
             raw = base64.urlsafe_b64decode(token.encode())
             if raw.count(b"[") == 1 and b"{" not in raw:
                 name, version = json.loads(raw)
-                if isinstance(name, str) and isinstance(version, int) and 0 <= version <= MAX_VERSION:
+                if isinstance(name, str) and isinstance(version, int) and 1 <= version <= MAX_VERSION:
                     return name, version
     except (binascii.Error, ValueError, TypeError):
         pass

@@ -294,6 +294,7 @@ BAD_TOKENS = {
     "a number as name": b64(b"[1, 1]"),
     "a string as version": b64(b'["a", "1"]'),
     "a negative version": b64(b'["a", -1]'),
+    "version 0": b64(b'["a", 0]'),  # versions start at 1: the registry never issues it
     "a version past the maximum": b64(json.dumps(["a", MAX_VERSION + 1]).encode()),
     "an object": b64(b'{"a": 1}'),
     "a nested list": b64(b'[["a"], 1]'),
