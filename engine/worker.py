@@ -50,8 +50,8 @@ CPU_KV_SLOTS = 16384
 START_TIMEOUT_S = 600.0  # loading a large shard and capturing graphs
 COLLECTIVE_TIMEOUT_S = 600.0  # torch.distributed's own bound; the watcher reports a dead rank far sooner
 STOP_TIMEOUT_S = 10.0  # leaving the process group at shutdown
-DEATH_GRACE_S = 5.0
-JOINING = "joining"  # a spawned rank's first message: it is alive and about to join the process group  # after a failed step: how long a rank's death may take to show
+DEATH_GRACE_S = 5.0  # after a failed step: how long a rank's death may take to show
+JOINING = "joining"  # a spawned rank's first message: it is alive and about to join the process group
 
 
 class WorkerDied(RuntimeError):
@@ -172,6 +172,8 @@ class ProcessWorkers:
         self.on_failure: Callable[[str], None] | None = None
         self._closing = threading.Event()
         self._dead_lock = threading.Lock()
+        self._starting: threading.Thread | None = None  # rank 0's build, while the start is under way
+        self.local: ModelWorker | None = None
         try:
             self.local = self._start(spec, store)
         except BaseException:
@@ -204,13 +206,12 @@ class ProcessWorkers:
         for conn in self._conns:
             with contextlib.suppress(OSError):  # already gone
                 conn.send(None)
-        starting = self.__dict__.get("_starting")
-        if starting is not None and starting.is_alive():  # a failed start: stop the ranks rank 0 waits on
+        if self._starting is not None and self._starting.is_alive():  # a failed start: stop the ranks rank 0 waits on
             for proc in self._procs:
                 proc.kill()
-            starting.join(timeout)
+            self._starting.join(timeout)
         if not abandon:
-            if self.__dict__.get("local") is not None:
+            if self.local is not None:
                 self.local.release()
             _leave_group(timeout)
         for proc in self._procs:
@@ -226,7 +227,7 @@ class ProcessWorkers:
         in a thread while this one raises WorkerDied as soon as a rank reports a failure or exits (close()
         then gives that thread a bounded wait: a collective with a dead rank fails)."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        self._await_all(JOINING, deadline, lambda: False)
+        self._await_all(lambda message: message == JOINING, deadline)
         built: dict[str, object] = {}
         done = threading.Event()
 
@@ -239,44 +240,41 @@ class ProcessWorkers:
             finally:
                 done.set()
 
-        self._starting = threading.Thread(target=build, name="rank0-start", daemon=True)
-        self._starting.start()
-
-        def rank_0_done() -> bool:
+        def raise_rank_0_failure() -> None:
             if "error" in built:
                 raise built["error"]
-            return done.is_set()
 
-        self._await_all(WorkerInfo, deadline, rank_0_done)
-        while not rank_0_done():
-            if time.monotonic() > deadline:
-                raise WorkerDied(f"model worker rank 0 did not start within {START_TIMEOUT_S:.0f} s")
-            done.wait(0.1)
+        self._starting = threading.Thread(target=build, name="rank0-start", daemon=True)
+        self._starting.start()
+        self._await_all(lambda message: isinstance(message, WorkerInfo), deadline, raise_rank_0_failure)
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            raise WorkerDied(f"model worker rank 0 did not start within {START_TIMEOUT_S:.0f} s")
+        raise_rank_0_failure()
         return built["worker"]
 
-    def _await_all(self, expected: object, deadline: float, check: Callable[[], bool]) -> None:
-        """Receive one message from every spawned rank (the `JOINING` marker, or a value of the type
-        `expected`), raising WorkerDied on a rank's failure, exit or lateness; `check` runs between waits."""
+    def _await_all(self, accepts: Callable[[object], bool], deadline: float, check: Callable[[], None] = lambda: None) -> None:
+        """Receive one message from every spawned rank, each one `accepts`, raising WorkerDied on a rank's
+        failure, exit or lateness; `check` (which may raise) runs between waits."""
         waiting = dict(enumerate(self._conns, start=1))
         while waiting:
-            self._receive_ready(waiting, expected, 0.1)
+            self._receive_ready(waiting, accepts, 0.1)
             try:
                 check()
             except BaseException:
                 # Rank 0 failed, most likely because a rank it waited on failed first and exited: that
                 # rank's own report names the cause, so it wins when it arrives within a second.
-                self._receive_ready(waiting, expected, 1.0)
+                self._receive_ready(waiting, accepts, 1.0)
                 raise
             if waiting and time.monotonic() > deadline:
                 late = ", ".join(str(r) for r in waiting)
                 raise WorkerDied(f"model worker rank {late} did not start within {START_TIMEOUT_S:.0f} s")
 
-    def _receive_ready(self, waiting: dict[int, multiprocessing.connection.Connection], expected: object, timeout: float) -> None:
+    def _receive_ready(self, waiting: dict[int, multiprocessing.connection.Connection], accepts: Callable[[object], bool], timeout: float) -> None:
         ready = multiprocessing.connection.wait([*waiting.values(), *(p.sentinel for p in self._procs)], timeout)
         for rank, conn in list(waiting.items()):
             if conn in ready:
                 message = self._receive(rank, conn)
-                if message != expected and not (isinstance(expected, type) and isinstance(message, expected)):
+                if not accepts(message):
                     raise WorkerDied(f"model worker rank {rank} sent {message!r} while starting")
                 del waiting[rank]
         for rank, proc in enumerate(self._procs, start=1):
