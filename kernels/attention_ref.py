@@ -58,12 +58,17 @@ def _attend_one(
     return torch.einsum("hel,lhd->ehd", probs, v).to(q.dtype)
 
 
-def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, extend_lens: torch.Tensor):
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """q [T, H, D] against a KV cache [S, Hkv, D] of every extend-attention kernel; ValueError if they do not fit."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError(f"want q [T, H, D], k/v [S, Hkv, D]; got {tuple(q.shape)}, {tuple(k_cache.shape)}")
     if q.shape[2] != k_cache.shape[2] or q.shape[1] % k_cache.shape[1]:
         raise ValueError(
             f"q heads {q.shape[1]} x {q.shape[2]} do not fit KV heads {tuple(k_cache.shape[1:])}"
         )
+
+
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, extend_lens: torch.Tensor):
+    check_shapes(q, k_cache, v_cache)
     if int(extend_lens.sum()) != q.shape[0]:
         raise ValueError(f"extend_lens sum to {int(extend_lens.sum())}, q has {q.shape[0]} rows")

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels.attention_ref import check_shapes
+
 # cuDNN's SDPA builds an execution plan on the host for every new shape: 1.6 ms of CPU per call on an
 # H200 host (torch 2.11), 57% of a Llama-3-8B decode step, so it is left out of the candidates.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -178,11 +180,6 @@ def _to_device(values: list[int], device) -> torch.Tensor:
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: SdpaPlan):
-    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"want q [T, H, D], k/v [S, Hkv, D]; got {tuple(q.shape)}, {tuple(k_cache.shape)}")
-    if q.shape[2] != k_cache.shape[2] or q.shape[1] % k_cache.shape[1]:
-        raise ValueError(
-            f"q heads {q.shape[1]} x {q.shape[2]} do not fit KV heads {tuple(k_cache.shape[1:])}"
-        )
+    check_shapes(q, k_cache, v_cache)
     if q.shape[0] != plan.num_tokens:
         raise ValueError(f"the plan covers {plan.num_tokens} tokens, q has {q.shape[0]} rows")

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_ref import check_shapes
+
 
 @triton.jit
 def _extend_attention_kernel(
@@ -148,14 +150,11 @@ def extend_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], q.dtype
     """Causal attention of the new tokens over their cached and new K/V; see the module doc."""
-    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"want q [T, H, D], k/v [S, Hkv, D]; got {tuple(q.shape)}, {tuple(k_cache.shape)}")
+    check_shapes(q, k_cache, v_cache)
     if q.shape[0] != plan.num_tokens:
         raise ValueError(f"the plan covers {plan.num_tokens} new tokens, q has {q.shape[0]} rows")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
-    if q.shape[2] != k_cache.shape[2] or num_heads % num_kv_heads:
-        raise ValueError(f"q heads {num_heads} x {head_dim} do not fit KV heads {tuple(k_cache.shape[1:])}")
     group = num_heads // num_kv_heads
     if plan.block_m != block_size_m(group):
         raise ValueError(f"the plan was built for another head grouping than {group} query heads per KV head")
