@@ -45,9 +45,6 @@ class InstantWorkers:
         self.num_steps += 1
         return [50 + (17 * i + self.num_steps) % 400 for i in range(len(plan.sample_rows))]
 
-    def close(self) -> None:
-        pass
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
