@@ -424,4 +424,4 @@ def _lora_backend(config: EngineConfig, device: torch.device) -> str:
 
 
 def _attention_backend(config: EngineConfig, device: torch.device) -> str:
-    return config.attention_backend or ("sdpa" if device.type == "cuda" else "ref")
+    return config.attention_backend or ("triton" if device.type == "cuda" else "ref")

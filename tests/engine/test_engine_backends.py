@@ -1,4 +1,4 @@
-"""The CUDA-default engine path, run small on the CPU: SDPA attention, the Triton and chunked SGMV backends
+"""The CUDA-default engine path, run small on the CPU: Triton and SDPA attention, the Triton and chunked SGMV backends
 (Triton's CPU interpreter, TRITON_INTERPRET=1, set here before any kernel is imported) and bfloat16.
 
 In float32 every backend must give the reference backends' greedy tokens exactly, for a batch that mixes
@@ -100,13 +100,13 @@ def test_triton_prefill_attention_gives_the_reference_tokens(tiny_llama_dir, ada
 
 
 def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):
-    """dtype bfloat16 with SDPA and the splitk LoRA backend (the CUDA defaults but graphs): at every step the token
+    """dtype bfloat16 with the Triton attention and splitk LoRA backends (the CUDA defaults but graphs): at every step the token
     chosen is within BF16_LOGIT_SLACK of the best float32 logit of peft for that adapter."""
     from transformers import AutoTokenizer
 
     from loramux.testing.peft_adapters import load_peft_model
 
-    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, dtype="bfloat16", attention_backend="sdpa", lora_backend="splitk")
+    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, dtype="bfloat16", attention_backend="triton", lora_backend="splitk")
     model = load_peft_model(tiny_llama_dir, adapter_dirs)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     for (prompt, adapter), generated in zip(JOBS, tokens, strict=True):

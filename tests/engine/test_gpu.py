@@ -21,11 +21,12 @@ pytestmark = [
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over the lazy dog " * 4, "café 日本語"]
 
 
-def generate_all(core: EngineCore, num_tokens: int, adapters=(None,)) -> list[list[int]]:
-    """Every prompt under every adapter record (None = the base model), submitted together."""
+def generate_all(core: EngineCore, num_tokens: int, adapters=(None,), rounds: int = 1) -> list[list[int]]:
+    """Every prompt under every adapter record (None = the base model), submitted together; with rounds > 1
+    the same jobs again once the previous round has finished (its prompts now cached prefixes)."""
     jobs = [(prompt, adapter) for prompt in PROMPTS for adapter in adapters]
-    results = [[] for _ in jobs]
-    done = [threading.Event() for _ in jobs]
+    results = [[] for _ in jobs * rounds]
+    done = [threading.Event() for _ in jobs * rounds]
 
     def sink_for(i):
         def sink(event):
@@ -38,11 +39,13 @@ def generate_all(core: EngineCore, num_tokens: int, adapters=(None,)) -> list[li
 
     core.loop.start()
     try:
-        for i, (prompt, adapter) in enumerate(jobs):
-            params = SamplingParams(max_new_tokens=num_tokens, ignore_eos=True)
-            packed = asyncio.run(core.prepare(adapter)) if adapter is not None else None
-            core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink_for(i), adapter=adapter, packed=packed))
-        assert all(event.wait(120) for event in done)
+        for round_ in range(rounds):
+            base = round_ * len(jobs)
+            for i, (prompt, adapter) in enumerate(jobs, start=base):
+                params = SamplingParams(max_new_tokens=num_tokens, ignore_eos=True)
+                packed = asyncio.run(core.prepare(adapter)) if adapter is not None else None
+                core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, sink_for(i), adapter=adapter, packed=packed))
+            assert all(event.wait(120) for event in done[base : base + len(jobs)])
     finally:
         core.loop.stop()
     return results
@@ -57,6 +60,24 @@ def test_cuda_fp32_greedy_matches_cpu(tiny_llama_dir, page_size):
     cuda = core("cuda")
     assert generate_all(cuda, 16) == generate_all(core("cpu"), 16)
     assert cuda.workers.local.runner.graphs.num_replays > 0  # decode steps replayed captured graphs
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_triton_prefill_attention_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, page_size):
+    """The Triton extend kernel as the prefill backend: chunked prompts (8 tokens a step), prefixes the
+    radix cache shares between prompts, base and adapter rows in one batch; the CPU reference's tokens."""
+    adapters = (("qv", str(make_adapter("extend-qv", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=24))),)
+
+    def run(device: str, attention: str) -> list[list[int]]:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), device=device, dtype="float32", page_size=page_size, num_kv_slots=4096,
+            adapters=adapters, work_dir=str(tmp_path / f"{device}-{page_size}"), attention_backend=attention,
+            max_batch_tokens=8, max_running_requests=8,
+        )
+        core = EngineCore.build(config)
+        return generate_all(core, 6, [None, core.resolve_adapter("qv")], rounds=2)
+
+    assert run("cuda", "triton") == run("cpu", "ref")
 
 
 def test_cuda_bf16_generates(tiny_llama_dir):
