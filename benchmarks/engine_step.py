@@ -70,12 +70,13 @@ def random_packed(digest: str, config: ModelConfig, rank: int, dtype: torch.dtyp
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
         num_kv_slots=max_reqs * max_context + 8, attention_backend=attention, max_loras_per_batch=num_adapters,
         max_lora_rank=16, lora_backend=lora_backend, cuda_graph_max_batch=max_reqs if graphs else 0, tensor_parallel_size=tp,
+        disable_custom_all_reduce=nccl_only,
     )  # fmt: skip
     spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=tuple(sorted(set(batches))))
     workers = start_workers(spec)
@@ -158,6 +159,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, nargs="+", default=[0], help="distinct rank-16 adapters (0 = base)")
     parser.add_argument("--lora-backend", default="triton", choices=("ref", "triton", "chunked", "splitk"))
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth for the floor")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -165,7 +167,7 @@ def main() -> None:
     tp = args.tensor_parallel_size
     max_context = args.prompt_len + args.num_decode + 8
     # One engine (weights, KV, slot pool, one decode graph per batch size) serves every measurement.
-    loop = build(SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs)
+    loop = build(SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs, args.disable_custom_all_reduce)
     try:
         for batch in args.batch:
             base_ms = None
@@ -179,6 +181,7 @@ def main() -> None:
                 row.update(
                     shape=args.shape, tensor_parallel_size=tp, cuda_graphs=graphs, attention=args.attention,
                     lora_backend=args.lora_backend, device=str(device), torch=torch.__version__,
+                    all_reduce="nccl" if args.disable_custom_all_reduce or tp == 1 else "peer+nccl",
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)
     finally:

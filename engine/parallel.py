@@ -3,32 +3,59 @@
 A linear is column-parallel (each rank holds a slice of the output features: q/k/v, gate/up) or
 row-parallel (each rank holds a slice of the input features: o, down). A row-parallel output is a
 partial sum: the caller adds its LoRA delta to it and then `all_reduce`s (exact by linearity).
-With one rank every collective is the identity and no process group exists.
+With one rank every collective is the identity and no process group exists. On CUDA, decode-size
+all-reduces take a one-shot path over peer memory (`PeerAllReduce`); the rest go to NCCL.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import warnings
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
+log = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # Set by a CUDA worker once its group exists (never pickled to a rank: each builds its own).
+    peer: PeerAllReduce | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} is not in [0, {self.size})")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks, in place; the identity with one rank."""
+        """Sum x over the ranks, in place; the identity with one rank. Every rank takes the same path for
+        the same tensor (the choice depends only on its shape and dtype, which the ranks share)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            if self.peer is not None and self.peer.fits(x):
+                self.peer(x)
+            else:
+                dist.all_reduce(x)
         return x
+
+    def with_peer_all_reduce(self, device: torch.device) -> TensorParallel:
+        """This group with the one-shot peer all-reduce on, where every rank can run it; else unchanged.
+
+        Collective: every rank calls it at the same point after the group exists. The ranks first agree
+        that all of them have the op (a rank without it would wait in NCCL while the others wait on
+        its signal pads), then map one buffer each into every peer's address space."""
+        if self.size == 1 or device.type != "cuda":
+            return self
+        able = torch.tensor([int(PeerAllReduce.available(device))], device=device)
+        dist.all_reduce(able, op=dist.ReduceOp.MIN)
+        if not able.item():
+            log.warning("the one-shot peer all-reduce is not available on every rank; all-reduces go to NCCL")
+            return self
+        return replace(self, peer=PeerAllReduce(device))
 
     def shard(self, size: int, what: str) -> int:
         """This rank's share of `size` (heads, KV heads, features); refuses what does not divide."""
@@ -43,6 +70,47 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+class PeerAllReduce:
+    """A one-shot all-reduce for decode-size tensors over NVLink, without NCCL's ring.
+
+    Each rank owns a buffer in symmetric memory (mapped into every peer's address space). To reduce x,
+    a rank copies x into its buffer; then one kernel (PyTorch's `symm_mem.one_shot_all_reduce_out`)
+    waits on a barrier of signal pads until every rank has done so, reads the same range of every
+    peer's buffer, sums and writes the result over x, and passes a second barrier before any rank may
+    refill its buffer. It needs no multicast (NVLS) and is captured into CUDA graphs like any kernel:
+    the barrier's flags return to zero on every pass. Tensors larger than the buffer (prefill) go to
+    NCCL, whose ring is faster once the transfer, not the latency, dominates.
+    """
+
+    MAX_BYTES = 8 << 20  # 512 tokens of an 8192-wide bf16 hidden state
+    DTYPES = (torch.bfloat16, torch.float32)  # what the kernel is built for
+
+    def __init__(self, device: torch.device, max_bytes: int = MAX_BYTES):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = dist.group.WORLD.group_name
+        with warnings.catch_warnings():  # required by older PyTorch; deprecated (a no-op) in newer ones
+            warnings.simplefilter("ignore")
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(self.group)
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group)
+
+    @staticmethod
+    def available(device: torch.device) -> bool:
+        return hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out") and torch.cuda.get_device_capability(device) >= (8, 0)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype in self.DTYPES and x.is_contiguous() and x.numel() * x.element_size() <= self.buffer.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.view(-1)
+        staged = self.buffer.view(x.dtype)[: flat.numel()]
+        staged.copy_(flat)
+        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group, out=flat)
+        return x
 
 
 class ColumnParallelLinear(nn.Module):
@@ -91,8 +159,6 @@ def local_config(config, tp: TensorParallel):
     Refuses, with the number that does not divide, a size that does not split heads, KV heads or the
     MLP evenly (KV heads are not replicated: a group larger than the KV heads is refused too).
     """
-    from dataclasses import replace
-
     if tp.size == 1:
         return config
     return replace(

@@ -94,6 +94,8 @@ class ModelWorker:
         config, device, tp = spec.config, spec.device, spec.tp
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            if not config.disable_custom_all_reduce:
+                tp = tp.with_peer_all_reduce(device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
         if spec.random_config is not None:
             model_config = spec.random_config

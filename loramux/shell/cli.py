@@ -271,6 +271,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         "--tensor-parallel-size", type=int, default=int(env("--tensor-parallel-size", 1)),
         help="model workers, one per GPU (cuda:0..N-1); gloo processes on cpu",
     )
+    p.add_argument(
+        "--disable-custom-all-reduce", action="store_true", default=env("--disable-custom-all-reduce", "") not in ("", "0", "false"),
+        help="under tensor parallelism on CUDA, send every all-reduce through NCCL instead of the one-shot"
+        " peer-memory path for decode-size tensors",
+    )
 
 
 def _add_generate_command(sub, env: _EnvDefaults) -> None:

@@ -83,6 +83,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_backend=args.lora_backend,
         registry=registry or getattr(args, "registry", ""),
         tensor_parallel_size=args.tensor_parallel_size,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
         auth=getattr(args, "auth", False),
         api_key=api_key(args),
         allow_unauthenticated=getattr(args, "allow_unauthenticated", False),
