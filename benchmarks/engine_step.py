@@ -117,7 +117,9 @@ def step(loop: EngineLoop) -> int:
 
 
 def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int, num_decode: int, num_adapters: int) -> dict:
-    """One round: `batch` requests over `num_adapters` distinct adapters, prefilled together, then decoded."""
+    """One round: `batch` requests over `num_adapters` distinct adapters, prefilled together, then decoded.
+    With loop.overlap the decode steps go through the loop's own overlapped path (step k+1 launched
+    before step k's tokens are read), each timed from one launch to the next."""
     model = loop.workers.local.runner.model
     for i in range(batch):
         namespace = f"adapter-{i % num_adapters}" if num_adapters else ""
@@ -130,9 +132,15 @@ def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int,
     times = []
     while loop.scheduler.running:
         start = time.perf_counter()
-        step(loop)
-        sync(device)
+        if loop.overlap:
+            loop._advance()
+        else:
+            step(loop)
+            sync(device)
         times.append(time.perf_counter() - start)
+    while loop._in_flight is not None:  # a spare step planned before the last tokens were seen
+        loop._advance()
+    sync(device)
     tp = model.tp.size
     rank_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     replicated = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "proj" not in n)
@@ -160,6 +168,7 @@ def main() -> None:
     parser.add_argument("--lora-backend", default="triton", choices=("ref", "triton", "chunked", "splitk"))
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
+    parser.add_argument("--overlap", action="store_true", help="decode through the loop's overlapped schedule")
     parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth for the floor")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -168,6 +177,7 @@ def main() -> None:
     max_context = args.prompt_len + args.num_decode + 8
     # One engine (weights, KV, slot pool, one decode graph per batch size) serves every measurement.
     loop = build(SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs, args.disable_custom_all_reduce)
+    loop.overlap = args.overlap
     try:
         for batch in args.batch:
             base_ms = None
@@ -181,7 +191,7 @@ def main() -> None:
                 row.update(
                     shape=args.shape, tensor_parallel_size=tp, cuda_graphs=graphs, attention=args.attention,
                     lora_backend=args.lora_backend, device=str(device), torch=torch.__version__,
-                    all_reduce="nccl" if args.disable_custom_all_reduce or tp == 1 else "peer+nccl",
+                    all_reduce="nccl" if args.disable_custom_all_reduce or tp == 1 else "peer+nccl", overlap=args.overlap,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)
     finally:

@@ -1,12 +1,19 @@
 """Profile decode steps of the engine (torch.profiler): where the host and the device spend a step.
 
     python benchmarks/profile_step.py --shape llama3-8b --batch 64 --adapters 32
+
+First a host timeline of decode steps (median ms a step on rank 0): the front's schedule and plan, the
+worker's preparation up to the graph launch, the launch call itself (`CUDAGraph.replay`), the wait for
+the sampled tokens, and the device time of the replayed graph (CUDA events around it). Then the
+torch.profiler tables, by host time and by device time.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -38,6 +45,8 @@ def main() -> None:
         step(loop)
     sync(device)
     print(f"decode step: {(time.perf_counter() - start) / 5 * 1e3:.2f} ms")
+    if device.type == "cuda":
+        timeline(loop, 20)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(3):
@@ -47,6 +56,54 @@ def main() -> None:
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
     loop.workers.close()
+
+
+def timeline(loop, steps: int) -> None:
+    """Median host milliseconds of each stage of a decode step, and the replayed graph's device time."""
+    times: dict[str, list[float]] = defaultdict(list)
+    graphs = loop.workers.local.runner.graphs
+    replay_of = {key: graph.replay for key, (graph, _) in graphs.graphs.items()}
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            times[name].append((time.perf_counter() - start) * 1e3)
+            return result
+
+        return wrapper
+
+    def replay(original):
+        def wrapper():
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            timed("graph launch (replay call)", original)()
+            end.record()
+            events.append((begin, end))
+
+        return wrapper
+
+    for key, (graph, _) in graphs.graphs.items():
+        graph.replay = replay(replay_of[key])
+    schedule, plan, execute, run = loop.scheduler.schedule, loop.plan, loop.workers.execute, graphs.run
+    loop.scheduler.schedule = timed("schedule", schedule)
+    loop.plan = timed("plan", plan)
+    loop.workers.execute = timed("execute (all of the worker's step)", execute)
+    graphs.run = timed("graph run (inputs + launch)", run)
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            step(loop)
+            times["step"].append((time.perf_counter() - start) * 1e3)
+    finally:
+        loop.scheduler.schedule, loop.plan, loop.workers.execute, graphs.run = schedule, plan, execute, run
+        for key, (graph, _) in graphs.graphs.items():
+            graph.replay = replay_of[key]
+    torch.cuda.synchronize()
+    times["graph on the device"] = [begin.elapsed_time(end) for begin, end in events]
+    for name, values in times.items():
+        print(f"{name:40s} {statistics.median(values):8.3f} ms")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
     tensor_parallel_size: int = 1  # model workers (GPUs), one per tensor-parallel rank
     disable_custom_all_reduce: bool = False  # True: every all-reduce through NCCL (no one-shot peer path)
+    disable_overlap_schedule: bool = False  # True: on CUDA too, plan each step only after the last one's tokens
     # Security: with auth, clients' keys are checked through the registry (answers cached key_cache_s);
     # api_key is the engine's own key for the registry; tls serves TLS and links to the registry with it.
     auth: bool = False

@@ -81,7 +81,8 @@ class EngineCore:
             slots = AdapterSlots(config.max_loras_per_batch, config.lora_eviction_policy)
             lora = LoraManager(slots, HostAdapterCache(config.max_host_adapters))
         drain = StarvationDrain(config.lora_drain_wait_s) if lora is not None and config.lora_drain_wait_s > 0 else None
-        loop = EngineLoop(Scheduler(scheduler_config, kv, lora=lora, drain=drain), workers)
+        overlap = config.device.startswith("cuda") and not config.disable_overlap_schedule  # on the CPU a launch runs the step
+        loop = EngineLoop(Scheduler(scheduler_config, kv, lora=lora, drain=drain), workers, overlap=overlap)
         log.info(
             "engine: %s on %s x%d, %d KV slots (page %d), context %d, %s attention",
             config.model_dir, config.device, tp.size, allocator.num_slots, config.page_size, max_context, workers.info.attention_backend,

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from engine.attention import DecodeKernelBackend
-from engine.forward_inputs import AttentionInputs, KVBuffers
+from engine.forward_inputs import AttentionInputs, KVBuffers, resolve_previous
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers
 from engine.lora_pool import LoraSlotPool
 from engine.models.blocks import DecoderModel
@@ -60,8 +60,12 @@ class DecodeGraphs:
     def can_run(self, num_requests: int) -> bool:
         return 0 < num_requests <= self.buckets[-1]
 
-    def run(self, input_ids: list[int], positions: list[int], out_cache_loc: list[int], req_rows: list[int], lora_slots: list[int] | None) -> torch.Tensor:
-        """Replay the graph of the smallest bucket >= n; returns the logits of the n rows [n, vocab]."""
+    def run(
+        self, input_ids: list[int], positions: list[int], out_cache_loc: list[int], req_rows: list[int], lora_slots: list[int] | None,
+        previous: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Replay the graph of the smallest bucket >= n; returns the logits of the n rows [n, vocab].
+        previous: the last step's sampled tokens, which input ids -1 - i name (a chained plan)."""
         n = len(input_ids)
         batch = self.buckets[bisect.bisect_left(self.buckets, n)]
         host = self._host
@@ -72,6 +76,8 @@ class DecodeGraphs:
         for row, buffer in enumerate((self.input_ids, self.positions, self.out_cache_loc, self.req_rows)):
             buffer[:batch].copy_(host[row, :batch], non_blocking=True)
         self.seq_lens[:batch].copy_(host[4, :batch], non_blocking=True)
+        if previous is not None:
+            self.input_ids[:batch].copy_(resolve_previous(self.input_ids[:batch], previous))
         with_lora = lora_slots is not None
         if with_lora:
             pool = self.lora_pool

@@ -1,8 +1,16 @@
-"""The owner thread of the front: schedule -> plan -> workers execute -> post-process, over and over.
+"""The owner thread of the front: schedule -> plan -> workers launch -> post-process, over and over.
 
 Other threads only `submit` requests and `cancel` them; everything else, including every KV and
 prefix-cache change, happens on this thread. Events reach each request's sink from here. The step's
 `StepPlan` is the only thing the workers see of the requests.
+
+With `overlap` (the CUDA default), a launched step's tokens are read only after the next step is
+launched when that one can be planned without them: while the device runs decode step k, this thread
+plans and launches step k+1 (`Scheduler.schedule_ahead`; its inputs name step k's tokens, which the
+workers substitute on the device), then post-processes step k's tokens. The device is never left
+waiting for the host's scheduling, planning, detokenizing and event delivery. Anything else (an
+arrival to admit, a prefill, a cancellation, a call) takes the plain path: the step in flight is
+post-processed first, then `schedule` runs.
 
 A model worker that dies ends the engine, and so does any failed step under tensor parallelism (rank 0
 failing alone leaves the other ranks in that step's collectives): `abort` (from the workers' watcher
@@ -18,13 +26,14 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.delivery import batched
 from engine.errors import Code, Unavailable
 from engine.request import Failed, FinishReason, Request, TokenDelta
 from engine.scheduler import BatchEntry, Scheduler
-from engine.step_plan import PlanEntry, build_plan
+from engine.step_plan import PlanEntry, StepPlan, build_plan
 from engine.worker import ProcessWorkers, WorkerDied
 
 log = logging.getLogger(__name__)
@@ -33,10 +42,21 @@ IDLE_WAIT_S = 0.05  # deadlines are checked at least this often while idle
 DEATH_GRACE_S = 5.0  # after a failed step, how long a worker's death may take to be seen
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A step queued on the workers whose tokens the front has not read yet."""
+
+    entries: list[BatchEntry]
+    plan: StepPlan
+    tokens: object  # engine.model_runner.SampledTokens: .result() -> list[int]
+
+
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, workers):  # workers: engine.worker.LocalWorkers | ProcessWorkers
+    def __init__(self, scheduler: Scheduler, workers, overlap: bool = False):  # workers: engine.worker.LocalWorkers | ProcessWorkers
         self.scheduler = scheduler
         self.workers = workers
+        self.overlap = overlap
+        self._in_flight: _Launched | None = None
         workers.on_failure = self.abort
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
@@ -133,17 +153,19 @@ class EngineLoop:
                 while not self._inbox.empty():
                     self.scheduler.add(self._inbox.get())
                 try:
-                    entries = self.scheduler.schedule()
-                    if entries:
-                        self._step(entries)
+                    busy = self._advance()
                     if self.after_step is not None:
                         self.after_step()
                 except Exception:  # a bug must not leave every stream hanging: fail them, keep serving
                     log.exception("engine step failed outside the forward")
+                    self._in_flight = None
                     self._fail_all(Code.INTERNAL, "the engine failed this request (see the engine log)", keep_kv=False)
-                    entries = []
-            if not entries:
+                    busy = False
+            if not busy:
                 self._wake.wait(IDLE_WAIT_S)
+        if self._in_flight is not None and self.failure is None:
+            with batched():
+                self._post_process(self._take_in_flight())
         if self.failure is None:
             self._fail_all(Code.UNAVAILABLE, "the engine is shutting down")
         self._run_calls()
@@ -157,39 +179,83 @@ class EngineLoop:
                 except Exception as exc:  # the caller sees it through the future
                     future.set_exception(exc)
 
-    def plan(self, entries: list[BatchEntry]):
-        """The step's plan and the packed adapters its loads copy (host memory, keyed by digest)."""
+    def plan(self, entries: list[BatchEntry], previous: list[BatchEntry] | None = None):
+        """The step's plan and the packed adapters its loads copy (host memory, keyed by digest).
+        previous: the in-flight step whose sampled tokens are this step's inputs (a chained plan)."""
         lora = self.scheduler.lora
         loads, adapters = lora.take_loads() if lora is not None else ((), {})
+        rows = {id(e.req): i for i, e in enumerate(e for e in previous if e.samples)} if previous else {}
         plan = build_plan(
-            (_plan_entry(e) for e in entries), loads, self.scheduler.kv.req_pool.take_writes(), self.scheduler.take_released()
-        )
+            (_plan_entry(e, rows.get(id(e.req), -1)) for e in entries), loads, self.scheduler.kv.req_pool.take_writes(),
+            self.scheduler.take_released(),
+        )  # fmt: skip
         return plan, adapters
 
-    def _step(self, entries: list[BatchEntry]) -> None:
-        plan, adapters = self.plan(entries)
+    def _advance(self) -> bool:
+        """Launch the next step, if any, and post-process the one before it; False when idle."""
+        previous = self._take_in_flight()
+        if previous is not None:
+            ahead = self.scheduler.schedule_ahead([e.req for e in previous.entries]) if self._chainable(previous) else []
+            launched = self._launch(ahead, previous.entries) if ahead else None
+            self._post_process(previous)
+            if launched is not None or ahead:
+                self._in_flight = launched
+                return True
+        entries = self.scheduler.schedule()
+        if not entries:
+            return previous is not None
+        launched = self._launch(entries)
+        if launched is not None:
+            if self.overlap:
+                self._in_flight = launched  # post-processed after the next launch, if one can go first
+            else:
+                self._post_process(launched)
+        return True
+
+    def _chainable(self, step: _Launched) -> bool:
+        return self.overlap and step.plan.is_decode and self._calls.empty() and self._inbox.empty()
+
+    def _take_in_flight(self) -> _Launched | None:
+        launched, self._in_flight = self._in_flight, None
+        return launched
+
+    def _launch(self, entries: list[BatchEntry], previous: list[BatchEntry] | None = None) -> _Launched | None:
+        plan, adapters = self.plan(entries, previous)
         try:
-            tokens = self.workers.execute(plan, adapters)
+            tokens = self.workers.launch(plan, adapters)
         except Exception as exc:
-            failure = str(exc) if isinstance(exc, WorkerDied) else self.workers.wait_for_failure(DEATH_GRACE_S)
-            if failure is None and isinstance(self.workers, ProcessWorkers):
-                # rank 0 alone failed (an adapter load, attention setup, OOM) while ranks 1..N are in this
-                # step's collectives: the next step would desynchronise them, so the engine ends as if a
-                # worker had died
-                log.exception("forward step failed on rank 0 with tensor parallelism")
-                failure = f"rank 0 failed a tensor-parallel step: {exc!r}"
-            if failure is not None:
-                self.abort(failure)
-                return
-            log.exception("forward step failed")
-            for entry in entries:  # this step's KV was never (fully) written: it must not be cached
+            self._step_failed(entries, exc)
+            return None
+        self.num_steps += 1
+        return _Launched(entries, plan, tokens)
+
+    def _post_process(self, step: _Launched) -> None:
+        try:
+            tokens = step.tokens.result()
+        except Exception as exc:
+            self._step_failed(step.entries, exc)
+            return
+        sampled = (e.req for e in step.entries if e.samples)
+        for req, token in zip(sampled, tokens, strict=True):
+            if not req.is_finished:  # else it ended on the step before (a stop token): this one is spare
+                self._on_token(req, token)
+
+    def _step_failed(self, entries: list[BatchEntry], exc: Exception) -> None:
+        failure = str(exc) if isinstance(exc, WorkerDied) else self.workers.wait_for_failure(DEATH_GRACE_S)
+        if failure is None and isinstance(self.workers, ProcessWorkers):
+            # rank 0 alone failed (an adapter load, attention setup, OOM) while ranks 1..N are in this
+            # step's collectives: the next step would desynchronise them, so the engine ends as if a
+            # worker had died
+            log.exception("forward step failed on rank 0 with tensor parallelism")
+            failure = f"rank 0 failed a tensor-parallel step: {exc!r}"
+        if failure is not None:
+            self.abort(failure)
+            return
+        log.exception("forward step failed")
+        for entry in entries:  # this step's KV was never (fully) written: it must not be cached
+            if not entry.req.is_finished:
                 self.scheduler.kv.truncate(entry.req, entry.start)
                 self.scheduler.finish(entry.req, Failed(Code.INTERNAL, "the forward step failed (see the engine log)"))
-            return
-        self.num_steps += 1
-        sampled = (e.req for e in entries if e.samples)
-        for req, token in zip(sampled, tokens, strict=True):
-            self._on_token(req, token)
 
     def _on_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
@@ -223,9 +289,10 @@ class EngineLoop:
             self.scheduler.finish(req, Failed(code, message))
 
 
-def _plan_entry(e: BatchEntry) -> PlanEntry:
+def _plan_entry(e: BatchEntry, previous_row: int = -1) -> PlanEntry:
     req = e.req
     return PlanEntry(
         uid=req.uid, all_ids=req.all_ids, kv_slots=req.kv_slots, req_row=req.req_row, start=e.start,
         extend_len=e.extend_len, params=req.params if e.samples else None, lora_slot=req.lora_slot,
+        previous_row=previous_row,
     )  # fmt: skip

@@ -1,4 +1,5 @@
-"""What one forward step reads besides token ids and positions: attention metadata and the KV buffers."""
+"""What one forward step reads besides token ids and positions: attention metadata and the KV buffers;
+the substitution of a chained plan's placeholder ids (engine/step_plan.py)."""
 
 from dataclasses import dataclass
 
@@ -45,3 +46,8 @@ class KVBuffers:
     @property
     def num_slots(self) -> int:
         return self.k[0].shape[0]
+
+
+def resolve_previous(ids: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """ids with each placeholder -1 - i replaced by previous[i] (on the device, no sync)."""
+    return torch.where(ids < 0, previous[(-1 - ids).clamp(min=0)], ids)

@@ -2,7 +2,10 @@
 
 Reads nothing but the plan and what the worker owns: the model (shard), the KV buffers, its device copy
 of the request-to-token table, the LoRA slot pool, the attention backends and the sampling generators.
-Per-step metadata is built on the CPU from the plan's lists (no device sync).
+Per-step metadata is built on the CPU from the plan's lists (no device sync). `launch` returns as soon
+as the step is queued on the device; its `SampledTokens` wait for the tokens only when asked, so the
+front can plan the next step meanwhile. The last sampled tokens stay on the device for a chained plan
+(engine/step_plan.py) to read; under tensor parallelism rank 0 broadcasts them to the other ranks.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from engine.attention import AttentionBackend, DecodeKernelBackend
-from engine.forward_inputs import AttentionInputs, KVBuffers
+from engine.forward_inputs import AttentionInputs, KVBuffers, resolve_previous
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, sgmv_ops
 from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.models.blocks import DecoderModel
@@ -46,6 +49,9 @@ class ModelRunner:
         if lora_pool is not None:  # one segment per request at most
             self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device)
         self.generators: dict[int, torch.Generator] = {}  # request uid -> its sampling generator
+        # The latest step's sampled tokens, by sampling row (rank 0 fills it; a chained plan reads it).
+        self.last_tokens = torch.zeros(req_to_token.shape[0], dtype=torch.int64, device=self.device)
+        self._num_last = 0
         # Seconds of each slot load (zeroing and issuing the copies; on CUDA they run on a side stream),
         # drained by the front's metrics sampler (rank 0 lives in the front's process).
         self.recent_load_seconds: deque[float] = deque(maxlen=1024)
@@ -66,30 +72,44 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets)
         self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter] | None = None) -> list[int]:
-        """Apply the plan's slot loads and table writes, forward its tokens; one sampled token per
-        sampling row, in order (none on a worker that does not sample)."""
+        """`launch`, then wait for its tokens."""
+        return self.launch(plan, adapters).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter] | None = None) -> SampledTokens:
+        """Apply the plan's slot loads and table writes, queue the forward of its tokens and the sampling;
+        the result holds one sampled token per sampling row, in order (none on a worker that does not
+        sample)."""
         self._load_adapters(plan, adapters or {})
         self._write_table(plan.table_writes)
         for uid in plan.released:
             self.generators.pop(uid, None)
         if not plan.num_requests:
-            return []
+            return SampledTokens(None)
+        if plan.chained and self.model.tp.size > 1:
+            self.model.tp.broadcast_from_first(self.last_tokens[: self._num_last])
         if self.graphs is not None and plan.is_decode and self.graphs.can_run(plan.num_requests):
             logits = self._run_graph(plan)
         else:
             logits = self._run_eager(plan)
-        if logits is None or not self.samples:
-            return []
         rows = [s for s in plan.samples if s is not None]
+        self._num_last = len(rows)  # what a chained plan after this one may name (rank 0 samples them)
+        if logits is None or not self.samples:
+            return SampledTokens(None)
         generators = [None if s.params.is_greedy else self._generator(s.uid, s.params.seed) for s in rows]
-        return sample(logits, [s.params for s in rows], generators).tolist()
+        tokens = sample(logits, [s.params for s in rows], generators)
+        self.last_tokens[: len(rows)].copy_(tokens)
+        return SampledTokens(tokens)
+
+    def _input_ids(self, plan: StepPlan) -> torch.Tensor:
+        ids = self._tensor(plan.input_ids)
+        return resolve_previous(ids, self.last_tokens) if plan.chained else ids
 
     def _run_eager(self, plan: StepPlan) -> torch.Tensor | None:
         metadata = self.attention.prepare(list(plan.req_rows), list(plan.prefix_lens), list(plan.extend_lens))
         attn = AttentionInputs(self._tensor(plan.out_cache_loc), metadata)
-        hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), attn, self.kv, self._lora_inputs(plan))
+        hidden = self.model(self._input_ids(plan), self._tensor(plan.positions), attn, self.kv, self._lora_inputs(plan))
         rows = plan.sample_rows
         if not rows:
             return None
@@ -99,7 +119,8 @@ class ModelRunner:
         lora_slots = None
         if self.lora_pool is not None and plan.lora_slots is not None:
             lora_slots = self._slots(plan.lora_slots)  # DecodeGraphs.run waits for their loads
-        return self.graphs.run(list(plan.input_ids), list(plan.positions), list(plan.out_cache_loc), list(plan.req_rows), lora_slots)
+        previous = self.last_tokens if plan.chained else None
+        return self.graphs.run(list(plan.input_ids), list(plan.positions), list(plan.out_cache_loc), list(plan.req_rows), lora_slots, previous)
 
     def _lora_inputs(self, plan: StepPlan) -> LoraInputs | None:
         """One segment per request (its tokens are contiguous); None when no request uses an adapter."""
@@ -140,3 +161,25 @@ class ModelRunner:
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+
+class SampledTokens:
+    """A launched step's sampled tokens: copied to pinned host memory behind the step's work on the
+    stream; `result` waits for that copy alone."""
+
+    def __init__(self, tokens: torch.Tensor | None):
+        self._event = None
+        if tokens is not None and tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tokens = host
+        self._tokens = tokens
+
+    def result(self) -> list[int]:
+        if self._tokens is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tokens.tolist()

@@ -42,6 +42,12 @@ class TensorParallel:
                 dist.all_reduce(x)
         return x
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, in place; the identity with one rank."""
+        if self.size > 1:
+            dist.broadcast(x, src=0)
+        return x
+
     def with_peer_all_reduce(self, device: torch.device) -> TensorParallel:
         """This group with the one-shot peer all-reduce on, where every rank can run it; else unchanged.
 

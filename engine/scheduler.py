@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from engine.drain import StarvationDrain
 from engine.errors import Code
 from engine.fair_share import FairShare
+from engine.kv_pool import num_new_pages
 from engine.lora_manager import LoraManager
 from engine.request import Failed, Finished, FinishReason, Request
 from engine.request_kv import RequestKV
@@ -104,9 +105,35 @@ class Scheduler:
         if self.drain is not None and self.lora is not None:
             self.drain.update(self.waiting, self.running, self.lora)
         entries += self._admit_waiting(budget)
-        if self.lora is not None and self.config.max_lora_load_ahead > 0:
-            waiting = [(r.namespace, r.packed_adapter) for r in self.waiting if r.namespace]
-            self.lora.load_ahead(waiting, self.config.max_lora_load_ahead)
+        self._load_ahead()
+        return entries
+
+    def schedule_ahead(self, in_flight: list[Request]) -> list[BatchEntry]:
+        """The next decode step of the running batch, planned while the step computing `in_flight`'s
+        next tokens still runs (the overlapped schedule): every running request is in that step and
+        takes one more token, whose input is the token that step samples. Requests that step brings to
+        max_new_tokens are left out (they finish on its tokens); a stop token or string found in them
+        later only wastes the request's row of this step.
+
+        Empty, and nothing changed, where only a normal `schedule` may decide: a request to admit
+        (a free running place and someone waiting), a cancelled or expired request, a running request
+        outside `in_flight` (a prefill in chunks), or KV that would need an eviction or a retraction."""
+        if len(in_flight) != len(self.running) or (self.waiting and len(self.running) < self.config.max_running_requests):
+            return []
+        now = self.clock()
+        if any(r.is_cancelled or r.is_finished or (r.deadline is not None and now > r.deadline) for r in in_flight):
+            return []
+        continuing = [r for r in in_flight if len(r.output_ids) + 1 < r.params.max_new_tokens]
+        page_size = self.kv.page_size
+        if sum(num_new_pages(r.kv_len, 1, page_size) for r in continuing) > self.kv.allocator.num_free_pages:
+            return []
+        entries = []
+        for req in continuing:
+            self.kv.grow(req, 1)
+            entry = BatchEntry(req, req.kv_len - 1, 1, True)
+            self._charge(entry)
+            entries.append(entry)
+        self._load_ahead()
         return entries
 
     def finish(self, req: Request, event: Finished | Failed) -> None:
@@ -129,6 +156,11 @@ class Scheduler:
         return Finished(reason, matched_stop, len(req.prompt_ids), len(req.output_ids), max(req.first_cached_len, 0))
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _load_ahead(self) -> None:
+        if self.lora is not None and self.config.max_lora_load_ahead > 0:
+            waiting = [(r.namespace, r.packed_adapter) for r in self.waiting if r.namespace]
+            self.lora.load_ahead(waiting, self.config.max_lora_load_ahead)
 
     def _can_admit_more(self) -> bool:
         return len(self.running) < self.config.max_running_requests and self.kv.can_admit()

@@ -10,6 +10,10 @@ row 3 (7 tokens cached) and the 4-token first chunk of row 5 with adapter slot 1
     req_rows   [3, 5]   prefix_lens [7, 0]   extend_lens [1, 4]
     samples    [SampleRow(uid 9, params), None]      (row 5 still has prompt tokens to compute)
     lora_slots [base, 1]    loads [LoadSlot(1, "ab12...")]    table_writes [(3, 7, (41,)), (5, 0, (12, 13, 14, 15))]
+
+A plan made before the previous step's tokens reached the front (the overlapped schedule: step k+1 is
+planned and launched while step k runs) is `chained`: an input id -1 - i stands for the token the
+previous step sampled in its sampling row i, which the workers substitute on the device.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class StepPlan:
     loads: tuple[LoadSlot, ...] = ()  # slot loads (admission's, then ahead for queued requests), issued first
     table_writes: tuple[tuple[int, int, tuple[int, ...]], ...] = ()  # (row, start, KV slots) to record
     released: tuple[int, ...] = ()  # uids of finished requests: their generators can go
+    chained: bool = False  # input ids < 0 name the previous step's sampled tokens (see the module doc)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +93,7 @@ class PlanEntry:
     extend_len: int
     params: SamplingParams | None  # None: this step does not sample the request
     lora_slot: int  # -1: the base model
+    previous_row: int = -1  # >= 0: the one input token is the previous step's sample of this row
 
 
 def build_plan(
@@ -98,9 +104,14 @@ def build_plan(
 ) -> StepPlan:
     input_ids, positions, out_cache_loc = [], [], []
     rows, prefix_lens, extend_lens, samples, slots = [], [], [], [], []
+    chained = False
     for e in entries:
         end = e.start + e.extend_len
-        input_ids += e.all_ids[e.start : end]
+        if e.previous_row >= 0:
+            input_ids.append(-1 - e.previous_row)
+            chained = True
+        else:
+            input_ids += e.all_ids[e.start : end]
         positions += range(e.start, end)
         out_cache_loc += e.kv_slots[e.start : end]
         rows.append(e.req_row)
@@ -120,4 +131,5 @@ def build_plan(
         loads=tuple(loads),
         table_writes=tuple(table_writes),
         released=tuple(released),
+        chained=chained,
     )

@@ -40,7 +40,7 @@ from engine.forward_inputs import KVBuffers
 from engine.kv_pool import num_slots_for_memory
 from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, SampledTokens
 from engine.parallel import SINGLE, TensorParallel
 from engine.step_plan import StepPlan
 from engine.weights import load_model, random_model
@@ -119,8 +119,8 @@ class ModelWorker:
             runner.enable_cuda_graphs(min(config.cuda_graph_max_batch, config.max_running_requests), spec.graph_buckets)
         return cls(spec, runner, num_slots)
 
-    def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> list[int]:
-        return self.runner.execute(plan, adapters)
+    def launch(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> SampledTokens:
+        return self.runner.launch(plan, adapters)
 
     def release(self) -> None:
         """Drop the CUDA graphs (they hold captured collectives) and let the device finish its work."""
@@ -140,8 +140,11 @@ class LocalWorkers:
         self.on_failure: Callable[[str], None] | None = None
         self.pids: list[int] = []
 
+    def launch(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> SampledTokens:
+        return self.local.launch(plan, adapters)
+
     def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> list[int]:
-        return self.local.execute(plan, adapters)
+        return self.launch(plan, adapters).result()
 
     def wait_for_failure(self, timeout: float) -> str | None:
         return None
@@ -185,6 +188,9 @@ class ProcessWorkers:
         threading.Thread(target=self._watch, name="worker-watch", daemon=True).start()
 
     def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> list[int]:
+        return self.launch(plan, adapters).result()
+
+    def launch(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> SampledTokens:
         if self.failure is not None:
             raise WorkerDied(self.failure)
         loaded = {load.digest: adapters[load.digest] for load in plan.loads}
@@ -193,7 +199,7 @@ class ProcessWorkers:
                 conn.send((plan, loaded))
         except OSError as exc:  # a closed pipe: its rank is gone
             raise WorkerDied(self.wait_for_failure(DEATH_GRACE_S) or f"a model worker is unreachable: {exc}") from exc
-        return self.local.execute(plan, adapters)
+        return self.local.launch(plan, adapters)
 
     def wait_for_failure(self, timeout: float) -> str | None:
         """The failure if a rank exits within `timeout` seconds (after a step failed), else None."""
@@ -348,7 +354,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
                 os._exit(0)  # a teardown still running in C++ threads would abort the interpreter's exit
             break
         plan, adapters = message
-        worker.execute(plan, adapters)
+        worker.launch(plan, adapters)  # rank > 0 samples nothing: nothing to wait for
 
 
 def _exit_with_parent() -> None:

@@ -272,6 +272,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="model workers, one per GPU (cuda:0..N-1); gloo processes on cpu",
     )
     p.add_argument(
+        "--disable-overlap-schedule", action="store_true", default=env("--disable-overlap-schedule", "") not in ("", "0", "false"),
+        help="on CUDA, plan each decode step only after the previous step's tokens are back (by default the"
+        " next step is planned and launched while the previous one runs)",
+    )
+    p.add_argument(
         "--disable-custom-all-reduce", action="store_true", default=env("--disable-custom-all-reduce", "") not in ("", "0", "false"),
         help="under tensor parallelism on CUDA, send every all-reduce through NCCL instead of the one-shot"
         " peer-memory path for decode-size tensors",

@@ -84,6 +84,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         registry=registry or getattr(args, "registry", ""),
         tensor_parallel_size=args.tensor_parallel_size,
         disable_custom_all_reduce=args.disable_custom_all_reduce,
+        disable_overlap_schedule=args.disable_overlap_schedule,
         auth=getattr(args, "auth", False),
         api_key=api_key(args),
         allow_unauthenticated=getattr(args, "allow_unauthenticated", False),

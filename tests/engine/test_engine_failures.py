@@ -35,15 +35,15 @@ def kv_is_consistent(core: EngineCore) -> bool:
 def test_failed_forward_is_not_cached_and_frees_its_kv(tiny_llama_dir):
     core = EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir), max_batch_tokens=8, max_running_requests=8))  # chunked prefill
     expected, _ = run_fresh(tiny_llama_dir)
-    real_execute, calls = core.loop.workers.execute, {"n": 0}
+    real_launch, calls = core.loop.workers.launch, {"n": 0}
 
     def fail_on_third_step(plan, adapters):
         calls["n"] += 1
         if calls["n"] == 3:  # mid-prefill: two chunks computed, the third never is
             raise RuntimeError("simulated device fault")
-        return real_execute(plan, adapters)
+        return real_launch(plan, adapters)
 
-    core.loop.workers.execute = fail_on_third_step
+    core.loop.workers.launch = fail_on_third_step
     core.loop.start()
     try:
         _, failed = run(core)

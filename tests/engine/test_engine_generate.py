@@ -2,7 +2,8 @@
 
 Requests go through the owner thread exactly as the servicer sends them (submit, then wait for the
 final event); batching, chunked prefill, prefix-cache hits, retraction and page size must not change a
-single greedy token.
+single greedy token. Every test runs twice: with each step planned after the last one's tokens (the
+CPU default), and with the overlapped schedule (the CUDA default; engine/engine_loop.py).
 """
 
 import json
@@ -15,14 +16,28 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine.core as core_module
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.engine_loop import EngineLoop
 from engine.request import Failed, Finished, FinishReason, TokenDelta
 from engine.sampling import SamplingParams
 
 NUM_NEW = 12
 PROMPT_LENS = (3, 9, 17, 33, 64, 120)
 WAIT_S = 60.0
+
+
+class OverlappedLoop(EngineLoop):
+    def __init__(self, scheduler, workers, overlap: bool = False):
+        super().__init__(scheduler, workers, overlap=True)
+
+
+@pytest.fixture(autouse=True, params=["plain", "overlap"])
+def schedule_mode(request, monkeypatch):
+    if request.param == "overlap":
+        monkeypatch.setattr(core_module, "EngineLoop", OverlappedLoop)
+    return request.param
 
 
 def random_prompt(length: int, seed: int) -> list[int]:

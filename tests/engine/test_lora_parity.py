@@ -268,19 +268,19 @@ def test_queued_adapters_load_ahead_and_match_peft(tiny_llama_dir, adapter_dirs,
     )  # fmt: skip
     running(core)
     plans, waited = [], []
-    execute, pool = core.workers.execute, core.workers.local.runner.lora_pool
+    launch, pool = core.workers.launch, core.workers.local.runner.lora_pool
     wait_for_loads = pool.wait_for_loads
 
     def record_plan(plan, adapters):
         plans.append(plan)
         waited.append(set())
-        return execute(plan, adapters)
+        return launch(plan, adapters)
 
     def record_wait(slots=None):
         waited[-1] |= set(range(pool.num_slots) if slots is None else slots)
         wait_for_loads(slots)
 
-    core.workers.execute, pool.wait_for_loads = record_plan, record_wait
+    core.workers.launch, pool.wait_for_loads = record_plan, record_wait
     jobs = [(PROMPTS[i % len(PROMPTS)], a) for i, a in enumerate(["attn", "mlp", "all", "", "patterns", "attn"])]
     for (tokens, _), (prompt, adapter) in zip(run_all(core, jobs), jobs, strict=True):
         assert tokens == oracle(prompt, adapter), (prompt, adapter)

@@ -138,19 +138,19 @@ async def test_a_killed_worker_ends_streams_with_unavailable_and_health_not_serv
 
 
 async def test_a_step_failing_on_rank_0_alone_ends_the_tp_engine(tiny_llama_dir):
-    """Rank 1 is already in the step's collectives when rank 0's execute raises (an adapter load, OOM):
+    """Rank 1 is already in the step's collectives when rank 0's launch raises (an adapter load, OOM):
     the engine must end as for a dead worker, not fail one request and run a desynchronised next step."""
     config = EngineConfig(model_dir=str(tiny_llama_dir), port=0, tensor_parallel_size=2)
     server = await start_engine(config)
     channel = grpc.aio.insecure_channel(server.address)
     local = server.core.workers.local
-    real_execute = local.execute
+    real_launch = local.launch
 
     def fail_once(plan, adapters):
-        local.execute = real_execute
+        local.launch = real_launch
         raise RuntimeError("simulated rank-0 fault")
 
-    local.execute = fail_once
+    local.launch = fail_once
     try:
         stub, health = pb_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as failure:
