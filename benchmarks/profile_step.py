@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--lora-backend", default="splitk" if torch.cuda.is_available() else "ref")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--gaps", action="store_true", help="then profile overlapped steps and list the device's idle gaps")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     graphs = device.type == "cuda"
@@ -55,7 +56,40 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+        if args.gaps:
+            idle_gaps(loop, args.rows)
     loop.workers.close()
+
+
+def idle_gaps(loop, rows: int, steps: int = 6) -> None:
+    """Overlapped decode steps under the profiler: the device's busy share and its longest idle gaps,
+    each with the kernels on either side (what the device waited between)."""
+    import json
+    import tempfile
+
+    loop.overlap = True
+    loop._advance()  # the pipeline fills
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            loop._advance()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    device = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )  # fmt: skip
+    busy, gaps, end = 0.0, [], device[0][0]
+    for i, (start, stop, name) in enumerate(device):
+        if start > end:
+            gaps.append((start - end, device[i - 1][2] if i else "", name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - device[0][0]
+    print(f"overlapped: {steps} steps in {span / 1e3:.2f} ms of device time line, busy {busy / span:.1%}, idle {(span - busy) / 1e3 / steps:.3f} ms a step")
+    for gap, before, after in sorted(gaps, reverse=True)[:rows]:
+        print(f"  idle {gap:8.1f} us   after {before[:60]:60s} before {after[:60]}")
 
 
 def timeline(loop, steps: int) -> None:

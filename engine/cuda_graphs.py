@@ -14,7 +14,7 @@ import logging
 import torch
 
 from engine.attention import DecodeKernelBackend
-from engine.forward_inputs import AttentionInputs, KVBuffers, resolve_previous
+from engine.forward_inputs import AttentionInputs, KVBuffers, StagingFence, resolve_previous
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers
 from engine.lora_pool import LoraSlotPool
 from engine.models.blocks import DecoderModel
@@ -45,6 +45,7 @@ class DecodeGraphs:
         self.req_rows = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=self.device)
         self._host = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)  # staging for the five above
+        self._fence = StagingFence(self.device)
         self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device) if lora_pool else None
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -69,6 +70,7 @@ class DecodeGraphs:
         n = len(input_ids)
         batch = self.buckets[bisect.bisect_left(self.buckets, n)]
         host = self._host
+        self._fence.refill()
         host[:, n:batch] = 0
         for row, values in enumerate((input_ids, positions, out_cache_loc, req_rows)):
             host[row, :n] = torch.tensor(values, dtype=torch.int64)
@@ -76,6 +78,7 @@ class DecodeGraphs:
         for row, buffer in enumerate((self.input_ids, self.positions, self.out_cache_loc, self.req_rows)):
             buffer[:batch].copy_(host[row, :batch], non_blocking=True)
         self.seq_lens[:batch].copy_(host[4, :batch], non_blocking=True)
+        self._fence.copied()
         if previous is not None:
             self.input_ids[:batch].copy_(resolve_previous(self.input_ids[:batch], previous))
         with_lora = lora_slots is not None

@@ -51,3 +51,23 @@ class KVBuffers:
 def resolve_previous(ids: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     """ids with each placeholder -1 - i replaced by previous[i] (on the device, no sync)."""
     return torch.where(ids < 0, previous[(-1 - ids).clamp(min=0)], ids)
+
+
+class StagingFence:
+    """A pinned host staging buffer refilled every step: with the overlapped schedule the next step's
+    inputs are written while the device may not yet have copied this step's out of it. `refill` waits
+    for the copies `copied` last marked (at once in practice: they open the step now running)."""
+
+    def __init__(self, device: torch.device):
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+
+    def refill(self) -> None:
+        if self._pending:
+            self._event.synchronize()
+            self._pending = False
+
+    def copied(self) -> None:
+        if self._event is not None:
+            self._event.record()
+            self._pending = True

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.forward_inputs import StagingFence
 from engine.lora_pool import LoraSlotPool
 from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 
@@ -71,12 +72,14 @@ class SgmvMetaBuffers:
         self.seg_indptr = self._ints[: max_segments + 1]
         self.weight_indices = self._ints[max_segments + 1 : 2 * max_segments + 1]
         self.lora_ranks = self._ints[2 * max_segments + 1 :]
+        self._fence = StagingFence(self.device)
 
     def fill(self, seg_lens: list[int], slots: list[int], ranks: list[int], scalings: list[float]) -> SgmvMeta:
         num_segments = len(seg_lens)
         if num_segments > self.max_segments:
             raise ValueError(f"{num_segments} segments; the buffers hold {self.max_segments}")
         host = self._ints_host
+        self._fence.refill()
         host[0] = 0
         host[1 : num_segments + 1] = torch.tensor(seg_lens, dtype=torch.int32).cumsum(0)
         host[num_segments + 1 : self.max_segments + 1] = host[num_segments]  # unused segments are empty
@@ -85,6 +88,7 @@ class SgmvMetaBuffers:
         self._scalings_host[:] = torch.tensor(scalings, dtype=torch.float32)
         self._ints.copy_(host, non_blocking=True)
         self.scalings.copy_(self._scalings_host, non_blocking=True)
+        self._fence.copied()
         return SgmvMeta(
             seg_indptr=self.seg_indptr[: num_segments + 1],
             weight_indices=self.weight_indices[:num_segments],

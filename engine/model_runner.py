@@ -160,7 +160,10 @@ class ModelRunner:
         return generator
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cuda":  # a copy out of pageable memory may wait for the stream to drain,
+            host = host.pin_memory()  # which would stall the planning of the next step behind this one
+        return host.to(self.device, non_blocking=True)
 
 
 class SampledTokens:
