@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -198,26 +198,33 @@ class RegistryLink:
 
     async def _fetch_checked(self, record: AdapterRecord, attempts: int) -> bytes:
         for attempt in range(1, attempts + 1):
-            data = await self._fetch_once(record)
-            if hashlib.sha256(data).hexdigest() == record.digest:
+            data, digest = await self._fetch_once(record)
+            if digest == record.digest:
                 self.num_fetches += 1
                 return data
             self.num_digest_mismatches += 1
             log.error("artifact of %s failed its sha256 check (attempt %d of %d)", record.ref, attempt, attempts)
         raise Unavailable(f"adapter {record.ref!r}: the fetched artifact does not match its digest")
 
-    async def _fetch_once(self, record: AdapterRecord) -> bytes:
+    async def _fetch_once(self, record: AdapterRecord) -> tuple[bytes, str]:
+        """The artifact and its sha256, hashed chunk by chunk while the next chunks arrive."""
         parts: list[bytes] = []
+        sha = hashlib.sha256()
+        async for data in self._artifact_chunks(record):
+            sha.update(data)
+            parts.append(data)
+        return b"".join(parts), sha.hexdigest()
+
+    async def _artifact_chunks(self, record: AdapterRecord) -> AsyncIterator[bytes]:
         request = pb.FetchAdapterRequest(name=record.name, version=record.version)
         try:
             async for chunk in self.stub.FetchAdapter(request, timeout=FETCH_TIMEOUT_S, metadata=self.metadata):
                 if chunk.WhichOneof("item") == "data":
-                    parts.append(chunk.data.data)
+                    yield chunk.data.data
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise NotFound(f"adapter {record.ref!r} is not registered") from None
             raise unavailable(f"adapter {record.ref!r}", exc) from None
-        return b"".join(parts)
 
     # ---- watching ----------------------------------------------------------------------------
 

@@ -108,13 +108,15 @@ class RegistryClient:
             if chunk.WhichOneof("item") == "adapter":
                 adapter = chunk.adapter
                 continue
-            if chunk.data.offset != size:
-                raise ValueError(f"FetchAdapter chunk at offset {chunk.data.offset}, expected {size}")
-            size += len(chunk.data.data)
+            piece = chunk.data  # each read of a bytes field makes a new copy of it: read it once
+            if piece.offset != size:
+                raise ValueError(f"FetchAdapter chunk at offset {piece.offset}, expected {size}")
+            data = piece.data
+            size += len(data)
             if sink is None:
-                parts.append(chunk.data.data)
+                parts.append(data)
             else:
-                sink.write(chunk.data.data)
+                sink.write(data)
         if adapter is None:
             raise ValueError("FetchAdapter ended without the adapter message")
         return adapter, (b"".join(parts) if sink is None else size)

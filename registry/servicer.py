@@ -257,7 +257,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
             for data in batch:
                 yield pb.AdapterChunk(data=pb.DataChunk(offset=offset, data=data))
                 offset += len(data)
-                self.metrics.fetched_bytes.inc(len(data))
+            self.metrics.fetched_bytes.inc(sum(map(len, batch)))
 
     @_stream_statuses
     async def WatchAdapters(

@@ -181,17 +181,18 @@ async def test_digest_mismatch_is_refused_and_retried(stack, make_adapter):
     registry, engine, stub = stack
     await registry.register("tamper", make_adapter("link-tamper", r=4, lora_alpha=8, seed=58))
     link = engine.core.link
-    real_fetch = link._fetch_once
+    real_chunks = link._artifact_chunks
     corrupt = {"left": 1}
 
-    async def flaky(record):
-        data = await real_fetch(record)
+    async def flaky(record):  # one bit of the last chunk flipped in transit
+        chunks = [data async for data in real_chunks(record)]
         if corrupt["left"]:
             corrupt["left"] -= 1
-            return data[:-1] + bytes([data[-1] ^ 1])
-        return data
+            chunks[-1] = chunks[-1][:-1] + bytes([chunks[-1][-1] ^ 1])
+        for data in chunks:
+            yield data
 
-    link._fetch_once = flaky
+    link._artifact_chunks = flaky
     _, _, done = await generate(stub, "tamper")
     assert done.adapter == "tamper@1" and link.num_digest_mismatches == 1
     corrupt["left"] = 10
