@@ -117,11 +117,13 @@ class Scheduler:
 
         Empty, and nothing changed, where only a normal `schedule` may decide: a request to admit
         (a free running place and someone waiting), a cancelled or expired request, a running request
-        outside `in_flight` (a prefill in chunks), or KV that would need an eviction or a retraction."""
+        outside `in_flight` (a prefill in chunks), or KV that would need an eviction or a retraction.
+        Requests of `in_flight` that have finished since it was planned (a spare row) are left out."""
+        in_flight = [r for r in in_flight if not r.is_finished]
         if len(in_flight) != len(self.running) or (self.waiting and len(self.running) < self.config.max_running_requests):
             return []
         now = self.clock()
-        if any(r.is_cancelled or r.is_finished or (r.deadline is not None and now > r.deadline) for r in in_flight):
+        if any(r.is_cancelled or (r.deadline is not None and now > r.deadline) for r in in_flight):
             return []
         continuing = [r for r in in_flight if len(r.output_ids) + 1 < r.params.max_new_tokens]
         page_size = self.kv.page_size

@@ -120,8 +120,10 @@ def test_overlapped_streams_equal_the_plain_ones_and_chained_plans_run(tiny_llam
     chained = [p for p in plans if p.chained]
     assert len(chained) >= 10
     assert all(p.is_decode and all(i < 0 for i in p.input_ids) for p in chained)
-    # the request stopped by a token was in the step planned before that token was seen (a spare row)
+    # the request stopped by a token was in the step planned before that token was seen (a spare row),
+    # and the chain went on past it: one decode step only (the first) was planned after its tokens
     assert any(p.num_requests == 4 for p in chained)
+    assert sum(p.is_decode and not p.chained for p in plans) == 1
 
 
 def test_a_stop_string_and_tensor_parallel_ranks_under_overlap(tiny_llama_dir):
