@@ -73,12 +73,12 @@ def rank_main(rank: int, ranks: int, port: int, hidden: int, rows: list[int], ca
             tp.peer(peer_sum)
         work = x.clone()
         row = {"rows": n, "hidden": hidden, "bytes": x.numel() * 2, "ranks": ranks}
-        row["nccl_eager_us"] = timed_us(lambda: dist.all_reduce(work), calls, graph=False)
-        row["nccl_graph_us"] = timed_us(lambda: dist.all_reduce(work), calls, graph=True)
+        row["nccl_eager_us"] = timed_us(lambda work=work: dist.all_reduce(work), calls, graph=False)
+        row["nccl_graph_us"] = timed_us(lambda work=work: dist.all_reduce(work), calls, graph=True)
         if fits:
             row["equal"] = bool(torch.equal(nccl_sum, peer_sum))
-            row["peer_eager_us"] = timed_us(lambda: tp.peer(work), calls, graph=False)
-            row["peer_graph_us"] = timed_us(lambda: tp.peer(work), calls, graph=True)
+            row["peer_eager_us"] = timed_us(lambda work=work: tp.peer(work), calls, graph=False)
+            row["peer_graph_us"] = timed_us(lambda work=work: tp.peer(work), calls, graph=True)
             row["graph_speedup"] = row["nccl_graph_us"] / row["peer_graph_us"]
         if rank == 0:
             print(json.dumps(row), flush=True)

@@ -20,10 +20,13 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from engine.admission import _thread_safe_sink
 from engine.delivery import batched
 from engine.engine_loop import EngineLoop
 from engine.kv_pool import PageAllocator, ReqToTokenPool
+from engine.model_runner import SampledTokens
 from engine.radix_cache import RadixCache
 from engine.request import Request
 from engine.request_kv import RequestKV
@@ -41,9 +44,9 @@ class InstantWorkers:
     def __init__(self) -> None:
         self.num_steps = 0
 
-    def execute(self, plan, adapters) -> list[int]:
+    def launch(self, plan, adapters) -> SampledTokens:
         self.num_steps += 1
-        return [50 + (17 * i + self.num_steps) % 400 for i in range(len(plan.sample_rows))]
+        return SampledTokens(torch.tensor([50 + (17 * i + self.num_steps) % 400 for i in range(len(plan.sample_rows))]))
 
 
 def main() -> None:
@@ -73,7 +76,7 @@ def main() -> None:
     for _ in range(args.steps):
         start = time.perf_counter()
         with batched():  # as EngineLoop._run wraps each iteration
-            loop._step(loop.scheduler.schedule())
+            loop._advance()  # schedule, plan, launch, post-process (no overlap: the workers answer at once)
         times.append(time.perf_counter() - start)
     step_ms = statistics.median(times[5:]) * 1e3
     # Every token reached its handler's queue (a step's token per request; none finished early).

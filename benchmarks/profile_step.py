@@ -66,6 +66,7 @@ def idle_gaps(loop, rows: int, steps: int = 6) -> None:
     each with the kernels on either side (what the device waited between)."""
     import json
     import tempfile
+    from pathlib import Path
 
     loop.overlap = True
     loop._advance()  # the pipeline fills
@@ -73,9 +74,10 @@ def idle_gaps(loop, rows: int, steps: int = 6) -> None:
         for _ in range(steps):
             loop._advance()
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
     device = sorted(
         (e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")

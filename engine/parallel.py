@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
 log = logging.getLogger(__name__)
 
 

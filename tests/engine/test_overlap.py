@@ -9,6 +9,7 @@ of its tests in both modes as well.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -59,11 +60,7 @@ def submit(core: EngineCore, jobs) -> list[Stream]:
     streams = []
     for prompt, params, adapter in jobs:
         record = core.resolve_adapter(adapter) if adapter else None
-        packed = None
-        if record is not None:
-            import asyncio
-
-            packed = asyncio.run(core.prepare(record))
+        packed = asyncio.run(core.prepare(record)) if record is not None else None
         stream = Stream()
         core.loop.submit(core.new_request(core.prompt_ids(prompt, None), params, stream, adapter=record, packed=packed))
         streams.append(stream)
@@ -127,7 +124,7 @@ def test_overlapped_streams_equal_the_plain_ones_and_chained_plans_run(tiny_llam
 
 
 def test_a_stop_string_and_tensor_parallel_ranks_under_overlap(tiny_llama_dir):
-    (tokens, text, _), *_ = run(tiny_llama_dir, False, [(PROMPTS[2], SamplingParams(max_new_tokens=12, ignore_eos=True), "")])[0]
+    (_, text, _), *_ = run(tiny_llama_dir, False, [(PROMPTS[2], SamplingParams(max_new_tokens=12, ignore_eos=True), "")])[0]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     jobs = [
         (PROMPTS[2], SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop]), ""),
@@ -163,7 +160,7 @@ def test_a_cancel_under_overlap_ends_one_stream_and_leaks_nothing(tiny_llama_dir
 def test_a_failed_chained_step_fails_its_requests_and_the_engine_goes_on(tiny_llama_dir):
     jobs = [(PROMPTS[0], SamplingParams(max_new_tokens=10, ignore_eos=True), "")]
     (expected, _, _), *_ = run(tiny_llama_dir, False, jobs)[0]
-    core, plans = build(tiny_llama_dir, True)
+    core, _ = build(tiny_llama_dir, True)
     launch, failed = core.loop.workers.launch, []
 
     def fail_first_chained(plan, adapters):
