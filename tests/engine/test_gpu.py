@@ -106,6 +106,29 @@ def test_cuda_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, lora_back
     assert run("cuda", lora_backend) == run("cpu", "ref")
 
 
+def test_cuda_overlapped_schedule_with_slot_evictions_matches_cpu(tiny_llama_dir, make_adapter, tmp_path):
+    """The overlapped schedule on CUDA (its default) with one slot for three adapters: a slot is
+    reloaded for the next adapter while the step planned before its last user finished may still read
+    it (the copy stream waits for the compute stream); graphs replay chained plans. CPU tokens."""
+    adapters = tuple(
+        (name, str(make_adapter(f"overlap-{name}", r=4 * (i + 1), lora_alpha=16, target_modules=targets, seed=25 + i)))
+        for i, (name, targets) in enumerate([("qv", ["q_proj", "v_proj"]), ("mlp", ["gate_proj", "up_proj", "down_proj"]), ("o", ["o_proj"])])
+    )  # fmt: skip
+
+    def run(device: str) -> list[list[int]]:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
+            work_dir=str(tmp_path / device), max_loras_per_batch=1, lora_load_ahead=0,
+        )
+        core = EngineCore.build(config)
+        assert core.loop.overlap == (device == "cuda")
+        tokens = generate_all(core, 10, [None, *(core.resolve_adapter(name) for name, _ in adapters)])
+        assert core.lora.slots.num_evictions >= 2
+        return tokens
+
+    assert run("cuda") == run("cpu")
+
+
 def test_cuda_graph_decode_matches_eager_decode(tiny_llama_dir, make_adapter, tmp_path):
     """Replayed decode graphs (batch padding, LoRA segments refilled in place) give the eager tokens."""
     adapters = (("qv", str(make_adapter("graph-qv", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=23))),)

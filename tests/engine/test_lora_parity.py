@@ -78,10 +78,13 @@ def peft_greedy(peft_model, tokenizer, prompt: str, adapter: str) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
-def make_core(tiny_llama_dir, adapter_dirs, tmp_path, **overrides) -> EngineCore:
+def make_core(tiny_llama_dir, adapter_dirs, tmp_path, overlap: bool = False, **overrides) -> EngineCore:
+    """overlap: the overlapped schedule (the CUDA default) on the CPU, where a launch runs the step."""
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
     config = EngineConfig(model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path), max_lora_rank=64, **overrides)
-    return EngineCore.build(config)
+    core = EngineCore.build(config)
+    core.loop.overlap = overlap
+    return core
 
 
 def run_all(core: EngineCore, jobs: list[tuple[str, str]], start: bool = True) -> list[tuple[list[int], Finished]]:
@@ -131,8 +134,9 @@ def test_mixed_batch_matches_peft(tiny_llama_dir, adapter_dirs, oracle, tmp_path
         assert all(oracle(prompt, a) != oracle(prompt, "") for a in ADAPTERS)
 
 
-def test_fewer_slots_than_adapters_evicts_and_reuses_slots(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
-    core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=2)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fewer_slots_than_adapters_evicts_and_reuses_slots(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running, overlap):
+    core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, overlap, max_loras_per_batch=2)
     running(core)
     jobs = [(PROMPTS[i % len(PROMPTS)], a) for i, a in enumerate(["", *ADAPTERS] * 2)]
     for (tokens, _), (prompt, adapter) in zip(run_all(core, jobs), jobs, strict=True):
@@ -218,11 +222,12 @@ def assert_mixed_batch_logits_match(core: EngineCore, peft_model, names: list[st
         offset += len(prompt)
 
 
-def test_two_slots_eight_adapters_forty_concurrent_requests(tiny_llama_dir, make_adapter, tmp_path, running):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_slots_eight_adapters_forty_concurrent_requests(tiny_llama_dir, make_adapter, tmp_path, running, overlap):
     from loramux.testing.peft_adapters import load_peft_model
 
     dirs = {f"a{i}": make_adapter(f"admission-{i}", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], seed=40 + i) for i in range(8)}
-    core = make_core(tiny_llama_dir, dirs, tmp_path, max_loras_per_batch=2, max_running_requests=16)
+    core = make_core(tiny_llama_dir, dirs, tmp_path, overlap, max_loras_per_batch=2, max_running_requests=16)
     running(core)
     jobs = [(PROMPTS[i % len(PROMPTS)], f"a{i % 8}") for i in range(40)]
     results = run_all(core, jobs)
@@ -238,10 +243,11 @@ def test_two_slots_eight_adapters_forty_concurrent_requests(tiny_llama_dir, make
     assert core.lora.slots.num_loads >= 8
 
 
-def test_tensor_parallel_two_ranks_match_peft_with_evictions(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tensor_parallel_two_ranks_match_peft_with_evictions(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running, overlap):
     """TP=2 on the CPU (gloo, a spawned rank): base and every adapter kind, fewer slots than adapters;
     each rank holds its S-LoRA shard of every slot, and the tokens are peft's (and so TP=1's)."""
-    core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=2, tensor_parallel_size=2)
+    core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, overlap, max_loras_per_batch=2, tensor_parallel_size=2)
     running(core)
     assert len(core.workers.pids) == 1 and core.workers.local.runner.model.config.num_heads == 2  # half the heads here
     jobs = [(PROMPTS[i % len(PROMPTS)], a) for i, a in enumerate(["", *ADAPTERS] * 2)]
