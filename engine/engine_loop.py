@@ -7,8 +7,8 @@ prefix-cache change, happens on this thread. Events reach each request's sink fr
 With `overlap` (the CUDA default), a launched step's tokens are read only after the next step is
 launched when that one can be planned without them: while the device runs decode step k, this thread
 plans and launches step k+1 (`Scheduler.schedule_ahead`; its inputs name step k's tokens, which the
-workers substitute on the device), then post-processes step k's tokens. The device is never left
-waiting for the host's scheduling, planning, detokenizing and event delivery. Anything else (an
+workers substitute on the device), then post-processes step k's tokens, so the device does not wait
+for the host's scheduling, planning, detokenizing and event delivery. Anything else (an
 arrival to admit, a prefill, a cancellation, a call) takes the plain path: the step in flight is
 post-processed first, then `schedule` runs.
 
