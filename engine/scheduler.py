@@ -135,7 +135,8 @@ class Scheduler:
             entry = BatchEntry(req, req.kv_len - 1, 1, True)
             self._charge(entry)
             entries.append(entry)
-        self._load_ahead()
+        if entries:
+            self._load_ahead()
         return entries
 
     def finish(self, req: Request, event: Finished | Failed) -> None:
