@@ -198,7 +198,7 @@ class EngineLoop:
             ahead = self.scheduler.schedule_ahead([e.req for e in previous.entries]) if self._chainable(previous) else []
             launched = self._launch(ahead, previous.entries) if ahead else None
             self._post_process(previous)
-            if launched is not None or ahead:
+            if ahead:  # launched, or failed and already handled
                 self._in_flight = launched
                 return True
         entries = self.scheduler.schedule()

@@ -72,10 +72,6 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets)
         self.graphs.capture()
 
-    def execute(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter] | None = None) -> list[int]:
-        """`launch`, then wait for its tokens."""
-        return self.launch(plan, adapters).result()
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter] | None = None) -> SampledTokens:
         """Apply the plan's slot loads and table writes, queue the forward of its tokens and the sampling;

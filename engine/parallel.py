@@ -41,6 +41,14 @@ class TensorParallel:
                 dist.all_reduce(x)
         return x
 
+    def agree_on_min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's value (collective: every rank calls it at the same point)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place; the identity with one rank."""
         if self.size > 1:
@@ -55,9 +63,7 @@ class TensorParallel:
         its signal pads), then map one buffer each into every peer's address space."""
         if self.size == 1 or device.type != "cuda":
             return self
-        able = torch.tensor([int(PeerAllReduce.available(device))], device=device)
-        dist.all_reduce(able, op=dist.ReduceOp.MIN)
-        if not able.item():
+        if not self.agree_on_min(int(PeerAllReduce.available(device)), device):
             log.warning("the one-shot peer all-reduce is not available on every rank; all-reduces go to NCCL")
             return self
         return replace(self, peer=PeerAllReduce(device))

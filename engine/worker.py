@@ -104,7 +104,8 @@ class ModelWorker:
             model, model_config = load_model(config.model_dir, device=device, dtype=dtype, tp=tp)
         dtype = next(model.parameters()).dtype
         local = model.config  # this rank's heads and features
-        num_slots = _agree_on_min(config.num_kv_slots or _auto_kv_slots(local, device, dtype, config), tp, device)
+        # each rank's pool must hold the same KV slots: the smallest any rank can afford
+        num_slots = tp.agree_on_min(config.num_kv_slots or _auto_kv_slots(local, device, dtype, config), device)
         num_slots = max(2, num_slots // config.page_size) * config.page_size
         kv = KVBuffers.allocate(local, num_slots, dtype, device)
         req_to_token = torch.zeros(config.max_running_requests, spec.max_context, dtype=torch.int64, device=device)
@@ -401,17 +402,6 @@ def _init_group(spec: WorkerSpec, store) -> None:
         backend, store=store, rank=spec.tp.rank, world_size=spec.tp.size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )  # fmt: skip
-
-
-def _agree_on_min(value: int, tp: TensorParallel, device: torch.device) -> int:
-    """The smallest of every rank's value (KV slots: each rank's pool must hold the same slots)."""
-    if tp.size == 1:
-        return value
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
 
 
 def read_model_config(model_dir: str) -> ModelConfig:
