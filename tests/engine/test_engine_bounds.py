@@ -17,6 +17,7 @@ from loramux.v1 import engine_pb2 as pb
 from loramux.v1 import engine_pb2_grpc as pb_grpc
 from loramux.v1 import registry_pb2 as rpb
 from tests.engine.test_engine_grpc import collect
+from tests.engine.test_registry_link import hold_fetches
 from tests.registry.harness import running_registry
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -97,14 +98,7 @@ async def test_requests_waiting_for_an_adapter_fetch_count_in_the_queue_limit(tm
         channel = grpc.aio.insecure_channel(server.address)
         try:
             await registry.register("slow", make_adapter("bounds-slow", r=4, lora_alpha=8, seed=71))
-            link, release = server.core.link, asyncio.Event()
-            real_fetch = link._fetch_once
-
-            async def stalled(record):
-                await release.wait()
-                return await real_fetch(record)
-
-            link._fetch_once = stalled
+            release = hold_fetches(server.core.link)
             stub = pb_grpc.EngineStub(channel)
             calls = [asyncio.ensure_future(collect(stub, generate_request("Hi", adapter="slow", max_new_tokens=2)))
                      for _ in range(8)]

@@ -75,19 +75,25 @@ async def test_adapter_by_name_through_the_registry(stack, make_adapter, tmp_pat
     assert engine.core.link.num_fetches == 1  # cached on the host
 
 
-async def test_many_requests_for_one_uncached_adapter_fetch_once(stack, make_adapter):
-    """Eight requests look the adapter up while its one fetch is held in flight: the host cache counts one
-    miss (the fetch) and seven joined lookups, in its counters and on /metrics; a later request hits."""
-    registry, engine, stub = stack
-    await registry.register("popular", make_adapter("link-pop", r=4, lora_alpha=8, seed=52))
-    link, release = engine.core.link, asyncio.Event()
-    real_fetch = link._fetch_once
+def hold_fetches(link) -> asyncio.Event:
+    """Hold every registry fetch of `link` until the returned event is set."""
+    release, real_fetch = asyncio.Event(), link._fetch_once
 
     async def held(record):
         await release.wait()
         return await real_fetch(record)
 
     link._fetch_once = held
+    return release
+
+
+async def test_many_requests_for_one_uncached_adapter_fetch_once(stack, make_adapter):
+    """Eight requests look the adapter up while its one fetch is held in flight: the host cache counts one
+    miss (the fetch) and seven joined lookups, in its counters and on /metrics; a later request hits."""
+    registry, engine, stub = stack
+    await registry.register("popular", make_adapter("link-pop", r=4, lora_alpha=8, seed=52))
+    link = engine.core.link
+    release = hold_fetches(link)
     calls = [asyncio.ensure_future(generate(stub, "popular")) for _ in range(8)]
     while engine.admission.num_fetching < 8:
         await asyncio.sleep(0.02)
@@ -243,14 +249,7 @@ async def _connected(engine) -> bool:
 async def test_a_slow_fetch_does_not_stall_other_streams(stack, make_adapter):
     registry, engine, stub = stack
     await registry.register("slow", make_adapter("link-slow", r=4, lora_alpha=8, seed=63))
-    link, release = engine.core.link, asyncio.Event()
-    real_fetch = link._fetch_once
-
-    async def stalled(record):
-        await release.wait()
-        return await real_fetch(record)
-
-    link._fetch_once = stalled
+    release = hold_fetches(engine.core.link)
     waiting = asyncio.create_task(generate(stub, "slow"))
     _ids, _, done = await generate(stub, max_new_tokens=24)  # the base model streams meanwhile
     assert done.usage.completion_tokens == 24 and not waiting.done()
