@@ -33,9 +33,10 @@ class DecodeGraphs:
         lora_pool: LoraSlotPool | None,
         lora_ops: tuple,
         buckets: tuple[int, ...] | None = None,  # padded batch sizes to capture; default BATCH_BUCKETS
+        lora_side: torch.cuda.Stream | None = None,  # the LoRA deltas' stream (LoraInputs.side)
     ):
         self.model, self.kv, self.attention = model, kv, attention
-        self.lora_pool, self.lora_ops = lora_pool, lora_ops
+        self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
         self.device = attention.req_to_token.device
         self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
         n = max_batch
@@ -99,7 +100,7 @@ class DecodeGraphs:
         if with_lora:
             pool = self.lora_pool
             meta = self.lora_meta.fill([1] * batch, [pool.base_slot] * batch, pool.ranks, pool.scalings)
-            lora = LoraInputs(pool, meta, *self.lora_ops)
+            lora = LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side)
 
         def step() -> torch.Tensor:
             hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)

@@ -1,7 +1,7 @@
 """A step's LoRA inputs for the model: the slot pool's buffers, this step's segments, the SGMV ops.
 
-Each fused projection adds its LoRA delta in place, with one shrink per input for all its stacked
-targets and one expand:
+Each fused projection adds its LoRA delta, with one shrink per input for all its stacked targets and
+one expand (`LoraInputs.project`; in CUDA decode steps both run on a side stream beside the base GEMM):
 
     y[T, out] += scalings[slot] * (x[T, in] @ A[slot]^T) @ B[slot]^T     per segment of tokens
 """
@@ -45,12 +45,34 @@ class LoraInputs:
     meta: SgmvMeta
     shrink: Callable
     expand: Callable
+    # CUDA decode steps: the stream the LoRA delta is computed on, beside the base GEMM that shares its
+    # input. A decode step's shrink and expand are latency-bound (microseconds of dependent loads over a
+    # few MB), so the GEMM hides most of them; the projection then adds the finished delta to its output.
+    side: torch.cuda.Stream | None = None
 
-    def add(self, target: str, layer: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += the LoRA delta of fused target `target` in `layer` for input x (x: [T, in], y: [T, out])."""
+    def project(self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """linear(x) plus the LoRA delta of fused target `target` in `layer` (x: [T, in] -> [T, out]).
+
+        In line, the expand adds into the GEMM's output and rounds once. On the side stream, the delta
+        is rounded to x's dtype on its own and then added, as peft computes it."""
         t = self.pool.targets[target]
-        v = self.shrink(x, self.pool.a[target][layer], self.meta, num_stack=t.num_stack)  # [T, stack * R]
-        self.expand(v, self.pool.b[target][layer], self.meta, y, output_slices=t.output_slices)
+        a, b = self.pool.a[target][layer], self.pool.b[target][layer]
+        if self.side is None:
+            y = linear(x)
+            v = self.shrink(x, a, self.meta, num_stack=t.num_stack)  # [T, stack * R]
+            self.expand(v, b, self.meta, y, output_slices=t.output_slices)
+            return y
+        main = torch.cuda.current_stream(x.device)
+        # x is ready. Memory the side stream allocates and frees here is reused by it only after this
+        # wait in a later call, so after main's add below.
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            v = self.shrink(x, a, self.meta, num_stack=t.num_stack)
+            delta = torch.zeros(x.shape[0], b.shape[1], dtype=x.dtype, device=x.device)  # rows without a LoRA stay 0
+            self.expand(v, b, self.meta, delta, output_slices=t.output_slices)
+        y = linear(x)
+        main.wait_stream(self.side)
+        return y.add_(delta)
 
 
 class SgmvMetaBuffers:

@@ -43,6 +43,8 @@ class ModelRunner:
         self.attention = attention
         self.lora_pool = lora_pool
         self.lora_ops = sgmv_ops(lora_backend)
+        # Decode steps compute LoRA deltas on this stream beside their base GEMMs (LoraInputs.side)
+        self.lora_side = torch.cuda.Stream(self.device) if lora_pool is not None and self.device.type == "cuda" else None
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.lora_meta = None
@@ -69,7 +71,7 @@ class ModelRunner:
         ops = sgmv_ops("triton") if self.lora_ops == sgmv_ops("chunked") else self.lora_ops
         c = self.model.config
         decode = DecodeKernelBackend(self.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
-        self.graphs = DecodeGraphs(self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets)
+        self.graphs = DecodeGraphs(self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side)
         self.graphs.capture()
 
     @torch.inference_mode()
@@ -126,7 +128,7 @@ class ModelRunner:
         slots = self._slots(plan.lora_slots)
         pool.wait_for_loads(slots)  # only this step's slots: loads ahead for waiting requests run on
         meta = self.lora_meta.fill(list(plan.extend_lens), slots, pool.ranks, pool.scalings)
-        return LoraInputs(pool, meta, *self.lora_ops)
+        return LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side if plan.is_decode else None)
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:
         base = self.lora_pool.base_slot

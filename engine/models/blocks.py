@@ -14,7 +14,7 @@ Embeddings and the LM head are replicated on every rank.
 
 LoRA seam: every linear is applied through one `project_*` method of its module (`Attention.project_qkv`,
 `Attention.project_o`, `MLP.project_gate_up`, `MLP.project_down`); the LoRA delta of a fused target is
-added there and nowhere else.
+added there and nowhere else (`LoraInputs.project`: in CUDA decode steps, beside the base GEMM).
 """
 
 import torch
@@ -63,15 +63,12 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
 
     def project_qkv(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        y = self.qkv_proj(x)  # x: [T, hidden] -> y: [T, q_size + 2 * kv_size]
-        if lora is not None:
-            lora.add("qkv", self.layer_id, x, y)
-        return y
+        # x: [T, hidden] -> [T, q_size + 2 * kv_size]
+        return self.qkv_proj(x) if lora is None else lora.project(self.qkv_proj, "qkv", self.layer_id, x)
 
     def project_o(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        y = self.o_proj(x)  # x: [T, q_size] -> y: [T, hidden], this rank's partial sum
-        if lora is not None:
-            lora.add("o", self.layer_id, x, y)
+        # x: [T, q_size] -> y: [T, hidden], this rank's partial sum
+        y = self.o_proj(x) if lora is None else lora.project(self.o_proj, "o", self.layer_id, x)
         return self.tp.all_reduce(y)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,15 +122,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, config.mlp_bias, tp, **factory)
 
     def project_gate_up(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        y = self.gate_up_proj(x)  # x: [T, hidden] -> y: [T, 2 * inter]
-        if lora is not None:
-            lora.add("gate_up", self.layer_id, x, y)
-        return y
+        # x: [T, hidden] -> [T, 2 * inter]
+        return self.gate_up_proj(x) if lora is None else lora.project(self.gate_up_proj, "gate_up", self.layer_id, x)
 
     def project_down(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        y = self.down_proj(x)  # x: [T, inter] -> y: [T, hidden], this rank's partial sum
-        if lora is not None:
-            lora.add("down", self.layer_id, x, y)
+        # x: [T, inter] -> y: [T, hidden], this rank's partial sum
+        y = self.down_proj(x) if lora is None else lora.project(self.down_proj, "down", self.layer_id, x)
         return self.tp.all_reduce(y)
 
     def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> torch.Tensor:  # x: [T, hidden]
