@@ -4,7 +4,8 @@ A linear is column-parallel (each rank holds a slice of the output features: q/k
 row-parallel (each rank holds a slice of the input features: o, down). A row-parallel output is a
 partial sum: the caller adds its LoRA delta to it and then `all_reduce`s (exact by linearity).
 With one rank every collective is the identity and no process group exists. On CUDA, decode-size
-all-reduces take a one-shot path over peer memory (`PeerAllReduce`); the rest go to NCCL.
+all-reduces take a one-shot path over peer memory (`PeerAllReduce`), and a row-parallel linear writes its
+partial sum straight into that path's staging buffer; the rest go to NCCL.
 """
 
 from __future__ import annotations
@@ -32,14 +33,20 @@ class TensorParallel:
             raise ValueError(f"tensor-parallel rank {self.rank} is not in [0, {self.size})")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks, in place; the identity with one rank. Every rank takes the same path for
+        """Sum x over the ranks and return the sum: in place, or (x in the peer path's staging buffer, see
+        `partial_sum_out`) a new tensor; the identity with one rank. Every rank takes the same path for
         the same tensor (the choice depends only on its shape and dtype, which the ranks share)."""
         if self.size > 1:
             if self.peer is not None and self.peer.fits(x):
-                self.peer(x)
-            else:
-                dist.all_reduce(x)
+                return self.peer(x)
+            dist.all_reduce(x)
         return x
+
+    def partial_sum_out(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a row-parallel linear writes a [rows, cols] partial sum that `all_reduce` will take next:
+        the peer path's staging buffer when the sum takes that path (which then copies nothing into it),
+        else None (the linear allocates its output). Nothing may all-reduce in between."""
+        return self.peer.staging(rows, cols, dtype) if self.size > 1 and self.peer is not None else None
 
     def agree_on_min(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's value (collective: every rank calls it at the same point)."""
@@ -116,9 +123,21 @@ class PeerAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype in self.DTYPES and x.is_contiguous() and x.numel() * x.element_size() <= self.buffer.numel()
 
+    def staging(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The first rows * cols elements of this rank's buffer as a [rows, cols] tensor, where they fit."""
+        if dtype not in self.DTYPES or rows * cols * dtype.itemsize > self.buffer.numel():
+            return None
+        return self.buffer.view(dtype)[: rows * cols].view(rows, cols)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks: over x itself, or a new tensor when x already lies in the buffer (the
+        sum must not be written there while peers read it)."""
         flat = x.view(-1)
         staged = self.buffer.view(x.dtype)[: flat.numel()]
+        if x.data_ptr() == staged.data_ptr():
+            out = torch.empty_like(x)
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group, out=out.view(-1))
+            return out
         staged.copy_(flat)
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group, out=flat)
         return x
@@ -155,9 +174,14 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local_in, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in / N]
         bias = self.bias if self.tp.rank == 0 else None
-        return nn.functional.linear(x, self.weight, bias)
+        out = self.tp.partial_sum_out(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None
+        if out is None:
+            return nn.functional.linear(x, self.weight, bias)
+        if bias is None:  # straight into the peer all-reduce's buffer: no copy there before the sum
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(bias, x, self.weight.t(), out=out)
 
     def shard_full(self, full: torch.Tensor) -> torch.Tensor:
         """The full weight [out, in] -> this rank's columns; a bias [out] stays whole."""

@@ -1,6 +1,7 @@
 """The one-shot peer-memory all-reduce (engine.parallel.PeerAllReduce) on two GPUs of one host (skipped
 with fewer): sums equal NCCL's exactly, eager and replayed from a CUDA graph with new inputs, in bf16 and
-fp32, at sizes that do not fill a vector; what does not fit goes to NCCL."""
+fp32, at sizes that do not fill a vector; a row-parallel linear's output written into the staging buffer;
+what does not fit goes to NCCL."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytestmark = [
 def _rank(rank: int, port: int) -> None:
     import torch.distributed as dist
 
-    from engine.parallel import PeerAllReduce, TensorParallel
+    from engine.parallel import PeerAllReduce, RowParallelLinear, TensorParallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank)
@@ -55,6 +56,29 @@ def _rank(rank: int, port: int) -> None:
         for t, value in zip(static, inputs, strict=True):
             dist.all_reduce(value)
             assert torch.equal(t, value)
+
+    # A row-parallel linear writes its partial sum straight into the staging buffer; the sum comes back
+    # in a new tensor (peers still read the buffer), in a graph too, and equals NCCL's over F.linear.
+    with torch.inference_mode():  # as the engine runs it (an out= matmul refuses autograd)
+        linear = RowParallelLinear(2 * 512, 8192, bias=False, tp=tp, device=device, dtype=torch.bfloat16)
+        linear.weight.data.copy_(torch.randn(linear.weight.shape, device=device, generator=gen))
+        x_in = torch.randn(64, 512, device=device, dtype=torch.bfloat16, generator=gen)
+        partial = linear(x_in)
+        assert partial.data_ptr() == tp.peer.buffer.data_ptr()
+        want = torch.nn.functional.linear(x_in, linear.weight)
+        dist.all_reduce(want)
+        summed = tp.all_reduce(partial)
+        assert summed.data_ptr() != partial.data_ptr() and torch.equal(summed, want)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            summed = tp.all_reduce(linear(x_in))
+        for _ in range(3):
+            x_in.copy_(torch.randn(x_in.shape, device=device, generator=gen))
+            graph.replay()
+            want = torch.nn.functional.linear(x_in, linear.weight)
+            dist.all_reduce(want)
+            assert torch.equal(summed, want)
+        assert tp.partial_sum_out(512, 8192, torch.bfloat16) is not None and tp.partial_sum_out(1024, 8192, torch.bfloat16) is None
 
     big = torch.randn(PeerAllReduce.MAX_BYTES // 2 + 8192, device=device, dtype=torch.bfloat16, generator=gen)
     assert not tp.peer.fits(big)  # NCCL's
