@@ -94,6 +94,10 @@ class ModelWorker:
         config, device, tp = spec.config, spec.device, spec.tp
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            # cuBLASLt's heuristics pick faster kernels than cuBLAS's for the decode GEMMs of 32-64 rows
+            # (benchmarks/gemm_layouts.py: the 70B q/k/v shard at 64 rows 23.5 vs 29.3 us a call, whose
+            # cuBLAS choice is a split-K with a separate reduce); a process-wide choice.
+            torch.backends.cuda.preferred_blas_library("cublaslt")
             if not config.disable_custom_all_reduce:
                 tp = tp.with_peer_all_reduce(device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
