@@ -103,7 +103,12 @@ def test_cuda_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, lora_back
         records = [None, core.resolve_adapter("qv"), core.resolve_adapter("all")]
         return generate_all(core, 12, records)
 
-    assert run("cuda", lora_backend) == run("cpu", "ref")
+    expected = run("cpu", "ref")
+    # Each adapter changes each prompt's decoded tokens, so a delta lost in the decode steps (computed on
+    # a side stream on CUDA, in the graphs too) cannot pass the comparison below.
+    for base, qv, all_ in zip(*[iter(expected)] * 3, strict=True):
+        assert base[3:] != qv[3:] and base[3:] != all_[3:]
+    assert run("cuda", lora_backend) == expected
 
 
 def test_cuda_overlapped_schedule_with_slot_evictions_matches_cpu(tiny_llama_dir, make_adapter, tmp_path):
