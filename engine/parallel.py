@@ -94,10 +94,11 @@ class PeerAllReduce:
     """A one-shot all-reduce for decode-size tensors over NVLink, without NCCL's ring.
 
     Each rank owns a buffer in symmetric memory (mapped into every peer's address space). To reduce x,
-    a rank copies x into its buffer; then one kernel (PyTorch's `symm_mem.one_shot_all_reduce_out`)
-    waits on a barrier of signal pads until every rank has done so, reads the same range of every
-    peer's buffer, sums and writes the result over x, and passes a second barrier before any rank may
-    refill its buffer. It needs no multicast (NVLS) and is captured into CUDA graphs like any kernel:
+    a rank copies x into its buffer (unless x was computed there: `staging`); then one kernel
+    (PyTorch's `symm_mem.one_shot_all_reduce_out`) waits on a barrier of signal pads until every rank
+    has done so, reads the same range of every peer's buffer, sums and writes the result over x (or,
+    for x in the buffer, into a new tensor), and passes a second barrier before any rank may refill
+    its buffer. It needs no multicast (NVLS) and is captured into CUDA graphs like any kernel:
     the barrier's flags return to zero on every pass. Tensors larger than the buffer (prefill) go to
     NCCL, whose ring is faster once the transfer, not the latency, dominates.
     """
@@ -121,13 +122,16 @@ class PeerAllReduce:
         return hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out") and torch.cuda.get_device_capability(device) >= (8, 0)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype in self.DTYPES and x.is_contiguous() and x.numel() * x.element_size() <= self.buffer.numel()
+        return x.is_contiguous() and self._holds(x.numel(), x.dtype)
 
     def staging(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The first rows * cols elements of this rank's buffer as a [rows, cols] tensor, where they fit."""
-        if dtype not in self.DTYPES or rows * cols * dtype.itemsize > self.buffer.numel():
+        if not self._holds(rows * cols, dtype):
             return None
         return self.buffer.view(dtype)[: rows * cols].view(rows, cols)
+
+    def _holds(self, numel: int, dtype: torch.dtype) -> bool:
+        return dtype in self.DTYPES and numel * dtype.itemsize <= self.buffer.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks: over x itself, or a new tensor when x already lies in the buffer (the
