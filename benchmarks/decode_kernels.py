@@ -5,9 +5,11 @@ against `sgmv_shrink`, at Llama-3-8B shapes in bf16, every op timed inside a rep
 
 One JSON line per case: microseconds per call (triton.testing.do_bench_cudagraph, median) of the fused
 kernel and of the PyTorch ops (the model's CPU path), or of both shrinks; for the shrinks also the
-time with one segment per program (segs=1), and the bandwidth of the decode shrink as a fraction of --copy-gbps (bytes: x, the used adapters' A rows up to
-their rank, v). Decode batches are laid out as the engine's graphs lay them out: one segment per
-request, request i on adapter i mod N, rank-16 adapters in slots of capacity --max-rank.
+bandwidth of the decode shrink as a fraction of --copy-gbps (bytes: x, the used adapters' A rows up to
+their rank, v), and the decode delta (`sgmv_delta_auto`: the expand into a new tensor, as the engine's
+side stream runs it). Request i uses adapter i mod N (rank-16 adapters in slots of capacity --max-rank),
+in two layouts: one segment per request ("rows") and each adapter's requests merged into one segment
+after the scheduler's sort by slot ("merged", what the engine runs).
 """
 
 from __future__ import annotations
@@ -19,15 +21,22 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from engine.lora_inputs import lora_segments
 from kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from kernels.rope_kv import rope_kv_write, rope_kv_write_ref
 from kernels.sgmv import sgmv_shrink
-from kernels.sgmv_decode import sgmv_shrink_decode
+from kernels.sgmv_decode import sgmv_delta_auto, sgmv_shrink_decode
 from kernels.sgmv_ref import SgmvMeta
 from kernels.silu_mul import silu_mul
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 SHRINKS = {"qkv": (4096, 3), "o": (4096, 1), "gate_up": (4096, 2), "down": (14336, 1)}  # in_dim, num_stack
+SLICES = {
+    "qkv": ((0, 4096), (4096, 1024), (5120, 1024)),
+    "o": ((0, 4096),),
+    "gate_up": ((0, 14336), (14336, 14336)),
+    "down": ((0, 4096),),
+}
 DTYPE = torch.bfloat16
 
 
@@ -78,8 +87,12 @@ def shrink_case(proj: str, batch: int, num_adapters: int, max_rank: int, rank: i
     num_slots = num_adapters + 1  # slot 0: the base model
     slots = [1 + i % num_adapters for i in range(batch)]
     ranks = [0] + [rank] * num_adapters
-    meta = SgmvMeta.from_lists([1] * batch, slots, ranks, [0.0] + [2.0] * num_adapters, "cuda")
+    scalings = [0.0] + [2.0] * num_adapters
+    meta = SgmvMeta.from_lists([1] * batch, slots, ranks, scalings, "cuda")
+    merged = SgmvMeta.from_lists(*lora_segments([1] * batch, sorted(slots)), ranks, scalings, "cuda")
     A = torch.randn(num_slots, num_stack * max_rank, in_dim, device="cuda", dtype=DTYPE) / in_dim**0.5
+    out_dim = sum(size for _, size in SLICES[proj])
+    B = torch.randn(num_slots, out_dim, max_rank, device="cuda", dtype=DTYPE)
     x = torch.randn(batch, in_dim, device="cuda", dtype=DTYPE)
     v = torch.zeros(batch, num_stack * max_rank, device="cuda", dtype=DTYPE)
     v_ref = torch.zeros_like(v)
@@ -88,14 +101,16 @@ def shrink_case(proj: str, batch: int, num_adapters: int, max_rank: int, rank: i
     max_err = (v.float() - v_ref.float()).abs().max().item()
     current = graph_us(lambda: sgmv_shrink(x, A, meta, num_stack=num_stack, out=v_ref))
     decode = graph_us(lambda: sgmv_shrink_decode(x, A, meta, num_stack=num_stack, out=v))
-    decode_1 = graph_us(lambda: sgmv_shrink_decode(x, A, meta, num_stack=num_stack, out=v, segs=1))
+    decode_merged = graph_us(lambda: sgmv_shrink_decode(x, A, merged, num_stack=num_stack, out=v))
+    delta = graph_us(lambda: sgmv_delta_auto(v, B, meta, output_slices=SLICES[proj]))
+    delta_merged = graph_us(lambda: sgmv_delta_auto(v, B, merged, output_slices=SLICES[proj]))
     nbytes = 2 * (batch * in_dim + num_adapters * num_stack * rank * in_dim + batch * num_stack * rank)
     return {
         "proj": proj, "batch": batch, "adapters": num_adapters, "rank": rank, "max_rank": max_rank,
-        "sgmv_shrink_us": round(current, 2), "decode_shrink_us": round(decode, 2),
-        "decode_segs1_us": round(decode_1, 2),
-        "speedup": round(current / decode, 2),
-        "decode_bw_frac": round(nbytes / (decode * 1e-6) / (copy_gbps * 1e9), 3),
+        "sgmv_shrink_us": round(current, 2), "decode_shrink_rows_us": round(decode, 2),
+        "decode_shrink_merged_us": round(decode_merged, 2),
+        "delta_rows_us": round(delta, 2), "delta_merged_us": round(delta_merged, 2),
+        "decode_bw_frac": round(nbytes / (decode_merged * 1e-6) / (copy_gbps * 1e9), 3),
         "max_abs_diff": max_err,
     }  # fmt: skip
 

@@ -9,13 +9,14 @@ KV slot 0 of the reserved page, the base LoRA slot) and replays; logits of the n
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 
 import torch
 
 from engine.attention import DecodeKernelBackend
 from engine.forward_inputs import AttentionInputs, KVBuffers, StagingFence, resolve_previous
-from engine.lora_inputs import LoraInputs, SgmvMetaBuffers
+from engine.lora_inputs import DECODE_RUN, LoraInputs, SgmvMetaBuffers, lora_segments
 from engine.lora_pool import LoraSlotPool
 from engine.models.blocks import DecoderModel
 
@@ -87,7 +88,8 @@ class DecodeGraphs:
             pool = self.lora_pool
             pool.wait_for_loads(lora_slots)  # loads ahead into other slots keep running beside the replay
             slots = lora_slots + [pool.base_slot] * (batch - n)
-            self.lora_meta.fill([1] * batch, slots, pool.ranks, pool.scalings)
+            seg_lens, seg_slots = lora_segments([1] * batch, slots, DECODE_RUN)
+            self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings)
         graph, logits = self.graphs[(batch, with_lora)]
         graph.replay()
         self.num_replays += 1
@@ -100,6 +102,8 @@ class DecodeGraphs:
         if with_lora:
             pool = self.lora_pool
             meta = self.lora_meta.fill([1] * batch, [pool.base_slot] * batch, pool.ranks, pool.scalings)
+            # replays merge each adapter's rows into one segment (`lora_segments`): size the grids for that
+            meta = dataclasses.replace(meta, max_seg_len=min(batch, DECODE_RUN))
             lora = LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side)
 
         def step() -> torch.Tensor:

@@ -8,6 +8,7 @@ one expand (`LoraInputs.project`; in CUDA decode steps both run on a side stream
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,26 +18,63 @@ from engine.forward_inputs import StagingFence
 from engine.lora_pool import LoraSlotPool
 from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 
+# A decode step merges each adapter's neighbouring requests into segments of at most this many rows: the
+# decode kernels read the adapter once per segment, and 16-row segments still spread one popular
+# adapter's rows over several programs (measured on an H200 against 64: BENCHMARKS.md).
+DECODE_RUN = 16
 
-def sgmv_ops(backend: str) -> tuple[Callable, Callable]:
-    """(shrink, expand) of a backend: 'ref' (PyTorch, the CPU default), 'triton', 'chunked', or 'splitk'
-    (Triton, the CUDA default: the split-K shrink and the decode expand of kernels/sgmv_decode.py for
-    steps of segments of at most 4 tokens, i.e. decode steps and their CUDA graphs; `sgmv_*` otherwise)."""
+
+def sgmv_ops(backend: str) -> tuple[Callable, Callable, Callable]:
+    """(shrink, expand, delta) of a backend: 'ref' (PyTorch, the CPU default), 'triton', 'chunked', or
+    'splitk' (Triton, the CUDA default: the split-K shrink and the decode expand of kernels/sgmv_decode.py
+    for steps of segments of at most DECODE_MAX_SEG_LEN tokens, i.e. decode steps and their CUDA graphs;
+    `sgmv_*` otherwise). delta(v, B, meta, output_slices=) is the expand into a new tensor."""
     if backend == "ref":
-        return sgmv_shrink_ref, sgmv_expand_ref
+        return sgmv_shrink_ref, sgmv_expand_ref, _delta(sgmv_expand_ref)
     if backend == "triton":
         from kernels.sgmv import sgmv_expand, sgmv_shrink
 
-        return sgmv_shrink, sgmv_expand
+        return sgmv_shrink, sgmv_expand, _delta(sgmv_expand)
     if backend == "chunked":
         from kernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked
 
-        return sgmv_shrink_chunked, sgmv_expand_chunked
+        return sgmv_shrink_chunked, sgmv_expand_chunked, _delta(sgmv_expand_chunked)
     if backend == "splitk":
-        from kernels.sgmv_decode import sgmv_expand_auto, sgmv_shrink_auto
+        from kernels.sgmv_decode import sgmv_delta_auto, sgmv_expand_auto, sgmv_shrink_auto
 
-        return sgmv_shrink_auto, sgmv_expand_auto
+        return sgmv_shrink_auto, sgmv_expand_auto, sgmv_delta_auto
     raise ValueError(f"lora backend must be 'ref', 'triton', 'chunked' or 'splitk', not {backend!r}")
+
+
+@functools.cache  # one function per expand, so sgmv_ops(backend) tuples compare equal
+def _delta(expand: Callable) -> Callable:
+    """An expand into a new zeroed tensor (rows without a LoRA stay 0)."""
+
+    def delta(v: torch.Tensor, B: torch.Tensor, meta: SgmvMeta, *, output_slices: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        y = torch.zeros(v.shape[0], B.shape[1], dtype=v.dtype, device=v.device)
+        expand(v, B, meta, y, output_slices=output_slices)
+        return y
+
+    return delta
+
+
+def lora_segments(lens: list[int], slots: list[int], max_len: int = 0) -> tuple[list[int], list[int]]:
+    """SGMV segments of a step whose requests (lens tokens each, in order) use `slots`: neighbouring
+    requests of one slot merge into one segment (the scheduler puts them together), so each adapter is
+    read once per run of rows; max_len > 0 caps a merged segment's tokens (a single request stays one
+    segment). Returns (segment lengths, segment slots).
+
+        lens [1, 1, 1, 1, 3]  slots [2, 2, 2, 5, 5]  max_len 2  ->  [2, 1, 1, 3], [2, 2, 5, 5]
+    """
+    seg_lens: list[int] = []
+    seg_slots: list[int] = []
+    for n, slot in zip(lens, slots, strict=True):
+        if seg_slots and seg_slots[-1] == slot and (max_len <= 0 or seg_lens[-1] + n <= max_len):
+            seg_lens[-1] += n
+        else:
+            seg_lens.append(n)
+            seg_slots.append(slot)
+    return seg_lens, seg_slots
 
 
 @dataclass
@@ -45,6 +83,7 @@ class LoraInputs:
     meta: SgmvMeta
     shrink: Callable
     expand: Callable
+    delta: Callable  # the expand into a new tensor (sgmv_ops)
     # CUDA decode steps: the stream the LoRA delta is computed on, beside the base GEMM that shares its
     # input. A decode step's shrink and expand are latency-bound (microseconds of dependent loads over a
     # few MB), so the GEMM hides most of them; the projection then adds the finished delta to its output.
@@ -68,8 +107,7 @@ class LoraInputs:
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
             v = self.shrink(x, a, self.meta, num_stack=t.num_stack)
-            delta = torch.zeros(x.shape[0], b.shape[1], dtype=x.dtype, device=x.device)  # rows without a LoRA stay 0
-            self.expand(v, b, self.meta, delta, output_slices=t.output_slices)
+            delta = self.delta(v, b, self.meta, output_slices=t.output_slices)
         y = linear(x)
         main.wait_stream(self.side)
         return y.add_(delta)

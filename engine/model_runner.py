@@ -18,7 +18,7 @@ import torch
 
 from engine.attention import AttentionBackend, DecodeKernelBackend
 from engine.forward_inputs import AttentionInputs, KVBuffers, resolve_previous
-from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, sgmv_ops
+from engine.lora_inputs import DECODE_RUN, LoraInputs, SgmvMetaBuffers, lora_segments, sgmv_ops
 from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.models.blocks import DecoderModel
 from engine.sampling import make_generator, sample
@@ -127,7 +127,8 @@ class ModelRunner:
             return None
         slots = self._slots(plan.lora_slots)
         pool.wait_for_loads(slots)  # only this step's slots: loads ahead for waiting requests run on
-        meta = self.lora_meta.fill(list(plan.extend_lens), slots, pool.ranks, pool.scalings)
+        seg_lens, seg_slots = lora_segments(list(plan.extend_lens), slots, DECODE_RUN if plan.is_decode else 0)
+        meta = self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings)
         return LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side if plan.is_decode else None)
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

@@ -52,6 +52,13 @@ class BatchEntry:
         return cls(req, start, extend_len, start + extend_len == req.seq_len)
 
 
+def by_adapter(entries: list[BatchEntry]) -> list[BatchEntry]:
+    """The step's entries with each adapter's requests next to each other (stable: arrival order within
+    an adapter; base-model requests first): a decode step's LoRA kernels then read each adapter once for
+    its run of rows (engine/lora_inputs.py, `lora_segments`)."""
+    return sorted(entries, key=lambda e: e.req.lora_slot)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -106,7 +113,7 @@ class Scheduler:
             self.drain.update(self.waiting, self.running, self.lora)
         entries += self._admit_waiting(budget)
         self._load_ahead()
-        return entries
+        return by_adapter(entries)
 
     def schedule_ahead(self, in_flight: list[Request]) -> list[BatchEntry]:
         """The next decode step of the running batch, planned while the step computing `in_flight`'s
@@ -137,7 +144,7 @@ class Scheduler:
             entries.append(entry)
         if entries:
             self._load_ahead()
-        return entries
+        return by_adapter(entries)
 
     def finish(self, req: Request, event: Finished | Failed) -> None:
         """End req: cache its KV, free the rest, and send its last event."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lora_inputs import SgmvMetaBuffers
+from engine.lora_inputs import SgmvMetaBuffers, lora_segments
 from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 
 
@@ -23,6 +23,14 @@ def test_refill_keeps_addresses_and_matches_from_lists():
     assert addresses == [t.data_ptr() for t in (buffers.seg_indptr, buffers.weight_indices, buffers.lora_ranks, buffers.scalings)]
     with pytest.raises(ValueError, match="segments"):
         buffers.fill([1] * 7, [0] * 7, ranks, scalings)
+
+
+def test_lora_segments_merge_neighbouring_requests_of_one_slot():
+    assert lora_segments([1, 1, 1, 1, 3], [2, 2, 2, 5, 5], 2) == ([2, 1, 1, 3], [2, 2, 5, 5])
+    assert lora_segments([1, 1, 1, 1, 3], [2, 2, 2, 5, 5]) == ([3, 4], [2, 5])  # no cap: prefill steps
+    assert lora_segments([1] * 5, [7, 2, 7, 7, 2], 16) == ([1, 1, 2, 1], [7, 2, 7, 2])  # only neighbours
+    assert lora_segments([5, 1], [3, 3], 4) == ([5, 1], [3, 3])  # a request longer than the cap stays whole
+    assert lora_segments([], []) == ([], [])
 
 
 @pytest.mark.gpu

@@ -292,6 +292,22 @@ def test_slot_blocked_requests_keep_their_arrival_order(tokenizer, page_size):
     sim.assert_all_freed()
 
 
+def test_each_step_puts_an_adapters_requests_together(tokenizer):
+    """Requests of adapters A, B and the base model arrive interleaved; every step (prefill, then
+    decode) lists base requests first, then each adapter's requests together in arrival order, so a
+    decode step's LoRA segments are one run per adapter (engine/lora_inputs.py, `lora_segments`)."""
+    sim = Sim(tokenizer, page_size=1, num_pages=256, lora=FakeSlots(2))
+    for i, namespace in enumerate("ABxBAxA"):
+        sim.add(f"{namespace}{i}", prompt_of(3, i), max_new_tokens=3, namespace="" if namespace == "x" else namespace)
+    order = ["x2", "x5", "A0", "A4", "A6", "B1", "B3"]
+    for _ in range(3):
+        step = sim.step()
+        assert [e.req.rid for e in step] == order
+        assert [e.req.lora_slot for e in step] == sorted(e.req.lora_slot for e in step)
+    sim.run()
+    sim.assert_all_freed()
+
+
 def test_drain_holds_back_the_drained_adapter_until_the_starving_one_ran(tokenizer):
     """The scheduler consults the starvation drain before admission: once x1 has waited past the threshold
     for P's only slot, p2 (P's newer request, which could share P's slot) waits too, so the slot frees and

@@ -23,10 +23,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from engine.lora_inputs import lora_segments  # noqa: E402
 from kernels import sgmv_decode  # noqa: E402
 from kernels.sgmv import sgmv_expand  # noqa: E402
 from kernels.sgmv_decode import (  # noqa: E402
     decode_config,
+    sgmv_delta_auto,
     sgmv_expand_auto,
     sgmv_expand_decode,
     sgmv_shrink_auto,
@@ -93,24 +95,46 @@ def check_shrink(shrink, dtype, in_dim, num_stack, seg_lens, slots, ranks, seed=
     return len(expected)
 
 
+def merged(seg_lens, slots, max_len=0):
+    """The segments a decode step builds after the scheduler sorted its rows by slot (`lora_segments`)."""
+    order = sorted(range(len(slots)), key=lambda i: slots[i])
+    return lora_segments([seg_lens[i] for i in order], [slots[i] for i in order], max_len)
+
+
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str), ids=str)
 @pytest.mark.parametrize("num_stack, in_dim", [(3, 200), (1, 700)])
-def test_decode_batches_match_fp64(popularity, dtype, num_stack, in_dim):
+@pytest.mark.parametrize("grouped", [False, True], ids=["row_segments", "merged_runs"])
+def test_decode_batches_match_fp64(popularity, dtype, num_stack, in_dim, grouped):
     seg_lens, slots, ranks = decode_batch(popularity, batch=24, num_adapters=6, seed=len(popularity))
-    config = decode_config(in_dim, len(seg_lens), num_stack, torch.device(DEVICE), segs=2)
-    assert config["num_splits"] > 1 and config["SEGS"] == 2  # split-K and grouped segments both run
-    shrink = functools.partial(sgmv_shrink_decode, segs=2)
+    if grouped:
+        seg_lens, slots = merged(seg_lens, slots)
+    # 48 programs: each segment gets 2+ splits of in_dim, so the split sums run
+    shrink = functools.partial(sgmv_shrink_decode, num_programs=48)
     assert check_shrink(shrink, dtype, in_dim, num_stack, seg_lens, slots, ranks) > 0
 
 
-@pytest.mark.parametrize("segs", [1, 3, 4])
+@pytest.mark.parametrize("num_programs", [1, 5, 0])
 @pytest.mark.parametrize("batch", [1, 2, 9, 33, 64])
-def test_batch_sizes(batch, segs):
-    """Group counts that do and do not divide the batch; one segment alone; a graph-sized batch."""
-    seg_lens, slots, ranks = decode_batch("uniform", batch, num_adapters=min(batch, 8), seed=batch)
-    shrink = functools.partial(sgmv_shrink_decode, segs=segs)
-    check_shrink(shrink, torch.bfloat16, 300, 3, seg_lens, slots, ranks, seed=batch)
+def test_batch_sizes(batch, num_programs):
+    """One program for everything, fewer programs than segments, the device's count; one segment
+    alone; a graph-sized batch; runs merged up to the decode limit and over a 16-row tile."""
+    seg_lens, slots, ranks = decode_batch("uniform", batch, num_adapters=min(batch, 3), seed=batch)
+    shrink = functools.partial(sgmv_shrink_decode, num_programs=num_programs)
+    check_shrink(shrink, torch.bfloat16, 300, 3, *merged(seg_lens, slots), ranks, seed=batch)
+
+
+def test_splits_follow_the_live_segments():
+    """A segment alone gets every split in_dim allows; 40 live segments share the programs; trailing
+    empty segments (a graph's padding, stale slots) count for nothing."""
+    device = torch.device(DEVICE)
+    config = decode_config(4096, 3, device)
+    assert config["max_splits"] == min(config["num_programs"], 32)
+    seg_lens, slots, ranks = [40, 1, 3, 0, 0, 0], [1, 2, 3, 2, 1, 1], [0, 16, 64, 1]
+    check_shrink(
+        functools.partial(sgmv_shrink_decode, num_programs=6), torch.float32, 520, 2, seg_lens, slots, ranks
+    )
+    check_shrink(sgmv_shrink_decode, torch.float32, 520, 2, [40], [2], ranks)
 
 
 def test_padding_rows_of_a_graph_and_multi_token_segments():
@@ -123,8 +147,8 @@ def test_auto_sends_decode_steps_to_the_split_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(sgmv_decode, "sgmv_shrink_decode", lambda *a, **k: calls.append("decode"))
     monkeypatch.setattr(sgmv_decode, "sgmv_shrink", lambda *a, **k: calls.append("sgmv"))
-    x, A = torch.zeros(6, 8), torch.zeros(2, 4, 8)
-    for seg_lens in ([1] * 6, [4, 2], [5, 1]):
+    x, A = torch.zeros(70, 8), torch.zeros(2, 4, 8)
+    for seg_lens in ([1] * 70, [64, 6], [65, 5]):
         sgmv_shrink_auto(
             x, A, SgmvMeta.from_lists(seg_lens, [1] * len(seg_lens), [0, 4], [0.0, 1.0]), num_stack=1
         )
@@ -226,12 +250,49 @@ def test_decode_expand_multi_token_segments_and_graph_padding():
     check_expand(sgmv_expand_decode, torch.float32, seg_lens, slots, ranks, ((0, 70), (70, 70)), 140)
 
 
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_decode_expand_merged_runs(popularity):
+    """Each adapter's rows in one segment (up to 64 rows: several 16-row tiles), trailing empty segments."""
+    seg_lens, slots, ranks = decode_batch(popularity, batch=40, num_adapters=5, seed=3)
+    seg_lens, slots = merged(seg_lens, slots)
+    seg_lens, slots = [*seg_lens, 0, 0], [*slots, 2, 1]  # a graph's padding segments: empty, stale slots
+    check_expand(
+        sgmv_expand_decode, torch.bfloat16, seg_lens, slots, ranks, ((0, 96), (96, 32), (128, 32)), 160
+    )
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str), ids=str)
+def test_delta_writes_every_entry_once(dtype):
+    """sgmv_delta_auto over a decode step: the decode expand overwrites an uninitialised tensor (base rows
+    get zeros) and equals zeros plus the adding expand; with a gap in the slices it falls back to zeros."""
+    seg_lens, slots, ranks = decode_batch("zipf", 30, 4, seed=11)
+    seg_lens, slots = merged(seg_lens, slots)
+    gen = torch.Generator().manual_seed(2)
+    B = (torch.randn(len(ranks), 200, MAX_RANK, generator=gen) / 4).to(DEVICE, dtype)
+    v = torch.randn(30, 2 * MAX_RANK, generator=gen).to(DEVICE, dtype)
+    scalings = [0.0] + [0.5] * (len(ranks) - 1)
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    for output_slices in (((0, 120), (120, 80)), ((0, 100), (120, 80))):
+        with torch.device(DEVICE):
+            torch.full((30, 200), float("nan"), dtype=dtype)  # leave NaN in the allocator's free memory
+        delta = sgmv_delta_auto(v, B, meta, output_slices=output_slices)
+        want = torch.zeros(30, 200, dtype=dtype, device=DEVICE)
+        sgmv_expand_auto(v, B, meta, want, output_slices=output_slices)
+        assert torch.equal(delta, want)
+    rows = [
+        i
+        for i, w in enumerate(w for n, w in zip(seg_lens, slots, strict=True) for _ in range(n))
+        if ranks[w] == 0
+    ]
+    assert rows and not delta[rows].any() and delta.abs().sum() > 0
+
+
 def test_expand_auto_sends_decode_steps_to_the_decode_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(sgmv_decode, "sgmv_expand_decode", lambda *a, **k: calls.append("decode"))
     monkeypatch.setattr(sgmv_decode, "sgmv_expand", lambda *a, **k: calls.append("sgmv"))
-    v, B, y = torch.zeros(6, 4), torch.zeros(2, 8, 4), torch.zeros(6, 8)
-    for seg_lens in ([1] * 6, [4, 2], [5, 1]):
+    v, B, y = torch.zeros(70, 4), torch.zeros(2, 8, 4), torch.zeros(70, 8)
+    for seg_lens in ([1] * 70, [64, 6], [65, 5]):
         meta = SgmvMeta.from_lists(seg_lens, [1] * len(seg_lens), [0, 4], [0.0, 1.0])
         sgmv_expand_auto(v, B, meta, y, output_slices=((0, 8),))
     assert calls == ["decode", "decode", "sgmv"]
