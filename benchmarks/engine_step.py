@@ -58,10 +58,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_packed(digest: str, config: ModelConfig, rank: int, dtype: torch.dtype, seed: int, share: bool) -> PackedAdapter:
-    """A random adapter of `rank` on all seven projections, packed at full size (host memory)."""
+def random_packed(
+    digest: str, config: ModelConfig, rank: int, dtype: torch.dtype, seed: int, share: bool, fused: tuple[str, ...] = ()
+) -> PackedAdapter:
+    """A random adapter of `rank` on the fused targets `fused` (all four when empty: the seven
+    projections), packed at full size (host memory)."""
     gen = torch.Generator().manual_seed(seed)
-    targets, layers = fused_targets(config), config.num_layers
+    targets, layers = [t for t in fused_targets(config) if not fused or t.name in fused], config.num_layers
     a = {t.name: (torch.randn(layers, t.num_stack * rank, t.in_dim, generator=gen) * 0.01).to(dtype) for t in targets}
     b = {t.name: (torch.randn(layers, t.out_dim, rank, generator=gen) * 0.01).to(dtype) for t in targets}
     if share:
@@ -70,7 +73,7 @@ def random_packed(digest: str, config: ModelConfig, rank: int, dtype: torch.dtyp
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = ()):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
@@ -88,7 +91,7 @@ def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int]
         host = HostAdapterCache(num_adapters)
         # One random draw serves every adapter (the kernels' cost does not depend on the values; drawing
         # 32 adapters of a 70B shape on the host would take minutes); each still loads into its own slot.
-        first = random_packed("adapter-0", config, 16, dtype, 0, share=tp > 1)
+        first = random_packed("adapter-0", config, 16, dtype, 0, share=tp > 1, fused=fused)
         for i in range(num_adapters):
             host.put(PackedAdapter(f"adapter-{i}", first.rank, first.scaling, first.a, first.b))
         lora = LoraManager(AdapterSlots(num_adapters), host)
@@ -166,6 +169,10 @@ def main() -> None:
     parser.add_argument("--attention", choices=("ref", "sdpa", "triton"), default="sdpa", help="the eager (prefill) attention backend")
     parser.add_argument("--adapters", type=int, nargs="+", default=[0], help="distinct rank-16 adapters (0 = base)")
     parser.add_argument("--lora-backend", default="triton", choices=("ref", "triton", "chunked", "splitk"))
+    parser.add_argument(
+        "--adapter-targets", nargs="+", default=[], choices=("qkv", "o", "gate_up", "down"),
+        help="fused targets the adapters adapt (default all: the seven projections; qkv alone for q/v adapters)",
+    )  # fmt: skip
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     parser.add_argument("--overlap", action="store_true", help="decode through the loop's overlapped schedule")
@@ -176,7 +183,7 @@ def main() -> None:
     tp = args.tensor_parallel_size
     max_context = args.prompt_len + args.num_decode + 8
     # One engine (weights, KV, slot pool, one decode graph per batch size) serves every measurement.
-    loop = build(SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs, args.disable_custom_all_reduce)
+    loop = build(SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs, args.disable_custom_all_reduce, tuple(args.adapter_targets))
     loop.overlap = args.overlap
     try:
         for batch in args.batch:
@@ -190,7 +197,7 @@ def main() -> None:
                     row["throughput_vs_base"] = base_ms / row["decode_step_ms"]
                 row.update(
                     shape=args.shape, tensor_parallel_size=tp, cuda_graphs=graphs, attention=args.attention,
-                    lora_backend=args.lora_backend, device=str(device), torch=torch.__version__,
+                    lora_backend=args.lora_backend, adapter_targets=args.adapter_targets or "all", device=str(device), torch=torch.__version__,
                     all_reduce="nccl" if args.disable_custom_all_reduce or tp == 1 else "peer+nccl", overlap=args.overlap,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)

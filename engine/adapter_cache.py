@@ -19,11 +19,13 @@ def pack_adapter(
     digest: str, adapter: CanonicalAdapter, targets: dict[str, FusedTarget], dtype: torch.dtype, pin: bool, share: bool = False
 ) -> PackedAdapter:
     """Lay a canonical adapter out per fused target (full, unsharded dims); projections it lacks become
-    zeros. pin: page-locked (async copies to one GPU); share: in shared memory, so that tensor-parallel
+    zeros, and a target none of whose projections it adapts is left out (PackedAdapter). pin: page-locked (async copies to one GPU); share: in shared memory, so that tensor-parallel
     worker processes read this one copy."""
     rank, num_layers = adapter.rank, adapter.num_layers
     a, b = {}, {}
     for name, target in targets.items():
+        if all(adapter.module_weights(layer, m) is None for layer in range(num_layers) for m in target.modules):
+            continue
         a_t = torch.zeros(num_layers, target.num_stack * rank, target.in_dim, dtype=dtype)
         b_t = torch.zeros(num_layers, target.out_dim, rank, dtype=dtype)
         for layer in range(num_layers):

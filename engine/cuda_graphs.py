@@ -48,7 +48,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=self.device)
         self._host = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)  # staging for the five above
         self._fence = StagingFence(self.device)
-        self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device) if lora_pool else None
+        self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets)) if lora_pool else None
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
@@ -89,7 +89,7 @@ class DecodeGraphs:
             pool.wait_for_loads(lora_slots)  # loads ahead into other slots keep running beside the replay
             slots = lora_slots + [pool.base_slot] * (batch - n)
             seg_lens, seg_slots = lora_segments([1] * batch, slots, DECODE_RUN)
-            self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings)
+            self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
         graph, logits = self.graphs[(batch, with_lora)]
         graph.replay()
         self.num_replays += 1
@@ -101,10 +101,11 @@ class DecodeGraphs:
         lora = None
         if with_lora:
             pool = self.lora_pool
-            meta = self.lora_meta.fill([1] * batch, [pool.base_slot] * batch, pool.ranks, pool.scalings)
+            meta = self.lora_meta.fill([1] * batch, [pool.base_slot] * batch, pool.ranks, pool.scalings, pool.target_ranks)
             # replays merge each adapter's rows into one segment (`lora_segments`): size the grids for that
             meta = dataclasses.replace(meta, max_seg_len=min(batch, DECODE_RUN))
-            lora = LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side)
+            by_target = self.lora_meta.by_target(meta)  # views of the buffers: replays see each refill
+            lora = LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target)
 
         def step() -> torch.Tensor:
             hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)

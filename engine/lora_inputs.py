@@ -8,9 +8,10 @@ one expand (`LoraInputs.project`; in CUDA decode steps both run on a side stream
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +89,9 @@ class LoraInputs:
     # input. A decode step's shrink and expand are latency-bound (microseconds of dependent loads over a
     # few MB), so the GEMM hides most of them; the projection then adds the finished delta to its output.
     side: torch.cuda.Stream | None = None
+    # Per fused target, the step's metadata with that target's ranks (SgmvMetaBuffers.by_target); a
+    # target not here uses `meta`.
+    by_target: Mapping[str, SgmvMeta] = field(default_factory=dict)
 
     def project(self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         """linear(x) plus the LoRA delta of fused target `target` in `layer` (x: [T, in] -> [T, out]).
@@ -96,18 +100,19 @@ class LoraInputs:
         is rounded to x's dtype on its own and then added, as peft computes it."""
         t = self.pool.targets[target]
         a, b = self.pool.a[target][layer], self.pool.b[target][layer]
+        meta = self.by_target.get(target, self.meta)
         if self.side is None:
             y = linear(x)
-            v = self.shrink(x, a, self.meta, num_stack=t.num_stack)  # [T, stack * R]
-            self.expand(v, b, self.meta, y, output_slices=t.output_slices)
+            v = self.shrink(x, a, meta, num_stack=t.num_stack)  # [T, stack * R]
+            self.expand(v, b, meta, y, output_slices=t.output_slices)
             return y
         main = torch.cuda.current_stream(x.device)
         # x is ready. Memory the side stream allocates and frees here is reused by it only after this
         # wait in a later call, so after main's add below.
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            v = self.shrink(x, a, self.meta, num_stack=t.num_stack)
-            delta = self.delta(v, b, self.meta, output_slices=t.output_slices)
+            v = self.shrink(x, a, meta, num_stack=t.num_stack)
+            delta = self.delta(v, b, meta, output_slices=t.output_slices)
         y = linear(x)
         main.wait_stream(self.side)
         return y.add_(delta)
@@ -120,21 +125,34 @@ class SgmvMetaBuffers:
     Refilling copies from Python lists through one pinned (on CUDA) host staging buffer: no GPU sync.
     """
 
-    def __init__(self, max_segments: int, num_slots: int, device: torch.device | str):
+    def __init__(self, max_segments: int, num_slots: int, device: torch.device | str, targets: tuple[str, ...] = ()):
         self.device = torch.device(device)
         self.max_segments = max_segments
+        self.targets = targets
         pin = self.device.type == "cuda"
-        # staging layout: [seg_indptr (max_segments + 1) | weight_indices (max_segments) | ranks (num_slots)]
-        self._ints_host = torch.zeros(2 * max_segments + 1 + num_slots, dtype=torch.int32, pin_memory=pin)
+        # staging layout: [seg_indptr (max_segments + 1) | weight_indices (max_segments) | ranks (num_slots)
+        #                  | each target's ranks (num_slots each, in `targets` order)]
+        ranks_at = 2 * max_segments + 1
+        size = ranks_at + num_slots * (1 + len(targets))
+        self._ints_host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self._scalings_host = torch.zeros(num_slots, dtype=torch.float32, pin_memory=pin)
         self._ints = torch.zeros_like(self._ints_host, device=self.device)
         self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
         self.seg_indptr = self._ints[: max_segments + 1]
         self.weight_indices = self._ints[max_segments + 1 : 2 * max_segments + 1]
-        self.lora_ranks = self._ints[2 * max_segments + 1 :]
+        self.lora_ranks = self._ints[ranks_at : ranks_at + num_slots]
+        self.target_ranks = {
+            name: self._ints[ranks_at + (i + 1) * num_slots : ranks_at + (i + 2) * num_slots] for i, name in enumerate(targets)
+        }
+        self._host_target_ranks: dict[str, tuple[int, ...]] = {}
         self._fence = StagingFence(self.device)
 
-    def fill(self, seg_lens: list[int], slots: list[int], ranks: list[int], scalings: list[float]) -> SgmvMeta:
+    def fill(
+        self, seg_lens: list[int], slots: list[int], ranks: list[int], scalings: list[float],
+        target_ranks: Mapping[str, list[int]] | None = None,
+    ) -> SgmvMeta:  # fmt: skip
+        """The step's metadata (lora_ranks: each slot's rank); target_ranks: each slot's rank in each of
+        `targets` (0 where its adapter lacks the target; None: the slot's rank), for `by_target`."""
         num_segments = len(seg_lens)
         if num_segments > self.max_segments:
             raise ValueError(f"{num_segments} segments; the buffers hold {self.max_segments}")
@@ -144,7 +162,12 @@ class SgmvMetaBuffers:
         host[1 : num_segments + 1] = torch.tensor(seg_lens, dtype=torch.int32).cumsum(0)
         host[num_segments + 1 : self.max_segments + 1] = host[num_segments]  # unused segments are empty
         host[self.max_segments + 1 : self.max_segments + 1 + num_segments] = torch.tensor(slots, dtype=torch.int32)
-        host[2 * self.max_segments + 1 :] = torch.tensor(ranks, dtype=torch.int32)
+        ranks_at, num_slots = 2 * self.max_segments + 1, len(ranks)
+        host[ranks_at : ranks_at + num_slots] = torch.tensor(ranks, dtype=torch.int32)
+        self._host_target_ranks = {name: tuple(ranks if target_ranks is None else target_ranks[name]) for name in self.targets}
+        for i, name in enumerate(self.targets):
+            at = ranks_at + (i + 1) * num_slots
+            host[at : at + num_slots] = torch.tensor(self._host_target_ranks[name], dtype=torch.int32)
         self._scalings_host[:] = torch.tensor(scalings, dtype=torch.float32)
         self._ints.copy_(host, non_blocking=True)
         self.scalings.copy_(self._scalings_host, non_blocking=True)
@@ -160,3 +183,11 @@ class SgmvMetaBuffers:
             host_slots=tuple(slots),
             host_ranks=tuple(ranks),
         )
+
+    def by_target(self, meta: SgmvMeta) -> dict[str, SgmvMeta]:
+        """`meta` (the latest fill's) with each target's ranks: a step's kernels for target t skip the
+        slots whose adapter lacks t (a q/v adapter costs nothing in o, gate/up and down)."""
+        return {
+            name: dataclasses.replace(meta, lora_ranks=ranks, host_ranks=self._host_target_ranks[name], _chunked={})
+            for name, ranks in self.target_ranks.items()
+        }

@@ -13,7 +13,9 @@ partial sum that the layer's all-reduce completes. The dims above are then the r
 
 Slot index `num_slots` is the base-model slot: rank 0 forever, so base-model tokens take the same
 kernels and contribute exactly nothing. An EMPTY slot (no adapter) is a different thing: rank 0 until
-an adapter is loaded into it. `ranks[s]` / `scalings[s]` hold each slot's rank and scaling.
+an adapter is loaded into it. `ranks[s]` / `scalings[s]` hold each slot's rank and scaling, and
+`target_ranks[t][s]` its rank in fused target t: 0 where the adapter adapts none of t's projections (a
+q/v adapter has rank 0 in o, gate_up and down), so the kernels of t skip that slot's rows.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def _sized(target: FusedTargetSpec, config: ModelConfig) -> FusedTarget:
 class PackedAdapter:
     """An adapter laid out per fused target on the host, ready for one copy per target into a slot.
 
-    a[t]: [num_layers, stack * rank, in_dim]; b[t]: [num_layers, out_dim, rank]; projections the adapter
-    lacks are zeros, so copying a packed adapter over a slot leaves nothing of the previous tenant.
+    a[t]: [num_layers, stack * rank, in_dim]; b[t]: [num_layers, out_dim, rank] for each fused target t
+    the adapter adapts; projections of t it lacks are zeros, and a target it lacks entirely is absent (its
+    rank there is 0). Loading a packed adapter zeroes every target of the slot first, so nothing of the
+    previous tenant is left.
     """
 
     digest: str
@@ -93,6 +97,7 @@ class LoraSlotPool:
         self.b = {t.name: torch.zeros(layers, total, t.out_dim, max_rank, dtype=dtype, device=device) for t in self.targets.values()}
         self.ranks = [0] * total  # host copies: batch metadata is built from these, never from the device
         self.scalings = [0.0] * total
+        self.target_ranks = {name: [0] * total for name in self.targets}
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its latest load, not yet waited for
@@ -110,18 +115,22 @@ class LoraSlotPool:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, target in self.targets.items():
-                self._copy_target(slot, target, adapter.a[name], adapter.b[name], adapter.rank)
+                self._copy_target(slot, target, adapter.a.get(name), adapter.b.get(name), adapter.rank)
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
                 self._pending[slot] = event  # one stream runs in order: the latest load covers the earlier
         self.ranks[slot] = adapter.rank
         self.scalings[slot] = adapter.scaling
+        for name, ranks in self.target_ranks.items():
+            ranks[slot] = adapter.rank if name in adapter.a else 0
 
     def clear(self, slot: int) -> None:
         """Mark a slot empty (rank 0); its buffers are zeroed again by the next load."""
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
+        for ranks in self.target_ranks.values():
+            ranks[slot] = 0
 
     def wait_for_loads(self, slots: Iterable[int] | None = None) -> None:
         """Make the compute stream wait for the loads of `slots` (None: every slot) issued so far; call
@@ -145,11 +154,14 @@ class LoraSlotPool:
         rows = [b[:, offset : offset + size][:, self.tp.part(size)] for offset, size in _full_slices(target, self.tp)]
         return a, torch.cat(rows, dim=1)
 
-    def _copy_target(self, slot: int, target: FusedTarget, a: torch.Tensor, b: torch.Tensor, rank: int) -> None:
-        a, b = self._shard(target, a, b)  # a: [L, stack * rank, in]; b: [L, out, rank]
+    def _copy_target(self, slot: int, target: FusedTarget, a: torch.Tensor | None, b: torch.Tensor | None, rank: int) -> None:
+        """Zero the slot's buffers of `target`, then copy the adapter's A and B in (None: it lacks the target)."""
         dst_a, dst_b = self.a[target.name][:, slot], self.b[target.name][:, slot]
         dst_a.zero_()
         dst_b.zero_()
+        if a is None or b is None:
+            return
+        a, b = self._shard(target, a, b)  # a: [L, stack * rank, in]; b: [L, out, rank]
         for k in range(target.num_stack):
             rows = slice(k * self.max_rank, k * self.max_rank + rank)
             dst_a[:, rows].copy_(a[:, k * rank : (k + 1) * rank], non_blocking=True)

@@ -49,7 +49,7 @@ class ModelRunner:
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.lora_meta = None
         if lora_pool is not None:  # one segment per request at most
-            self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device)
+            self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets))
         self.generators: dict[int, torch.Generator] = {}  # request uid -> its sampling generator
         # The latest step's sampled tokens, by sampling row (rank 0 fills it; a chained plan reads it).
         self.last_tokens = torch.zeros(req_to_token.shape[0], dtype=torch.int64, device=self.device)
@@ -128,8 +128,9 @@ class ModelRunner:
         slots = self._slots(plan.lora_slots)
         pool.wait_for_loads(slots)  # only this step's slots: loads ahead for waiting requests run on
         seg_lens, seg_slots = lora_segments(list(plan.extend_lens), slots, DECODE_RUN if plan.is_decode else 0)
-        meta = self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings)
-        return LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side if plan.is_decode else None)
+        meta = self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
+        side = self.lora_side if plan.is_decode else None
+        return LoraInputs(pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta))
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:
         base = self.lora_pool.base_slot

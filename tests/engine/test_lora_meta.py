@@ -25,6 +25,24 @@ def test_refill_keeps_addresses_and_matches_from_lists():
         buffers.fill([1] * 7, [0] * 7, ranks, scalings)
 
 
+def test_each_target_gets_its_own_ranks_in_place():
+    """by_target: the fill's metadata with each target's ranks (device views refilled in place, the host
+    copy for the chunked backend, a chunk cache of its own); lora_ranks stays the slots' ranks."""
+    buffers = SgmvMetaBuffers(max_segments=4, num_slots=3, device="cpu", targets=("qkv", "down"))
+    views = {name: t.data_ptr() for name, t in buffers.target_ranks.items()}
+    for qkv, down in (([4, 0, 0], [0, 8, 0]), ([2, 2, 0], [2, 0, 0])):
+        meta = buffers.fill([2, 1], [0, 1], [4, 8, 0], [1.0, 2.0, 0.0], {"qkv": qkv, "down": down})
+        metas = buffers.by_target(meta)
+        assert meta.lora_ranks.tolist() == [4, 8, 0]
+        assert metas["qkv"].lora_ranks.tolist() == qkv and metas["down"].lora_ranks.tolist() == down
+        assert (metas["qkv"].host_ranks, metas["down"].host_ranks) == (tuple(qkv), tuple(down))
+        assert torch.equal(metas["down"].seg_indptr, meta.seg_indptr) and metas["down"].scalings is meta.scalings
+        assert metas["qkv"].chunked(1) is not metas["down"].chunked(1)
+    assert views == {name: t.data_ptr() for name, t in buffers.target_ranks.items()}
+    meta = buffers.fill([3], [2], [4, 8, 0], [1.0, 2.0, 0.0])  # no target ranks: each target has the slots'
+    assert all(m.lora_ranks.tolist() == [4, 8, 0] for m in buffers.by_target(meta).values())
+
+
 def test_lora_segments_merge_neighbouring_requests_of_one_slot():
     assert lora_segments([1, 1, 1, 1, 3], [2, 2, 2, 5, 5], 2) == ([2, 1, 1, 3], [2, 2, 5, 5])
     assert lora_segments([1, 1, 1, 1, 3], [2, 2, 2, 5, 5]) == ([3, 4], [2, 5])  # no cap: prefill steps

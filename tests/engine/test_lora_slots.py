@@ -91,6 +91,27 @@ def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
     assert pool.ranks[0] == 2
 
 
+def test_targets_an_adapter_lacks_are_left_out_and_rank_0_in_its_slot():
+    """A q/v adapter packs only its qkv target (no zeros for o, gate_up, down on the host) and has rank 0
+    in the slot's other targets, which the kernels of those targets then skip; loading it over an
+    all-target tenant still zeroes that tenant's o, gate_up and down buffers; clear zeroes every rank."""
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=16, dtype=torch.float32, device="cpu")
+    qv = packed("qv", rank=4, modules=("q_proj", "v_proj"), seed=5)
+    assert set(qv.a) == set(qv.b) == {"qkv"}
+    pool.load(0, packed("all", rank=8, seed=6))
+    assert {name: ranks[0] for name, ranks in pool.target_ranks.items()} == {"qkv": 8, "o": 8, "gate_up": 8, "down": 8}
+    pool.load(0, qv)
+    pool.load(1, packed("down", rank=2, modules=("down_proj",), seed=7))
+    assert {name: ranks[:2] for name, ranks in pool.target_ranks.items()} == {
+        "qkv": [4, 0], "o": [0, 0], "gate_up": [0, 0], "down": [0, 2],
+    }  # fmt: skip
+    assert pool.ranks == [4, 2, 0]
+    for name in ("o", "gate_up", "down"):
+        assert not pool.a[name][:, 0].any() and not pool.b[name][:, 0].any(), name
+    pool.clear(1)
+    assert all(ranks == [4, 0, 0] if name == "qkv" else ranks == [0, 0, 0] for name, ranks in pool.target_ranks.items())
+
+
 def test_load_refuses_the_base_slot_and_ranks_over_the_max():
     """Guards the base slot (rank 0 forever, so base-model tokens get no delta) and the buffer bound."""
     pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
