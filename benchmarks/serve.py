@@ -25,7 +25,11 @@ latency mean/p50/p99 (ms; a stream delta of k tokens counts as k gaps of its del
 loads (of them, loads ahead for queued requests) and host-cache hits/misses/joined lookups (a miss is
 one fetch; a joined lookup waited for a fetch in flight) during the scenario (the engine's own counters
 in process; its Prometheus /metrics over gRPC), LoRA/base throughput, and engine/HF+peft throughput.
---lora-load-ahead 0 turns load-ahead off for a comparison. JSON to --out.
+--lora-load-ahead 0 turns load-ahead off for a comparison. --passes N runs each engine scenario N times
+in a row (rows carry "pass"): the first pass fetches its adapters cold from the registry and loads their
+slots, later ones find them in the host cache (and, with enough slots, still loaded): the steady state.
+--target-modules picks the projections the adapters adapt (PEFT's default is q_proj and v_proj; all
+seven by default). JSON to --out.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import gc
 import json
 import shutil
@@ -91,11 +96,17 @@ class Scenario:
     adapters: tuple[str, ...]  # per request: an adapter name, "" = the base model
 
 
-def adapter_name(i: int) -> str:
-    return f"bench-{i}"
+def adapter_name(i: int, targets: tuple[str, ...] = TARGETS) -> str:
+    """bench-<i> on all seven projections, else bench-<initials>-<i> (bench-qv-3: q_proj and v_proj)."""
+    if set(targets) == set(TARGETS):
+        return f"bench-{i}"
+    return f"bench-{''.join(t[0] for t in targets)}-{i}"
 
 
-def make_scenarios(names: list[str], num_requests: int, num_adapters: int, seed: int) -> list[Scenario]:
+def make_scenarios(
+    names: list[str], num_requests: int, num_adapters: int, seed: int, targets: tuple[str, ...] = TARGETS
+) -> list[Scenario]:
+    name_of = functools.partial(adapter_name, targets=targets)
     out = []
     for name in names:
         if name == "base":
@@ -105,12 +116,12 @@ def make_scenarios(names: list[str], num_requests: int, num_adapters: int, seed:
             rng = np.random.default_rng(seed + 2)
             ranks = rng.choice(num_adapters, num_requests, p=weights / weights.sum())
             names_by_rank = rng.permutation(num_adapters)
-            adapters = tuple(adapter_name(int(names_by_rank[k])) for k in ranks)
+            adapters = tuple(name_of(int(names_by_rank[k])) for k in ranks)
         else:
             n = int(name)
             if not 1 <= n <= num_adapters:
                 raise SystemExit(f"scenario {name}: want 1..--num-adapters ({num_adapters}) adapters")
-            adapters = tuple(adapter_name(i % n) for i in range(num_requests))
+            adapters = tuple(name_of(i % n) for i in range(num_requests))
         out.append(Scenario(name, adapters))
     return out
 
@@ -159,14 +170,18 @@ def module_dims(config: dict) -> dict[str, tuple[int, int]]:
     }  # fmt: skip
 
 
-def write_random_peft_adapter(out_dir: Path, config: dict, rank: int, seed: int, dtype: torch.dtype) -> Path:
+def write_random_peft_adapter(
+    out_dir: Path, config: dict, rank: int, seed: int, dtype: torch.dtype, targets: tuple[str, ...] = TARGETS
+) -> Path:
     """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) of the model's
-    shape, rank `rank` on all seven projections, random A and B (B nonzero): distinct content per seed."""
+    shape, rank `rank` on `targets`, random A and B (B nonzero): distinct content per seed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for target, (in_dim, out_dim) in module_dims(config).items():
+            if target not in targets:
+                continue
             block = "self_attn" if target in TARGETS[:4] else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=gen) / in_dim**0.5).to(
@@ -176,7 +191,7 @@ def write_random_peft_adapter(out_dir: Path, config: dict, rank: int, seed: int,
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-        "target_modules": list(TARGETS), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
         "base_model_name_or_path": config.get("_name_or_path", ""),
     }  # fmt: skip
@@ -185,9 +200,10 @@ def write_random_peft_adapter(out_dir: Path, config: dict, rank: int, seed: int,
 
 
 def register_adapters(
-    registry: str, model_dir: Path, work_dir: Path, num_adapters: int, rank: int, dtype
+    registry: str, model_dir: Path, work_dir: Path, num_adapters: int, rank: int, dtype, targets: tuple[str, ...] = TARGETS
 ) -> dict[str, Path]:
-    """Register the base model and bench-0..N-1 (skipping names already registered); name -> dir."""
+    """Register the base model and adapters 0..N-1 on `targets` (skipping names already registered);
+    name -> dir."""
     config = json.loads((model_dir / "config.json").read_text())
     base = model_dir.resolve().name
     dirs = {}
@@ -195,10 +211,10 @@ def register_adapters(
         client.register_base_model(base, model_dir)
         known = {a.name for a in client.list(base_model=base, latest_only=True)}
         for i in range(num_adapters):
-            name = adapter_name(i)
+            name = adapter_name(i, targets)
             dirs[name] = work_dir / "adapters" / name
             if not (dirs[name] / "adapter_config.json").exists():
-                write_random_peft_adapter(dirs[name], config, rank, seed=1000 + i, dtype=dtype)
+                write_random_peft_adapter(dirs[name], config, rank, seed=1000 + i, dtype=dtype, targets=targets)
             if name not in known:
                 client.register_adapter(reg_pb.AdapterSpec(name=name, base_model=base), dirs[name])
     return dirs
@@ -343,14 +359,17 @@ async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
     return row
 
 
-async def run_engine(kind: str, make_client, scenarios: list[Scenario], workload: Workload) -> list[dict]:
+async def run_engine(
+    kind: str, make_client, scenarios: list[Scenario], workload: Workload, passes: int = 1
+) -> list[dict]:
     client = await make_client()
     rows = []
     try:
         for scenario in scenarios:
-            row = {"engine": kind, "scenario": scenario.name, "arrival": workload.arrival}
-            rows.append(row | await run_scenario(client, scenario, workload))
-            print(json.dumps(rows[-1]), flush=True)
+            for pass_ in range(1, passes + 1):
+                row = {"engine": kind, "scenario": scenario.name, "arrival": workload.arrival, "pass": pass_}
+                rows.append(row | await run_scenario(client, scenario, workload))
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         await client.close()
     return rows
@@ -458,12 +477,16 @@ def _sync(device: str) -> None:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """lora_vs_base within each (engine, arrival); vs_hf_peft for engine rows with an HF row alike."""
-    base = {(r["engine"], r["arrival"]): r["output_tok_s"] for r in rows if r["scenario"] == "base"}
+    """lora_vs_base within each (engine, arrival, pass); vs_hf_peft for engine rows with an HF row alike."""
+
+    def key(r: dict) -> tuple:
+        return r["engine"], r["arrival"], r.get("pass")
+
+    base = {key(r): r["output_tok_s"] for r in rows if r["scenario"] == "base"}
     hf = {r["scenario"]: r["output_tok_s"] for r in rows if r["engine"] == "hf_peft"}
     for r in rows:
-        if (r["engine"], r["arrival"]) in base:
-            r["lora_vs_base"] = r["output_tok_s"] / base[(r["engine"], r["arrival"])]
+        if key(r) in base:
+            r["lora_vs_base"] = r["output_tok_s"] / base[key(r)]
         if r["engine"] != "hf_peft" and r["scenario"] in hf:
             r["vs_hf_peft"] = r["output_tok_s"] / hf[r["scenario"]]
 
@@ -534,6 +557,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora-load-ahead", type=int, default=DEFAULT_LORA_LOAD_AHEAD,
         help="the engine's loads ahead per step for queued requests' adapters (0 = off)",
     )
+    p.add_argument("--passes", type=int, default=1, help="runs of each engine scenario in a row (2+: warm)")
+    p.add_argument(
+        "--target-modules", nargs="+", default=list(TARGETS), choices=TARGETS, help="the adapters' projections"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="write the JSON report here")
     return p.parse_args(argv)
@@ -546,7 +573,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = prepare_model(args.shape, work_dir, args.device)
     needs = [s for s in args.scenarios if s not in ("base", "zipf")]
     num_adapters = args.num_adapters if "zipf" in args.scenarios else max([int(s) for s in needs], default=0)
-    scenarios = make_scenarios(args.scenarios, args.num_requests, num_adapters, args.seed)
+    targets = tuple(t for t in TARGETS if t in args.target_modules)
+    scenarios = make_scenarios(args.scenarios, args.num_requests, num_adapters, args.seed, targets)
     registry = Service(["registry", "serve", "--port", "0", "--data-dir", str(work_dir / "registry"),
                         "--max-lora-rank", str(args.rank)], "registry")  # fmt: skip
     rows = []
@@ -554,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict:
         adapter_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         started = time.perf_counter()
         adapter_dirs = register_adapters(
-            registry.address, model_dir, work_dir, num_adapters, args.rank, adapter_dtype
+            registry.address, model_dir, work_dir, num_adapters, args.rank, adapter_dtype, targets
         )
         print(f"registry: {num_adapters} adapters ready in {time.perf_counter() - started:.1f}s", flush=True)
         config = engine_config(args, model_dir, registry.address)
@@ -564,11 +592,13 @@ def main(argv: list[str] | None = None) -> dict:
             )
             if "inproc" in args.engines:
                 rows += asyncio.run(
-                    run_engine("inproc", lambda: in_process_client(config), scenarios, workload)
+                    run_engine("inproc", lambda: in_process_client(config), scenarios, workload, args.passes)
                 )
                 _free(args.device)
             if "grpc" in args.engines:
-                rows += asyncio.run(run_engine("grpc", lambda: grpc_client(config), scenarios, workload))
+                rows += asyncio.run(
+                    run_engine("grpc", lambda: grpc_client(config), scenarios, workload, args.passes)
+                )
         if "hf" in args.engines:
             workload = Workload(
                 args.num_requests, args.prompt_len, args.output_len, "all", args.rate, args.seed

@@ -50,3 +50,24 @@ def test_serve_benchmark_smoke(tmp_path):
     zipf_all = rows[("inproc", "zipf", "all")]
     assert zipf_all["slot_loads"] >= zipf_all["num_distinct_adapters"] - 2  # 2 slots: most had to load
     assert rows[("hf_peft", "2", "batched")]["num_distinct_adapters"] == 2
+
+
+def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
+    """--passes 2 over 2 adapters and 2 slots: the first pass fetches and loads both adapters, the
+    second finds them in the host cache and their slots (no fetch, no load); --target-modules writes
+    adapters on q_proj and v_proj alone, under their own names."""
+    args = [
+        "--shape", "demo", "--device", "cpu", "--work-dir", str(tmp_path / "work"), "--engines", "inproc",
+        "--num-requests", "4", "--prompt-len", "6", "--output-len", "3", "--scenarios", "base", "2",
+        "--max-loras", "2", "--max-host-adapters", "2", "--max-running", "4", "--passes", "2",
+        "--target-modules", "v_proj", "q_proj",
+    ]  # fmt: skip
+    rows = {(r["scenario"], r["pass"]): r for r in serve.main(args)["results"]}
+    assert set(rows) == {("base", 1), ("base", 2), ("2", 1), ("2", 2)}
+    cold, warm = rows[("2", 1)], rows[("2", 2)]
+    assert cold["host_cache_misses"] == 2 and cold["slot_loads"] == 2
+    assert (warm["host_cache_misses"], warm["host_cache_joined"], warm["slot_loads"]) == (0, 0, 0)
+    assert warm["host_cache_hits"] == 4 and warm["output_tokens"] == 12
+    assert warm["lora_vs_base"] == warm["output_tok_s"] / rows[("base", 2)]["output_tok_s"]
+    config = json.loads((tmp_path / "work" / "adapters" / "bench-qv-1" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj", "v_proj"]
