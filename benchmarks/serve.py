@@ -568,6 +568,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.passes < 1:
+        raise SystemExit("--passes must be >= 1")
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(args.shape, work_dir, args.device)

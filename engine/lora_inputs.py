@@ -28,8 +28,8 @@ DECODE_RUN = 16
 def sgmv_ops(backend: str) -> tuple[Callable, Callable, Callable]:
     """(shrink, expand, delta) of a backend: 'ref' (PyTorch, the CPU default), 'triton', 'chunked', or
     'splitk' (Triton, the CUDA default: the split-K shrink and the decode expand of kernels/sgmv_decode.py
-    for steps of segments of at most DECODE_MAX_SEG_LEN tokens, i.e. decode steps and their CUDA graphs;
-    `sgmv_*` otherwise). delta(v, B, meta, output_slices=) is the expand into a new tensor."""
+    for decode-sized steps, i.e. decode steps, their CUDA graphs and small mixed steps; `sgmv_*` for
+    prefill-sized ones). delta(v, B, meta, output_slices=) is the expand into a new tensor."""
     if backend == "ref":
         return sgmv_shrink_ref, sgmv_expand_ref, _delta(sgmv_expand_ref)
     if backend == "triton":
@@ -92,12 +92,17 @@ class LoraInputs:
     # Per fused target, the step's metadata with that target's ranks (SgmvMetaBuffers.by_target); a
     # target not here uses `meta`.
     by_target: Mapping[str, SgmvMeta] = field(default_factory=dict)
+    # Eager steps: fused targets no row of this step adapts (every slot it reads has rank 0 there), whose
+    # projections skip the LoRA kernels; a captured graph leaves it empty, its replays may differ.
+    idle: frozenset[str] = frozenset()
 
     def project(self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         """linear(x) plus the LoRA delta of fused target `target` in `layer` (x: [T, in] -> [T, out]).
 
         In line, the expand adds into the GEMM's output and rounds once. On the side stream, the delta
         is rounded to x's dtype on its own and then added, as peft computes it."""
+        if target in self.idle:
+            return linear(x)
         t = self.pool.targets[target]
         a, b = self.pool.a[target][layer], self.pool.b[target][layer]
         meta = self.by_target.get(target, self.meta)
@@ -156,6 +161,8 @@ class SgmvMetaBuffers:
         num_segments = len(seg_lens)
         if num_segments > self.max_segments:
             raise ValueError(f"{num_segments} segments; the buffers hold {self.max_segments}")
+        if any(len(target_ranks[name]) != len(ranks) for name in self.targets if target_ranks is not None):
+            raise ValueError("target_ranks must give every target one rank per slot")
         host = self._ints_host
         self._fence.refill()
         host[0] = 0

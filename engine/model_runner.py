@@ -48,7 +48,7 @@ class ModelRunner:
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.lora_meta = None
-        if lora_pool is not None:  # one segment per request at most
+        if lora_pool is not None:  # one segment per request at most (lora_segments merges, never splits)
             self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets))
         self.generators: dict[int, torch.Generator] = {}  # request uid -> its sampling generator
         # The latest step's sampled tokens, by sampling row (rank 0 fills it; a chained plan reads it).
@@ -130,7 +130,9 @@ class ModelRunner:
         seg_lens, seg_slots = lora_segments(list(plan.extend_lens), slots, DECODE_RUN if plan.is_decode else 0)
         meta = self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
         side = self.lora_side if plan.is_decode else None
-        return LoraInputs(pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta))
+        used = set(seg_slots)
+        idle = frozenset(name for name, ranks in pool.target_ranks.items() if not any(ranks[s] for s in used))
+        return LoraInputs(pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle)
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:
         base = self.lora_pool.base_slot

@@ -2,8 +2,9 @@
 tenant and by fair share between tenants (engine/fair_share.py), and retraction of running requests
 when KV runs out.
 
-A step is a list of `BatchEntry`: running requests first (decodes and unfinished prefill chunks, in
-arrival order), then newly admitted ones while the token budget, the running cap and KV allow. After
+A step is a list of `BatchEntry`: running requests (decodes and unfinished prefill chunks, in arrival
+order), then newly admitted ones while the token budget, the running cap and KV allow; the step then
+lists base-model requests first and each adapter's requests together (`by_adapter`). After
 admission, the adapters of requests still waiting may be loaded ahead into free slots (at most
 `max_lora_load_ahead` a step, queue order): their copies then run beside this step's forward, not
 inside the step that admits them. A slot that admission loads evicts an idle adapter no waiting request
@@ -144,7 +145,7 @@ class Scheduler:
             entries.append(entry)
         if entries:
             self._load_ahead()
-        return by_adapter(entries)
+        return entries  # in_flight's order: by adapter already (`schedule` sorted it, slots stay put)
 
     def finish(self, req: Request, event: Finished | Failed) -> None:
         """End req: cache its KV, free the rest, and send its last event."""

@@ -36,8 +36,9 @@ merges them into one segment per run (engine/lora_inputs.py, `lora_segments`), s
         zeroed first when the segments cover every row and the slices every column.
 
 All grids are fixed by host ints (T, num_segments, in_dim, the device's SM count), so launching never
-syncs and a captured CUDA graph serves every step of its batch size. Long (prefill) segments go to
-`sgmv_shrink` / `sgmv_expand` (`*_auto`: segments of more than DECODE_MAX_SEG_LEN tokens).
+syncs and a captured CUDA graph serves every step of its batch size. Prefill-sized steps go to
+`sgmv_shrink` / `sgmv_expand` (`*_auto`: more than DECODE_MAX_TOKENS tokens, or a segment of more than
+DECODE_MAX_SEG_LEN).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from kernels.sgmv import MAX_STACK, check_expand_args, sgmv_expand, sgmv_shrink,
 from kernels.sgmv_ref import SgmvMeta
 
 DECODE_MAX_SEG_LEN = 64  # a decode step's merged run of one adapter's requests (engine/lora_inputs.py)
+DECODE_MAX_TOKENS = 512  # the split workspace is [splits, T, stack * R] fp32: bounded for prefill-sized T
 MAX_DECODE_SEGMENTS = 4096  # seg_indptr is read in one vector load
 ROWS = 16  # rows of a segment per tensor-core tile (tl.dot's least M)
 BLOCK_R = 16
@@ -271,14 +273,20 @@ def sgmv_shrink_auto(
     num_stack: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # v [T, num_stack * R]
-    """The decode shrink for steps whose segments hold at most DECODE_MAX_SEG_LEN tokens (a host int,
-    so a graph captured for a decode batch keeps the decode kernel), `sgmv_shrink` otherwise."""
-    shrink = sgmv_shrink_decode if _is_decode(meta) else sgmv_shrink
+    """The decode shrink for steps of at most DECODE_MAX_TOKENS tokens whose segments hold at most
+    DECODE_MAX_SEG_LEN (host ints, so a graph captured for a decode batch keeps the decode kernel),
+    `sgmv_shrink` otherwise."""
+    shrink = sgmv_shrink_decode if _is_decode(meta, x.shape[0]) else sgmv_shrink
     return shrink(x, A, meta, num_stack=num_stack, out=out)
 
 
-def _is_decode(meta: SgmvMeta) -> bool:
-    return meta.max_seg_len <= DECODE_MAX_SEG_LEN and meta.num_segments <= MAX_DECODE_SEGMENTS
+def _is_decode(meta: SgmvMeta, num_tokens: int) -> bool:
+    """A decode-shaped step (host ints only): short segments, a decode batch's token count."""
+    return (
+        meta.max_seg_len <= DECODE_MAX_SEG_LEN
+        and meta.num_segments <= MAX_DECODE_SEGMENTS
+        and num_tokens <= DECODE_MAX_TOKENS
+    )
 
 
 @triton.jit
@@ -396,9 +404,8 @@ def sgmv_expand_auto(
     *,
     output_slices: tuple[tuple[int, int], ...],
 ) -> None:
-    """The decode expand for steps whose segments hold at most DECODE_MAX_SEG_LEN tokens (a host int),
-    `sgmv_expand` otherwise."""
-    expand = sgmv_expand_decode if _is_decode(meta) else sgmv_expand
+    """The decode expand where `sgmv_shrink_auto` takes the decode shrink, `sgmv_expand` otherwise."""
+    expand = sgmv_expand_decode if _is_decode(meta, v.shape[0]) else sgmv_expand
     expand(v, B, meta, y, output_slices=output_slices)
 
 
@@ -418,7 +425,7 @@ def sgmv_delta_auto(
         and sum(meta.host_seg_lens) == num_rows
         and _tiles(output_slices, out_dim)
     )
-    if _is_decode(meta) and covered:
+    if _is_decode(meta, num_rows) and covered:
         delta = torch.empty(num_rows, out_dim, dtype=v.dtype, device=v.device)
         sgmv_expand_decode(v, B, meta, delta, output_slices=output_slices, overwrite=True)
         return delta

@@ -16,6 +16,7 @@ from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs, sgmv_ops
 from engine.request import Finished, TokenDelta
 from engine.sampling import SamplingParams
+from engine.step_plan import StepPlan
 from kernels.sgmv_ref import SgmvMeta
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -312,3 +313,45 @@ def num_loads_ahead_used(plans, waited: list[set[int]]) -> int:
             first = next(later, None)
             num_used += first is not None and not loads_into(first, load.slot)
     return num_used
+
+
+def test_eager_steps_skip_the_targets_no_row_adapts(tiny_llama_dir, make_adapter, tmp_path):
+    """A step whose rows use a q/v adapter and a down-only adapter runs LoRA kernels for qkv and down
+    alone (o and gate_up are idle: each slot's rank there is 0), with per-target ranks in each target's
+    metadata; a step of the q/v adapter alone leaves down idle too. The skipped work is exactly zero,
+    so the tokens stay peft's (the parity tests above)."""
+    dirs = {
+        "qv": make_adapter("idle-qv", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=71),
+        "down": make_adapter("idle-down", r=8, lora_alpha=8, target_modules=["down_proj"], seed=72),
+    }
+    core = make_core(tiny_llama_dir, dirs, tmp_path)
+    try:
+        runner = core.workers.local.runner
+        pool = runner.lora_pool
+        for slot, name in enumerate(dirs):
+            pool.load(slot, asyncio.run(core.prepare(core.adapters.resolve(name))))
+
+        def lora_inputs(slots):
+            n = len(slots)
+            plan = StepPlan(
+                input_ids=(5,) * n, positions=(0,) * n, out_cache_loc=tuple(range(1, n + 1)), req_rows=tuple(range(n)),
+                prefix_lens=(0,) * n, extend_lens=(1,) * n, samples=(None,) * n, lora_slots=tuple(slots),
+            )  # fmt: skip
+            return runner._lora_inputs(plan)
+
+        lora = lora_inputs([0, -1, 1, 0])
+        assert lora.idle == {"o", "gate_up"}
+        assert lora.by_target["qkv"].lora_ranks[:2].tolist() == [4, 0]
+        assert lora.by_target["down"].lora_ranks[:2].tolist() == [0, 8]
+        assert lora_inputs([0, -1]).idle == {"o", "gate_up", "down"}
+        calls = []
+        lora.shrink = lambda x, a, meta, **kw: calls.append(a) or sgmv_ops("ref")[0](x, a, meta, **kw)
+        x = torch.randn(4, pool.targets["o"].in_dim)
+        linear = torch.nn.Linear(x.shape[1], pool.targets["o"].out_dim, bias=False)
+        with torch.inference_mode():
+            assert torch.equal(lora.project(linear, "o", 0, x), linear(x))  # idle: the base projection alone
+            down = torch.nn.Linear(pool.targets["down"].in_dim, pool.targets["down"].out_dim, bias=False)
+            lora.project(down, "down", 0, torch.randn(4, pool.targets["down"].in_dim))
+        assert len(calls) == 1 and calls[0].data_ptr() == pool.a["down"][0].data_ptr()
+    finally:
+        core.close()

@@ -1,7 +1,8 @@
-"""The split-K decode shrink and the decode expand on decode-shaped batches (one token per segment, as a
-decode step or its CUDA graph builds them) against fp64 loops, over adapter popularity, batch sizes,
-ranks below the slot capacity, stacked targets and split configurations; and the auto dispatch between
-them and `sgmv_shrink` / `sgmv_expand`.
+"""The split-K decode shrink, the decode expand and the delta on decode-shaped batches (one token per
+request, in segments of one request or merged per adapter as a decode step and its CUDA graph build
+them, with a graph's empty trailing segments) against fp64 loops, over adapter popularity, batch sizes,
+ranks below the slot capacity, stacked targets and program counts; and the auto dispatch between them
+and `sgmv_shrink` / `sgmv_expand`.
 
 Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
 imported). The general-segment grid (long, empty, base-model segments) is in test_sgmv.py's "decode"
@@ -16,6 +17,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -125,8 +127,9 @@ def test_batch_sizes(batch, num_programs):
 
 
 def test_splits_follow_the_live_segments():
-    """A segment alone gets every split in_dim allows; 40 live segments share the programs; trailing
-    empty segments (a graph's padding, stale slots) count for nothing."""
+    """The workspace holds every split in_dim allows; a 40-row segment beside short ones and a graph's
+    trailing empty segments (stale slots) over 6 programs; a 40-row segment alone over the device's
+    programs (many splits). Results only: how the splits fall is not observable from outside."""
     device = torch.device(DEVICE)
     config = decode_config(4096, 3, device)
     assert config["max_splits"] == min(config["num_programs"], 32)
@@ -147,12 +150,11 @@ def test_auto_sends_decode_steps_to_the_split_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(sgmv_decode, "sgmv_shrink_decode", lambda *a, **k: calls.append("decode"))
     monkeypatch.setattr(sgmv_decode, "sgmv_shrink", lambda *a, **k: calls.append("sgmv"))
-    x, A = torch.zeros(70, 8), torch.zeros(2, 4, 8)
-    for seg_lens in ([1] * 70, [64, 6], [65, 5]):
-        sgmv_shrink_auto(
-            x, A, SgmvMeta.from_lists(seg_lens, [1] * len(seg_lens), [0, 4], [0.0, 1.0]), num_stack=1
-        )
-    assert calls == ["decode", "decode", "sgmv"]
+    A = torch.zeros(2, 4, 8)
+    for seg_lens in ([1] * 70, [64, 6], [65, 5], [1] * 512, [1] * 513):  # 513 tokens: prefill-sized
+        meta = SgmvMeta.from_lists(seg_lens, [1] * len(seg_lens), [0, 4], [0.0, 1.0])
+        sgmv_shrink_auto(torch.zeros(sum(seg_lens), 8), A, meta, num_stack=1)
+    assert calls == ["decode", "decode", "sgmv", "decode", "sgmv"]
 
 
 def test_decode_shrink_with_expand_is_the_lora_delta():
@@ -272,6 +274,8 @@ def test_delta_writes_every_entry_once(dtype):
     v = torch.randn(30, 2 * MAX_RANK, generator=gen).to(DEVICE, dtype)
     scalings = [0.0] + [0.5] * (len(ranks) - 1)
     meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    rows = [i for i, w in enumerate(w for n, w in zip(seg_lens, slots, strict=True) for _ in range(n)) if ranks[w] == 0]
+    assert rows
     for output_slices in (((0, 120), (120, 80)), ((0, 100), (120, 80))):
         with torch.device(DEVICE):
             torch.full((30, 200), float("nan"), dtype=dtype)  # leave NaN in the allocator's free memory
@@ -279,23 +283,24 @@ def test_delta_writes_every_entry_once(dtype):
         want = torch.zeros(30, 200, dtype=dtype, device=DEVICE)
         sgmv_expand_auto(v, B, meta, want, output_slices=output_slices)
         assert torch.equal(delta, want)
-    rows = [
-        i
-        for i, w in enumerate(w for n, w in zip(seg_lens, slots, strict=True) for _ in range(n))
-        if ranks[w] == 0
-    ]
-    assert rows and not delta[rows].any() and delta.abs().sum() > 0
+        assert not delta[rows].any() and delta.abs().sum() > 0  # base rows: zeros written, not left
+    y = torch.full((30, 200), float("nan"), dtype=dtype, device=DEVICE)
+    sgmv_expand_decode(v, B, meta, y, output_slices=((0, 120), (120, 80)), overwrite=True)
+    want = torch.zeros(30, 200, dtype=dtype, device=DEVICE)
+    sgmv_expand_auto(v, B, meta, want, output_slices=((0, 120), (120, 80)))
+    assert torch.equal(y, want)  # every entry written: no NaN left, base rows 0
 
 
 def test_expand_auto_sends_decode_steps_to_the_decode_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(sgmv_decode, "sgmv_expand_decode", lambda *a, **k: calls.append("decode"))
     monkeypatch.setattr(sgmv_decode, "sgmv_expand", lambda *a, **k: calls.append("sgmv"))
-    v, B, y = torch.zeros(70, 4), torch.zeros(2, 8, 4), torch.zeros(70, 8)
-    for seg_lens in ([1] * 70, [64, 6], [65, 5]):
+    B = torch.zeros(2, 8, 4)
+    for seg_lens in ([1] * 70, [64, 6], [65, 5], [1] * 512, [1] * 513):
         meta = SgmvMeta.from_lists(seg_lens, [1] * len(seg_lens), [0, 4], [0.0, 1.0])
-        sgmv_expand_auto(v, B, meta, y, output_slices=((0, 8),))
-    assert calls == ["decode", "decode", "sgmv"]
+        rows = sum(seg_lens)
+        sgmv_expand_auto(torch.zeros(rows, 4), B, meta, torch.zeros(rows, 8), output_slices=((0, 8),))
+    assert calls == ["decode", "decode", "sgmv", "decode", "sgmv"]
 
 
 def test_decode_expand_refuses_what_sgmv_expand_refuses():
@@ -369,3 +374,45 @@ def test_cuda_graph_replay_follows_refilled_slots_and_ranks():
         for row, col in expected:
             written[row, col] = True
         assert (got[~written] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replay_follows_regrouped_segments():
+    """The engine's decode graph: captured with one segment per row, replayed after SgmvMetaBuffers was
+    refilled with each adapter's rows merged (fewer, longer segments, empty ones trailing) or one row
+    each; shrink and overwriting delta both follow (bf16, q/k/v-shaped, against fp64)."""
+    from engine.lora_inputs import SgmvMetaBuffers
+
+    batch, in_dim, output_slices = 48, 512, ((0, 256), (256, 64), (320, 64))
+    ranks, scalings = [0, 16, 8, 64, 4], [0.0, 1.0, 0.5, 0.25, 2.0]
+    gen = torch.Generator().manual_seed(13)
+    A = (torch.randn(len(ranks), 3 * MAX_RANK, in_dim, generator=gen) / in_dim**0.5).to(DEVICE, torch.bfloat16)
+    B = (torch.randn(len(ranks), 384, MAX_RANK, generator=gen) / 4).to(DEVICE, torch.bfloat16)
+    x = torch.randn(batch, in_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    buffers = SgmvMetaBuffers(batch, len(ranks), DEVICE)
+    meta = dataclasses.replace(buffers.fill([1] * batch, [0] * batch, ranks, scalings), max_seg_len=16)
+    out = {}
+
+    def step():
+        v = sgmv_shrink_decode(x, A, meta, num_stack=3)
+        out["delta"] = sgmv_delta_auto(v, B, meta, output_slices=output_slices)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for slots in ([1] * batch, [1] * 20 + [2] * 3 + [0] * 5 + [3] * 20, [(i % 4) for i in range(batch)], [4] * 47 + [0]):
+        seg_lens, seg_slots = lora_segments([1] * batch, slots, 16)
+        buffers.fill(seg_lens, seg_slots, ranks, scalings)
+        graph.replay()
+        expected = torch.zeros(batch, 384, dtype=torch.float64)
+        for row, w in enumerate(slots):
+            r = ranks[w]
+            for k, (offset, size) in enumerate(output_slices):
+                v = A[w, k * MAX_RANK : k * MAX_RANK + r].double().cpu() @ x[row].double().cpu()
+                expected[row, offset : offset + size] = scalings[w] * (B[w, offset : offset + size, :r].double().cpu() @ v)
+        got = out["delta"].double().cpu()
+        assert (got - expected).abs().max().item() <= 4e-2 * max(1.0, expected.abs().max().item()), slots[:24]
+        assert expected.abs().max().item() > 0.5
