@@ -19,8 +19,9 @@ def pack_adapter(
     digest: str, adapter: CanonicalAdapter, targets: dict[str, FusedTarget], dtype: torch.dtype, pin: bool, share: bool = False
 ) -> PackedAdapter:
     """Lay a canonical adapter out per fused target (full, unsharded dims); projections it lacks become
-    zeros, and a target none of whose projections it adapts is left out (PackedAdapter). pin: page-locked (async copies to one GPU); share: in shared memory, so that tensor-parallel
-    worker processes read this one copy."""
+    zeros, and a target none of whose projections it adapts is left out (PackedAdapter). pin:
+    page-locked (async copies to one GPU); share: in shared memory, so that tensor-parallel worker
+    processes read this one copy."""
     rank, num_layers = adapter.rank, adapter.num_layers
     a, b = {}, {}
     for name, target in targets.items():

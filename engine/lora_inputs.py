@@ -193,7 +193,7 @@ class SgmvMetaBuffers:
 
     def by_target(self, meta: SgmvMeta) -> dict[str, SgmvMeta]:
         """`meta` (the latest fill's) with each target's ranks: a step's kernels for target t skip the
-        slots whose adapter lacks t (a q/v adapter costs nothing in o, gate/up and down)."""
+        rows of slots whose adapter lacks t (a q/v adapter's rows do no work in o, gate/up and down)."""
         return {
             name: dataclasses.replace(meta, lora_ranks=ranks, host_ranks=self._host_target_ranks[name], _chunked={})
             for name, ranks in self.target_ranks.items()

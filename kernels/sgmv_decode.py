@@ -208,15 +208,15 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the interpreter: enough to exercise several splits on small test shapes
 
 
-def decode_config(in_dim: int, num_stack: int, device: torch.device) -> dict:
-    """The shrink's program count per stacked target (about PROGRAMS_PER_SM per SM in all) and the most
-    splits any segment can get (the partial workspace's depth).
+def decode_config(in_dim: int, num_stack: int, device: torch.device, num_programs: int = 0) -> dict:
+    """The shrink's program count per stacked target (num_programs, or about PROGRAMS_PER_SM per SM in
+    all when 0) and the most splits any segment can get (the partial workspace's depth).
 
     Example (H200, 132 SMs; q/k/v, in_dim 4096, so 88 programs a target): 32 segments of one row get
     2 splits of 2048 columns; 4 segments of 16 rows (a single adapter at batch 64) get 22 splits of
     256 columns (two 128-wide tiles), 16 of which hold columns.
     """
-    num_programs = max(1, PROGRAMS_PER_SM * _num_sms(device) // num_stack)
+    num_programs = num_programs or max(1, PROGRAMS_PER_SM * _num_sms(device) // num_stack)
     return {"num_programs": num_programs, "max_splits": min(num_programs, triton.cdiv(in_dim, BLOCK_K))}
 
 
@@ -236,9 +236,7 @@ def sgmv_shrink_decode(
         return out
     if meta.num_segments > MAX_DECODE_SEGMENTS:
         raise ValueError(f"{meta.num_segments} segments exceed the decode kernel's {MAX_DECODE_SEGMENTS}")
-    config = decode_config(in_dim, num_stack, x.device)
-    if num_programs:
-        config = {"num_programs": num_programs, "max_splits": min(num_programs, triton.cdiv(in_dim, BLOCK_K))}
+    config = decode_config(in_dim, num_stack, x.device, num_programs)
     partial = torch.empty(config["max_splits"], num_tokens, A.shape[1], dtype=torch.float32, device=x.device)
     block_g = triton.next_power_of_2(meta.num_segments)
     _shrink_split_kernel[(config["num_programs"], num_stack)](
