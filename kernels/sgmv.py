@@ -1,4 +1,4 @@
-"""SGMV shrink and expand in Triton: many LoRA adapters in one batch, one program per (segment, tile).
+"""SGMV shrink and expand in Triton: many LoRA adapters in one batch, one program per (row block, tile).
 
 Semantics (the reference, the metadata and the v contract are in kernels/sgmv_ref.py):
 
@@ -15,9 +15,14 @@ over one tile of BLOCK_M rows of one segment and BLOCK_N columns of one stacked 
     shrink  x    A  in_dim       r            0               k*R                     1 (store)
     expand  v    B  r            n_k          k*R             o_k                     scalings[w] (add)
 
-Grid: (cdiv(max_seg_len, BLOCK_M) * n_tiles, num_segments, num_stack). max_seg_len is a host int the
-caller knows, so launching never syncs; programs past their segment's end, past N, or of a rank-0 slot
-return at once. Fused q/k/v (num_stack 3) and gate/up (2) share one shrink per input and one expand.
+Grid: (row_blocks * n_tiles, num_stack). Each segment's rows split into blocks of BLOCK_M; a program
+finds its (segment, block) on the device from seg_indptr (a running count of blocks per segment), so
+the grid needs only host ints: row_blocks = min(cdiv(max_seg_len, BLOCK_M) * num_segments,
+T // BLOCK_M + num_segments) bounds the blocks of any segmentation of T rows, and launching never syncs.
+A captured CUDA graph therefore replays any segmentation of its T rows (a mixed prefill + decode step
+with one long segment and many short ones launches about T / BLOCK_M + num_segments row programs, not
+their product). Programs past the last block, past N, or of a rank-0 slot return at once.
+Fused q/k/v (num_stack 3) and gate/up (2) share one shrink per input and one expand.
 fp32 inputs use IEEE fp32 dot products (no TF32), so they match the reference to fp32 rounding.
 """
 
@@ -30,7 +35,9 @@ import triton.language as tl
 from kernels.sgmv_ref import SgmvMeta
 
 MAX_STACK = 3  # q/k/v; the slice table below is passed as scalars so launching needs no device tensor
-MAX_GRID_YZ = 65535
+# Segments a program scans at once when it looks up its row block: fixed, so steps with other segment
+# counts never compile another kernel variant (more segments take more passes).
+SEGMENT_CHUNK = 64
 
 
 @triton.jit
@@ -40,8 +47,31 @@ def _pick(k, a0, a1, a2):
 
 
 @triton.jit
+def _row_block(seg_indptr_ptr, num_segments, block, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(segment, first row, end row) of row block `block`, counting each segment's cdiv(len, BLOCK_M)
+    blocks in segment order; a block past the last gives segment num_segments (the caller returns)."""
+    seg = 0
+    blocks_before = 0  # blocks of the segments wholly before `block`
+    carried = 0  # blocks of the chunks already scanned
+    for chunk in range(0, num_segments, BLOCK_S):
+        offs = chunk + tl.arange(0, BLOCK_S)
+        live = offs < num_segments
+        starts = tl.load(seg_indptr_ptr + offs, mask=live, other=0)
+        ends = tl.load(seg_indptr_ptr + offs + 1, mask=live, other=0)
+        blocks = (ends - starts + BLOCK_M - 1) // BLOCK_M
+        last = carried + tl.cumsum(blocks, axis=0)  # blocks up to and including each segment
+        before = live & (last <= block)
+        seg += tl.sum(before.to(tl.int32), axis=0)
+        blocks_before += tl.sum(tl.where(before, blocks, 0), axis=0)
+        carried += tl.sum(blocks, axis=0)
+    inside = seg < num_segments
+    seg_start = tl.load(seg_indptr_ptr + seg, mask=inside, other=0)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1, mask=inside, other=0)
+    return seg, seg_start + (block - blocks_before) * BLOCK_M, seg_end
+
+
+@triton.jit
 def _sgmv_kernel(
-    # pointers
     inp_ptr,  # [T, *]
     w_ptr,  # [num_slots, rows, K]
     out_ptr,  # [T, *]
@@ -49,37 +79,33 @@ def _sgmv_kernel(
     weight_indices_ptr,  # [num_segments] int32
     lora_ranks_ptr,  # [num_slots] int32
     scalings_ptr,  # [num_slots] fp32
-    # sizes
+    num_segments,
     K,  # shrink: in_dim; expand: unused (K = rank)
     max_rank,  # R
     n_tiles,  # column tiles per target (max over targets)
     off_0, off_1, off_2,  # W row / out column offset of target k
     size_0, size_1, size_2,  # column count of target k (shrink: R, clipped to rank)
-    # strides
     stride_im, stride_ik,
     stride_ww, stride_wn, stride_wk,
     stride_om, stride_on,
-    # meta-parameters
     IS_SHRINK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # segments scanned at once by _row_block
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
-    # -- which segment, slot and tile ------------------------------------------------------------
-    pid_mn = tl.program_id(0)
-    seg = tl.program_id(1)
-    pid_k = tl.program_id(2)  # stacked target
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)  # stacked target
+    pid_n = pid % n_tiles
+    seg, m_start, seg_end = _row_block(seg_indptr_ptr, num_segments, pid // n_tiles, BLOCK_M, BLOCK_S)
+    if seg >= num_segments:
+        return
     slot = tl.load(weight_indices_ptr + seg)
     rank = tl.load(lora_ranks_ptr + slot)
     if rank == 0:  # empty slot or base model: contributes nothing
         return
-    seg_start = tl.load(seg_indptr_ptr + seg)
-    seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    pid_m = pid_mn // n_tiles
-    pid_n = pid_mn % n_tiles
-    m_start = seg_start + pid_m * BLOCK_M
     col_offset = _pick(pid_k, off_0, off_1, off_2)
     n_size = _pick(pid_k, size_0, size_1, size_2)
     if IS_SHRINK:
@@ -92,7 +118,6 @@ def _sgmv_kernel(
     if (m_start >= seg_end) | (pid_n * BLOCK_N >= n_size):
         return
 
-    # -- tile pointers -------------------------------------------------------------------------------
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -162,29 +187,31 @@ def _check_meta(meta: SgmvMeta, device: torch.device) -> None:
         raise ValueError("seg_indptr and weight_indices must be int32")
     if meta.lora_ranks.dtype != torch.int32 or meta.scalings.dtype != torch.float32:
         raise ValueError("lora_ranks must be int32 and scalings fp32")
-    if meta.num_segments > MAX_GRID_YZ:
-        raise ValueError(f"{meta.num_segments} segments exceed the grid limit {MAX_GRID_YZ}")
+
+
+def row_blocks(meta: SgmvMeta, num_rows: int, block_m: int) -> int:
+    """Row programs of a launch: enough for every segmentation of num_rows rows into meta.num_segments
+    segments of at most meta.max_seg_len rows (host ints only)."""
+    return min(triton.cdiv(meta.max_seg_len, block_m) * meta.num_segments, num_rows // block_m + meta.num_segments)
 
 
 def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config) -> None:
     offsets = [off for off, _ in slices] + [0] * (MAX_STACK - len(slices))
     sizes = [size for _, size in slices] + [0] * (MAX_STACK - len(slices))
     n_tiles = triton.cdiv(max(sizes), config["BLOCK_N"])
-    m_tiles = triton.cdiv(meta.max_seg_len, config["BLOCK_M"])
-    if meta.num_segments == 0 or m_tiles == 0 or n_tiles == 0:
+    blocks = row_blocks(meta, inp.shape[0], config["BLOCK_M"])
+    if blocks == 0 or n_tiles == 0:
         return
-    grid = (m_tiles * n_tiles, meta.num_segments, len(slices))
-    _sgmv_kernel[grid](
+    _sgmv_kernel[(blocks * n_tiles, len(slices))](
         inp, w, out,
         meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-        K, max_rank, n_tiles, *offsets, *sizes,
+        meta.num_segments, K, max_rank, n_tiles, *offsets, *sizes,
         inp.stride(0), inp.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
         IS_SHRINK=is_shrink,
+        BLOCK_S=SEGMENT_CHUNK,
         INPUT_PRECISION="ieee",  # only fp32 operands look at it: exact fp32, no TF32
-        # Triton's CPU interpreter (the only way Triton runs on CPU tensors) gets bf16 tl.dot wrong
-        # (triton 3.9): upcast there; the products are exact in fp32 either way.
         UPCAST_DOT=inp.device.type == "cpu" and inp.dtype == torch.bfloat16,
         **config,
     )  # fmt: skip

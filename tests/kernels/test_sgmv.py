@@ -160,6 +160,38 @@ def test_token_counts(backend, num_tokens):
     run_case(backend, torch.bfloat16, "qkv", "uniform", num_reqs, num_tokens, seed=num_tokens)
 
 
+@pytest.mark.parametrize("segment_chunk", [64, 4])  # 4: the row-block lookup scans the segments in three passes
+def test_one_launch_size_serves_any_segmentation(monkeypatch, segment_chunk):
+    """A mixed-step CUDA graph launches with the host ints of its capture (max_seg_len = T rows,
+    num_segments = its capacity) and replays other segmentations of the same rows: one long prefill and
+    many decode rows, rows in no segment (padding), empty segments between and after live ones."""
+    import kernels.sgmv as sgmv
+
+    monkeypatch.setattr(sgmv, "SEGMENT_CHUNK", segment_chunk)
+    in_dim, output_slices, out_dim = TARGETS["qkv"]
+    ranks, scalings = [0, 16, 4, 64, 0], [0.0, 0.5, 2.0, 1.0, 3.0]
+    A, B = make_weights(len(ranks), in_dim, out_dim, len(output_slices), torch.bfloat16, seed=3)
+    num_rows, capacity = 150, 12
+    layouts = [
+        ([1, 1, 1, 1, 2, 100], [1, 1, 2, 0, 3, 2]),  # decode rows, then a prefill chunk; 46 padding rows
+        ([70, 0, 1, 1, 0, 33, 45], [3, 1, 2, 1, 4, 1, 2]),  # empty segments between live ones
+        ([150], [1]),  # one segment of every row
+        ([1] * 12, [1, 2, 3, 0] * 3),  # as many segments as the capacity, rows 12.. in none
+    ]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(num_rows, in_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    for seg_lens, slots in layouts:
+        padded_lens = seg_lens + [0] * (capacity - len(seg_lens))
+        padded_slots = slots + [0] * (capacity - len(slots))
+        meta = SgmvMeta.from_lists(padded_lens, padded_slots, ranks, scalings, DEVICE)
+        meta.max_seg_len = num_rows  # the capture's bound, not this layout's
+        y = torch.randn(num_rows, out_dim, generator=gen).to(DEVICE, torch.bfloat16)
+        expected = loop_reference(x, A, B, y, padded_lens, padded_slots, ranks, scalings, output_slices)
+        v = sgmv_shrink(x, A, meta, num_stack=len(output_slices))
+        sgmv_expand(v, B, meta, y, output_slices=output_slices)
+        assert_close(y, expected, torch.bfloat16)
+
+
 @pytest.mark.parametrize(
     "in_dim, out_dim, rank, num_tokens",
     [(4096, 16, 16, 33), (1000, 176, 64, 17), pytest.param(4096, 14336, 16, 64, marks=interpreter_slow)],

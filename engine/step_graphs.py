@@ -1,0 +1,184 @@
+"""CUDA-graph replay of prefill, chunked-prefill and mixed prefill + decode steps, by padded token count.
+
+A step of T tokens from B requests replays the graph captured for the smallest token bucket >= T (and
+LoRA on/off). Every input the graph reads lives in static buffers allocated once for the largest
+bucket: token ids, positions and KV slots of each new token; the attention plan (kernels/
+extend_attention.py, `ExtendPlanBuffers`: each request's row, prefix and extend length and the list of
+query blocks); the LoRA segments (`SgmvMetaBuffers`); the rows whose logits are sampled. A replay copies
+the step's values in and pads the rest:
+
+    tokens T..bucket-1   id 0, position 0, KV slot 0 (the reserved page): in no request and no LoRA
+                         segment, so attention and the LoRA kernels skip them; row-wise ops compute
+                         garbage there that no real row reads
+    query blocks         past the step's: a padding request with no token and no key (returns at once)
+    LoRA segments        past the step's: empty; each kernel launches for any segmentation of its rows
+                         (kernels/sgmv.py finds a program's segment on the device)
+    sample rows          past the step's: row 0, whose logits are dropped
+
+Decode steps replay the smaller decode graphs (engine/cuda_graphs.py) instead; a step with more tokens
+than the largest bucket runs eagerly. The two sets share one memory pool: replays never overlap.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+
+import torch
+
+from engine.forward_inputs import AttentionInputs, KVBuffers, StagingFence, resolve_previous
+from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, lora_segments
+from engine.lora_pool import LoraSlotPool
+from engine.models.blocks import DecoderModel
+
+log = logging.getLogger(__name__)
+# Padded step sizes: fine steps for small mixed steps, where launches would dominate an eager step, and
+# coarser ones where GEMMs are compute-bound (the scheduler fills its token budget, so full steps fit
+# exactly: the budget is always a bucket).
+TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+
+
+def token_buckets(max_tokens: int, buckets: tuple[int, ...] | None = None) -> list[int]:
+    """The padded step sizes captured for steps of up to max_tokens tokens (max_tokens itself included;
+    above the table, every 512 tokens)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    table = set(buckets or TOKEN_BUCKETS) | set(range(2048 + 512, max_tokens, 512))
+    return sorted({b for b in table if b < max_tokens} | {max_tokens})
+
+
+@dataclasses.dataclass
+class GraphExtendMetadata:
+    """Attention metadata of a captured step: the extend kernel over the static plan's buffers."""
+
+    req_to_token: torch.Tensor
+    plan: object  # kernels.extend_attention._StaticPlan
+
+    def attend(self, q, k_cache, v_cache, scale):
+        from kernels.extend_attention import extend_attention
+
+        return extend_attention(q, k_cache, v_cache, self.req_to_token, self.plan, scale)
+
+
+class StepGraphs:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv: KVBuffers,
+        req_to_token: torch.Tensor,  # [max_reqs, max_context]: the worker's table
+        max_tokens: int,
+        lora_pool: LoraSlotPool | None,
+        lora_ops: tuple,
+        buckets: tuple[int, ...] | None = None,  # padded token counts to capture; default TOKEN_BUCKETS
+        capture: bool = True,  # False: run the same static-buffer step eagerly (a CPU test of the padding)
+    ):
+        from kernels.extend_attention import ExtendPlanBuffers  # Triton: imported on use
+
+        self.model, self.kv, self.req_to_token = model, kv, req_to_token
+        self.lora_pool, self.lora_ops = lora_pool, lora_ops
+        self.device = req_to_token.device
+        self.max_reqs = req_to_token.shape[0]
+        self.buckets = token_buckets(max_tokens, buckets)
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=self.device)  # padding -> slot 0
+        self.sample_rows = torch.zeros(self.max_reqs, dtype=torch.int64, device=self.device)
+        pin = self.device.type == "cuda"
+        self._host = torch.zeros(3 * n + self.max_reqs, dtype=torch.int64, pin_memory=pin)  # the four above
+        self._fence = StagingFence(self.device)
+        c = model.config
+        self.plans = ExtendPlanBuffers(n, self.max_reqs, c.num_heads // c.num_kv_heads, self.device)
+        slots = lora_pool.num_slots + 1 if lora_pool else 0
+        self.lora_meta = SgmvMetaBuffers(self.max_reqs, slots, self.device, tuple(lora_pool.targets)) if lora_pool else None
+        self.capture_graphs = capture
+        # (bucket, with_lora) -> its step function, which holds what the graph reads outside its pool (a
+        # later capture empties the allocator's cache: freed memory a graph names would be unmapped)
+        self.steps: dict[tuple[int, bool], object] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def capture(self, pool=None) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse its memory); pool: a graph memory
+        pool to share (replays of graphs in one pool must not overlap)."""
+        self.pool = pool
+        for bucket in reversed(self.buckets):
+            for with_lora in (False, True) if self.lora_pool else (False,):
+                step = self.steps[(bucket, with_lora)] = self._step(bucket, with_lora)
+                if self.capture_graphs:
+                    self.graphs[(bucket, with_lora)] = self._capture(step)
+        if self.capture_graphs:
+            log.info("captured %d step graphs for token counts %s", len(self.graphs), self.buckets)
+
+    def can_run(self, num_tokens: int, num_requests: int) -> bool:
+        return 0 < num_tokens <= self.buckets[-1] and 0 < num_requests <= self.max_reqs
+
+    def run(
+        self, input_ids: list[int], positions: list[int], out_cache_loc: list[int], req_rows: list[int],
+        prefix_lens: list[int], extend_lens: list[int], sample_rows: list[int], lora_slots: list[int] | None,
+        previous: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Replay the step of the smallest bucket >= its token count; the logits of sample_rows
+        [len(sample_rows), vocab] fp32. previous: the last step's sampled tokens (a chained plan)."""
+        t, s = len(input_ids), len(sample_rows)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, t)]
+        n = self.buckets[-1]
+        host = self._host
+        self._fence.refill()
+        host.zero_()
+        for row, values in enumerate((input_ids, positions, out_cache_loc)):
+            host[row * n : row * n + t] = torch.tensor(values, dtype=torch.int64)
+        host[3 * n : 3 * n + s] = torch.tensor(sample_rows, dtype=torch.int64)
+        self.plans.fill(req_rows, prefix_lens, extend_lens)
+        for row, buffer in enumerate((self.input_ids, self.positions, self.out_cache_loc)):
+            buffer[:bucket].copy_(host[row * n : row * n + bucket], non_blocking=True)
+        self.sample_rows.copy_(host[3 * n :], non_blocking=True)
+        with_lora = lora_slots is not None
+        if with_lora:
+            pool = self.lora_pool
+            pool.wait_for_loads(lora_slots)  # loads ahead into other slots keep running beside the replay
+            seg_lens, seg_slots = lora_segments(list(extend_lens), lora_slots)
+            self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
+        self._fence.copied()
+        if previous is not None:
+            self.input_ids[:bucket].copy_(resolve_previous(self.input_ids[:bucket], previous))
+        if self.capture_graphs:
+            graph, logits = self.graphs[(bucket, with_lora)]
+            graph.replay()
+        else:
+            logits = self.steps[(bucket, with_lora)]()
+        self.num_replays += 1
+        return logits[:s]
+
+    def _step(self, bucket: int, with_lora: bool):
+        """The forward of a `bucket`-token step over the static buffers: logits of min(bucket, max_reqs)
+        sample rows (each request has a token, so a step of bucket tokens samples at most that many)."""
+        rows = min(bucket, self.max_reqs)
+        attn = AttentionInputs(self.out_cache_loc[:bucket], GraphExtendMetadata(self.req_to_token, self.plans.plan(bucket)))
+        lora = None
+        if with_lora:
+            pool = self.lora_pool
+            # every segment a step can have (empty ones included) and any length: the kernels' grids
+            # then cover every segmentation a replay brings (kernels/sgmv.py)
+            meta = self.lora_meta.fill([0] * rows, [pool.base_slot] * rows, pool.ranks, pool.scalings, pool.target_ranks)
+            meta = dataclasses.replace(meta, max_seg_len=bucket, host_seg_lens=None, host_slots=None)  # replays differ
+            lora = LoraInputs(pool, meta, *self.lora_ops, by_target=self.lora_meta.by_target(meta))
+
+        def step() -> torch.Tensor:
+            hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], attn, self.kv, lora)
+            return self.model.compute_logits(hidden[self.sample_rows[:rows]])  # [rows, vocab] fp32
+
+        return step
+
+    def _capture(self, step) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        with torch.inference_mode():
+            for _ in range(2):  # compile kernels and settle allocations outside the capture
+                step()
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = step()
+        self.pool = graph.pool()
+        return graph, logits
