@@ -3,10 +3,13 @@ workers -> sampled tokens), with random weights in a named shape, on 1..N tensor
 
     python benchmarks/engine_step.py --shape llama3-8b --device cuda --batch 1 32 --prompt-len 128
     python benchmarks/engine_step.py --shape llama3-70b --tensor-parallel-size 2 --adapters 0 1 8 32
+    python benchmarks/engine_step.py --shape llama3-8b --batch 64 --mixed-chunk 64 256 1024 [--graph-max-tokens 0]
 
 Reports, per batch size and number of distinct rank-16 adapters, the median time of a decode step
 (every request computes one token and samples), next to the weight-read floors: the whole model's
 parameter bytes / copy bandwidth, and one rank's (what each GPU reads per step), and prefill tokens/s.
+With --mixed-chunk C, also the median mixed step: batch - 1 requests decoding beside C tokens of another
+request's prompt (chunked prefill), replayed from a step graph or (--graph-max-tokens 0) run eagerly.
 One engine (its slot pool sized for the most adapters, one decode graph per batch size) serves every row.
 """
 
@@ -73,12 +76,13 @@ def random_packed(
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = ()):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
-        num_kv_slots=max_reqs * max_context + 8, attention_backend=attention, max_loras_per_batch=num_adapters,
+        num_kv_slots=kv_tokens or max_reqs * max_context + 8, attention_backend=attention, max_loras_per_batch=num_adapters,
         max_lora_rank=16, lora_backend=lora_backend, cuda_graph_max_batch=max_reqs if graphs else 0, tensor_parallel_size=tp,
+        cuda_graph_max_tokens=graph_max_tokens if graphs else 0,
         disable_custom_all_reduce=nccl_only,
     )  # fmt: skip
     spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=tuple(sorted(set(batches))))
@@ -119,14 +123,14 @@ def step(loop: EngineLoop) -> int:
     return sum(e.extend_len for e in entries)
 
 
-def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int, num_decode: int, num_adapters: int) -> dict:
+def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int, num_decode: int, num_adapters: int, salt: int = 0) -> dict:
     """One round: `batch` requests over `num_adapters` distinct adapters, prefilled together, then decoded.
     With loop.overlap the decode steps go through the loop's own overlapped path (step k+1 launched
     before step k's tokens are read), each timed from one launch to the next."""
     model = loop.workers.local.runner.model
     for i in range(batch):
         namespace = f"adapter-{i % num_adapters}" if num_adapters else ""
-        loop.scheduler.add(make_request(100_000 * batch + 1000 * num_adapters + i, prompt_len, model.config.vocab_size, num_decode + 1, namespace))
+        loop.scheduler.add(make_request(salt + 100_000 * batch + 1000 * num_adapters + i, prompt_len, model.config.vocab_size, num_decode + 1, namespace))
     sync(device)
     start = time.perf_counter()
     num_prefill = step(loop)  # the whole batch's prompts in one extend step
@@ -158,6 +162,36 @@ def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int,
     }
 
 
+def measure_mixed(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int, chunk: int, num_adapters: int, num_steps: int = 12, salt: int = 0) -> dict:
+    """batch - 1 requests decode while one more request's prompt is computed `chunk` tokens a step (the
+    token budget is batch - 1 + chunk): the median of num_steps such mixed steps."""
+    model, scheduler = loop.workers.local.runner.model, loop.scheduler
+    vocab, budget = model.config.vocab_size, scheduler.config
+    uid = salt + 900_000 + 1000 * num_adapters + batch
+    for i in range(batch - 1):
+        namespace = f"adapter-{i % num_adapters}" if num_adapters else ""
+        scheduler.add(make_request(uid + i, prompt_len, vocab, 10 * num_steps, namespace))
+    step(loop)  # their prompts
+    scheduler.config = replace(budget, max_batch_tokens=batch - 1 + chunk)
+    long = make_request(uid + batch, chunk * (num_steps + 4), vocab, 1, "adapter-0" if num_adapters else "")
+    scheduler.add(long)
+    times = []
+    try:
+        for _ in range(num_steps):
+            sync(device)
+            start = time.perf_counter()
+            step(loop)
+            sync(device)
+            times.append(time.perf_counter() - start)
+    finally:
+        scheduler.config = budget
+        for req in [*scheduler.running, *scheduler.waiting]:
+            scheduler.finish(req, scheduler.finished_event(req, None))
+    graphs = loop.workers.local.runner.step_graphs
+    return {"batch": batch, "num_adapters": num_adapters, "mixed_chunk": chunk, "mixed_step_ms": statistics.median(times[2:]) * 1e3,
+            "step_graph_replays": graphs.num_replays if graphs else 0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
@@ -173,7 +207,9 @@ def main() -> None:
         "--adapter-targets", nargs="+", default=[], choices=("qkv", "o", "gate_up", "down"),
         help="fused targets the adapters adapt (default all: the seven projections; qkv alone for q/v adapters)",
     )  # fmt: skip
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly")
+    parser.add_argument("--graph-max-tokens", type=int, default=2048, help="prefill and mixed steps up to N tokens replay step graphs (0 = eager)")
+    parser.add_argument("--mixed-chunk", type=int, nargs="*", default=[], help="also time mixed steps: batch - 1 decodes + C prompt tokens")
     parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     parser.add_argument("--overlap", action="store_true", help="decode through the loop's overlapped schedule")
     parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth for the floor")
@@ -183,9 +219,22 @@ def main() -> None:
     tp = args.tensor_parallel_size
     max_context = args.prompt_len + args.num_decode + 8
     # One engine (weights, KV, slot pool, one decode graph per batch size) serves every measurement.
-    loop = build(SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs, args.disable_custom_all_reduce, tuple(args.adapter_targets))
+    kv_tokens = 0
+    if args.mixed_chunk:  # decoding requests run 10 tokens a timed step; the long prompt needs 16 chunks
+        per_request = args.prompt_len + max(args.num_decode, 120) + 8
+        kv_tokens = max(args.batch) * per_request + 16 * max(args.mixed_chunk) + 8
+        max_context = max(per_request, 16 * max(args.mixed_chunk))
+    loop = build(
+        SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs,
+        args.disable_custom_all_reduce, tuple(args.adapter_targets), args.graph_max_tokens, kv_tokens,
+    )  # fmt: skip
     loop.overlap = args.overlap
     try:
+        # A discarded round first (other prompts: no prefix hits later): kernels compile and the allocator
+        # grows on their first steps
+        measure(loop, device, max(args.batch), args.prompt_len, 4, max(args.adapters), salt=10**8)
+        for chunk in args.mixed_chunk[:1]:
+            measure_mixed(loop, device, max(args.batch), args.prompt_len, chunk, max(args.adapters), num_steps=3, salt=10**8)
         for batch in args.batch:
             base_ms = None
             for num_adapters in args.adapters:
@@ -201,6 +250,10 @@ def main() -> None:
                     all_reduce="nccl" if args.disable_custom_all_reduce or tp == 1 else "peer+nccl", overlap=args.overlap,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)
+                for chunk in args.mixed_chunk:
+                    row = measure_mixed(loop, device, batch, args.prompt_len, chunk, num_adapters)
+                    row.update(shape=args.shape, graph_max_tokens=args.graph_max_tokens if graphs else 0, lora_backend=args.lora_backend)
+                    print(json.dumps(row), flush=True)
     finally:
         loop.workers.close()
 

@@ -389,7 +389,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "--max-batch-tokens", str(config.max_batch_tokens), "--max-context", str(config.max_context),
         "--num-kv-slots", str(config.num_kv_slots),
         "--max-queued-requests", str(config.max_queued_requests),
-        "--lora-load-ahead", str(config.lora_load_ahead),
+        "--lora-load-ahead", str(config.lora_load_ahead), "--cuda-graph-max-tokens", str(config.cuda_graph_max_tokens),
     ]  # fmt: skip
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
@@ -525,6 +525,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         max_queued_requests=max(1024, args.num_requests),
         lora_backend=args.lora_backend,
         lora_load_ahead=args.lora_load_ahead,
+        cuda_graph_max_tokens=args.graph_max_tokens,
     )
 
 
@@ -552,6 +553,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-host-adapters", type=int, default=64)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--graph-max-tokens", type=int, default=2048, help="prefill and mixed steps up to N tokens replay graphs (0 = eager)")
     p.add_argument("--lora-backend", default="", help="the engine's SGMV backend (default: its own)")
     p.add_argument(
         "--lora-load-ahead", type=int, default=DEFAULT_LORA_LOAD_AHEAD,

@@ -51,6 +51,9 @@ class EngineConfig:
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
+    # on CUDA, prefill and mixed steps of up to this many tokens (at most max_batch_tokens) replay graphs
+    # captured for padded token counts (engine/step_graphs.py); 0 = off
+    cuda_graph_max_tokens: int = 2048
     tensor_parallel_size: int = 1  # model workers (GPUs), one per tensor-parallel rank
     disable_custom_all_reduce: bool = False  # True: every all-reduce through NCCL (no one-shot peer path)
     disable_overlap_schedule: bool = False  # True: on CUDA too, plan each step only after the last one's tokens
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.lora_load_ahead < 0:
             raise ValueError(f"lora_load_ahead must be >= 0, got {self.lora_load_ahead}")
+        if self.cuda_graph_max_batch < 0 or self.cuda_graph_max_tokens < 0:
+            raise ValueError("cuda_graph_max_batch and cuda_graph_max_tokens must be >= 0 (0 = off)")
 
     @property
     def resolved_base_model_name(self) -> str:

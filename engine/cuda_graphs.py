@@ -50,6 +50,10 @@ class DecodeGraphs:
         self._fence = StagingFence(self.device)
         self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets)) if lora_pool else None
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # What each graph reads outside its pool (the attention workspace, the LoRA inputs), kept alive:
+        # a later capture empties the allocator's cache, so freed memory a graph still names would be
+        # unmapped (an illegal address at its next replay) or handed to another tensor.
+        self._held: list[object] = []
         self.pool = None
         self.num_replays = 0
 
@@ -111,12 +115,19 @@ class DecodeGraphs:
             hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)
             return self.model.compute_logits(hidden)  # [batch, vocab] fp32
 
-        with torch.inference_mode():
-            for _ in range(2):  # compile kernels and settle allocations outside the capture
-                step()
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = step()
-        self.pool = graph.pool()
+        self._held.append((attn, lora))
+        graph, logits, self.pool = capture_graph(step, self.device, self.pool)
         return graph, logits
+
+
+def capture_graph(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+    """Capture step() (its output: the logits) into a graph sharing memory pool `pool` (None: a new
+    one); returns the graph, its static output and the pool to pass to the next capture."""
+    with torch.inference_mode():
+        for _ in range(2):  # compile kernels and settle allocations outside the capture
+            step()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = step()
+    return graph, logits, graph.pool()

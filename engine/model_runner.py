@@ -47,6 +47,7 @@ class ModelRunner:
         self.lora_side = torch.cuda.Stream(self.device) if lora_pool is not None and self.device.type == "cuda" else None
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
+        self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran
         self.lora_meta = None
         if lora_pool is not None:  # one segment per request at most (lora_segments merges, never splits)
             self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets))
@@ -62,17 +63,26 @@ class ModelRunner:
     def attention_backend(self) -> str:
         return self.attention.name
 
-    def enable_cuda_graphs(self, max_batch: int, buckets: tuple[int, ...] | None = None) -> None:
-        """Capture decode steps of up to max_batch requests; later all-decode steps replay them."""
+    def enable_cuda_graphs(self, max_batch: int, buckets: tuple[int, ...] | None = None, max_tokens: int = 0) -> None:
+        """Capture decode steps of up to max_batch requests (0: none), and any other step of up to
+        max_tokens tokens (0: none); later steps of those shapes replay them."""
         from engine.cuda_graphs import DecodeGraphs  # imports Triton kernels: CUDA only
+        from engine.step_graphs import StepGraphs
 
         # The chunked backend re-segments on the host per step, which a captured graph cannot follow;
-        # for decode (one token per segment) it computes what the plain Triton ops compute.
+        # the plain Triton ops compute the same.
         ops = sgmv_ops("triton") if self.lora_ops == sgmv_ops("chunked") else self.lora_ops
-        c = self.model.config
-        decode = DecodeKernelBackend(self.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
-        self.graphs = DecodeGraphs(self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side)
-        self.graphs.capture()
+        pool = None
+        if max_tokens > 0:  # the largest activations first: the decode graphs then reuse their memory
+            self.step_graphs = StepGraphs(self.model, self.kv, self.req_to_token, max_tokens, self.lora_pool, ops)
+            self.step_graphs.capture()
+            pool = self.step_graphs.pool
+        if max_batch > 0:
+            c = self.model.config
+            decode = DecodeKernelBackend(self.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
+            self.graphs = DecodeGraphs(self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side)
+            self.graphs.pool = pool
+            self.graphs.capture()
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter] | None = None) -> SampledTokens:
@@ -89,6 +99,8 @@ class ModelRunner:
             self.model.tp.broadcast_from_first(self.last_tokens[: self._num_last])
         if self.graphs is not None and plan.is_decode and self.graphs.can_run(plan.num_requests):
             logits = self._run_graph(plan)
+        elif self.step_graphs is not None and self.step_graphs.can_run(plan.num_tokens, plan.num_requests):
+            logits = self._run_step_graph(plan)
         else:
             logits = self._run_eager(plan)
         rows = [s for s in plan.samples if s is not None]
@@ -119,6 +131,18 @@ class ModelRunner:
             lora_slots = self._slots(plan.lora_slots)  # DecodeGraphs.run waits for their loads
         previous = self.last_tokens if plan.chained else None
         return self.graphs.run(list(plan.input_ids), list(plan.positions), list(plan.out_cache_loc), list(plan.req_rows), lora_slots, previous)
+
+    def _run_step_graph(self, plan: StepPlan) -> torch.Tensor | None:
+        rows = plan.sample_rows
+        lora_slots = None
+        if self.lora_pool is not None and plan.lora_slots is not None:
+            lora_slots = self._slots(plan.lora_slots)  # StepGraphs.run waits for their loads
+        previous = self.last_tokens if plan.chained else None
+        logits = self.step_graphs.run(
+            list(plan.input_ids), list(plan.positions), list(plan.out_cache_loc), list(plan.req_rows),
+            list(plan.prefix_lens), list(plan.extend_lens), rows, lora_slots, previous,
+        )  # fmt: skip
+        return logits if rows else None
 
     def _lora_inputs(self, plan: StepPlan) -> LoraInputs | None:
         """One segment per request (its tokens are contiguous); None when no request uses an adapter."""

@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from engine.cuda_graphs import capture_graph
 from engine.forward_inputs import AttentionInputs, KVBuffers, StagingFence, resolve_previous
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, lora_segments
 from engine.lora_pool import LoraSlotPool
@@ -108,7 +109,8 @@ class StepGraphs:
             for with_lora in (False, True) if self.lora_pool else (False,):
                 step = self.steps[(bucket, with_lora)] = self._step(bucket, with_lora)
                 if self.capture_graphs:
-                    self.graphs[(bucket, with_lora)] = self._capture(step)
+                    graph, logits, self.pool = capture_graph(step, self.device, self.pool)
+                    self.graphs[(bucket, with_lora)] = graph, logits
         if self.capture_graphs:
             log.info("captured %d step graphs for token counts %s", len(self.graphs), self.buckets)
 
@@ -171,14 +173,3 @@ class StepGraphs:
             return self.model.compute_logits(hidden[self.sample_rows[:rows]])  # [rows, vocab] fp32
 
         return step
-
-    def _capture(self, step) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        with torch.inference_mode():
-            for _ in range(2):  # compile kernels and settle allocations outside the capture
-                step()
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = step()
-        self.pool = graph.pool()
-        return graph, logits

@@ -120,8 +120,11 @@ class ModelWorker:
             model, kv, req_to_token, eager_backend(_attention_backend(config, device), req_to_token),
             pool, _lora_backend(config, device), samples=tp.rank == 0,
         )  # fmt: skip
-        if device.type == "cuda" and config.cuda_graph_max_batch > 0:
-            runner.enable_cuda_graphs(min(config.cuda_graph_max_batch, config.max_running_requests), spec.graph_buckets)
+        if device.type == "cuda" and (config.cuda_graph_max_batch > 0 or config.cuda_graph_max_tokens > 0):
+            runner.enable_cuda_graphs(
+                min(config.cuda_graph_max_batch, config.max_running_requests), spec.graph_buckets,
+                max_tokens=min(config.cuda_graph_max_tokens, config.max_batch_tokens),
+            )  # fmt: skip
         return cls(spec, runner, num_slots)
 
     def launch(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter]) -> SampledTokens:
@@ -129,7 +132,7 @@ class ModelWorker:
 
     def release(self) -> None:
         """Drop the CUDA graphs (they hold captured collectives) and let the device finish its work."""
-        self.runner.graphs = None
+        self.runner.graphs = self.runner.step_graphs = None
         if self.spec.device.type == "cuda":
             gc.collect()
             torch.cuda.synchronize(self.spec.device)

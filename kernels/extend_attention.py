@@ -116,6 +116,18 @@ def block_size_m(group: int) -> int:
     return max(16, 128 // triton.next_power_of_2(group))
 
 
+def block_lists(extend_lens: list[int], block_m: int) -> tuple[list[int], list[int], list[int]]:
+    """(request of each query block, its first new token, each request's first row of q)."""
+    blocks_req, blocks_start, q_starts, start = [], [], [], 0
+    for b, extend_len in enumerate(extend_lens):
+        q_starts.append(start)
+        start += extend_len
+        for first in range(0, extend_len, block_m):
+            blocks_req.append(b)
+            blocks_start.append(first)
+    return blocks_req, blocks_start, q_starts
+
+
 class ExtendPlan:
     """The step's launch lists, built once from host lists and reused by every layer."""
 
@@ -124,14 +136,8 @@ class ExtendPlan:
         if not len(req_rows) == len(prefix_lens) == len(extend_lens):
             raise ValueError("req_rows, prefix_lens and extend_lens must have equal lengths")
         self.block_m = block_size_m(group)
-        blocks_req, blocks_start, q_starts, start = [], [], [], 0
-        for b, extend_len in enumerate(extend_lens):
-            q_starts.append(start)
-            start += extend_len
-            for first in range(0, extend_len, self.block_m):
-                blocks_req.append(b)
-                blocks_start.append(first)
-        self.num_tokens = start
+        blocks_req, blocks_start, q_starts = block_lists(extend_lens, self.block_m)
+        self.num_tokens = sum(extend_lens)
         self.num_blocks = len(blocks_req)
         ints = torch.tensor([*blocks_req, *blocks_start, *prefix_lens, *extend_lens, *q_starts], dtype=torch.int32)
         ints = ints.to(device, non_blocking=True)
@@ -141,12 +147,79 @@ class ExtendPlan:
         self.req_rows = torch.tensor(req_rows, dtype=torch.int64).to(device, non_blocking=True)
 
 
+class ExtendPlanBuffers:
+    """ExtendPlan's lists in device buffers allocated once for steps of up to max_tokens new tokens and
+    max_reqs requests, refilled in place (a captured CUDA graph reads them on every replay).
+
+    A step's blocks come first; the rest of the block list names a padding request (index max_reqs:
+    no token, no key), whose programs return at once, so a graph sized for T tokens (`plan(T)`) replays
+    any step of at most T tokens. The host staging buffer is pinned on CUDA: no sync to refill.
+    """
+
+    def __init__(self, max_tokens: int, max_reqs: int, group: int, device: torch.device):
+        self.block_m = block_size_m(group)
+        self.max_tokens, self.max_reqs = max_tokens, max_reqs
+        self.max_blocks = self.blocks_for(max_tokens)
+        b = max_reqs + 1  # the padding request last
+        pin = torch.device(device).type == "cuda"
+        # layout: [block_req | block_start (max_blocks each) | prefix_lens | extend_lens | q_starts | req_rows (b each)]
+        self._host = torch.zeros(2 * self.max_blocks + 4 * b, dtype=torch.int32, pin_memory=pin)
+        self._rows_host = torch.zeros(b, dtype=torch.int64, pin_memory=pin)
+        self._ints = torch.zeros_like(self._host, device=device)
+        self.req_rows = torch.zeros(b, dtype=torch.int64, device=device)
+        n = self.max_blocks
+        self.block_req, self.block_start = self._ints[:n], self._ints[n : 2 * n]
+        self.prefix_lens, self.extend_lens, self.q_starts = (self._ints[2 * n + i * b : 2 * n + (i + 1) * b] for i in range(3))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks of any step of at most num_tokens new tokens: sum of cdiv(e_b, BLOCK_M) over its
+        requests, at most num_tokens // BLOCK_M + one per request."""
+        return num_tokens // self.block_m + min(num_tokens, self.max_reqs)
+
+    def plan(self, num_tokens: int) -> _StaticPlan:
+        """The launch view of a graph for steps of up to num_tokens tokens (q has num_tokens rows)."""
+        if not 0 < num_tokens <= self.max_tokens:
+            raise ValueError(f"num_tokens must be in 1..{self.max_tokens}, got {num_tokens}")
+        return _StaticPlan(self, num_tokens, self.blocks_for(num_tokens))
+
+    def fill(self, req_rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> None:
+        """Write a step's lists; queued on the current stream (the caller fences the staging buffer)."""
+        if not len(req_rows) == len(prefix_lens) == len(extend_lens) <= self.max_reqs:
+            raise ValueError(f"want equal lists of at most {self.max_reqs} requests")
+        if sum(extend_lens) > self.max_tokens:
+            raise ValueError(f"{sum(extend_lens)} new tokens; the buffers hold {self.max_tokens}")
+        n, b, pad = self.max_blocks, self.max_reqs + 1, self.max_reqs
+        blocks_req, blocks_start, q_starts = block_lists(extend_lens, self.block_m)
+        used, reqs = len(blocks_req), len(extend_lens)
+        host = self._host
+        host.zero_()
+        host[:used] = torch.tensor(blocks_req, dtype=torch.int32)
+        host[used:n] = pad
+        host[n : n + used] = torch.tensor(blocks_start, dtype=torch.int32)
+        for i, values in enumerate((prefix_lens, extend_lens, q_starts)):
+            host[2 * n + i * b : 2 * n + i * b + reqs] = torch.tensor(values, dtype=torch.int32)
+        self._rows_host.zero_()
+        self._rows_host[:reqs] = torch.tensor(req_rows, dtype=torch.int64)
+        self._ints.copy_(host, non_blocking=True)
+        self.req_rows.copy_(self._rows_host, non_blocking=True)
+
+
+class _StaticPlan:
+    """An ExtendPlan's launch fields over ExtendPlanBuffers: the first num_blocks blocks of the list."""
+
+    def __init__(self, buffers: ExtendPlanBuffers, num_tokens: int, num_blocks: int):
+        self.block_m, self.num_tokens, self.num_blocks = buffers.block_m, num_tokens, num_blocks
+        self.block_req, self.block_start = buffers.block_req[:num_blocks], buffers.block_start[:num_blocks]
+        self.req_rows, self.prefix_lens = buffers.req_rows, buffers.prefix_lens
+        self.extend_lens, self.q_starts = buffers.extend_lens, buffers.q_starts
+
+
 def extend_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     req_to_token: torch.Tensor,  # [max_reqs, max_context] int
-    plan: ExtendPlan,
+    plan: ExtendPlan | _StaticPlan,
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], q.dtype
     """Causal attention of the new tokens over their cached and new K/V; see the module doc."""

@@ -252,6 +252,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         "--cuda-graph-max-batch", type=int, default=int(env("--cuda-graph-max-batch", 64)),
         help="replay captured CUDA graphs for decode steps of up to N requests (0 = off)",
     )
+    p.add_argument(
+        "--cuda-graph-max-tokens", type=int, default=int(env("--cuda-graph-max-tokens", 2048)),
+        help="replay captured CUDA graphs for prefill and mixed steps of up to N tokens, padded to a bucket"
+        " (0 = off; at most --max-batch-tokens)",
+    )
     p.add_argument("--attention-backend", default=env("--attention-backend", ""), help="ref, sdpa or triton (default: triton on cuda, ref on cpu)")
     p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")
     p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))

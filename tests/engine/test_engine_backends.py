@@ -44,10 +44,21 @@ def adapter_dirs(make_adapter):
     return {name: make_adapter(f"backends-{name}", **kwargs) for name, kwargs in ADAPTERS.items()}
 
 
-def run_batch(model_dir, adapter_dirs, tmp_path, **config) -> list[list[int]]:
-    """JOBS submitted together before the loop starts (one batch); each job's greedy tokens."""
+def run_batch(model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] = (), **config) -> list[list[int]]:
+    """JOBS submitted together before the loop starts (one batch); each job's greedy tokens.
+    static_steps: token buckets of CUDA-graph steps (engine/step_graphs.py) run uncaptured on the CPU,
+    which then serve every step."""
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
     core = EngineCore.build(EngineConfig(model_dir=str(model_dir), adapters=adapters, work_dir=str(tmp_path / "work"), **config))
+    if static_steps:
+        from engine.step_graphs import StepGraphs
+
+        runner = core.workers.local.runner
+        runner.step_graphs = StepGraphs(
+            runner.model, runner.kv, runner.req_to_token, max(static_steps), runner.lora_pool, runner.lora_ops,
+            buckets=static_steps, capture=False,
+        )  # fmt: skip
+        runner.step_graphs.capture()
     streams = []
     for prompt, adapter in JOBS:
         tokens, finals, done = [], [], threading.Event()
@@ -71,6 +82,8 @@ def run_batch(model_dir, adapter_dirs, tmp_path, **config) -> list[list[int]]:
             assert finals == [Finished(FinishReason.LENGTH, "", finals[0].prompt_tokens, NUM_TOKENS, 0)]
     finally:
         core.loop.stop()
+    if static_steps:
+        assert core.workers.local.runner.step_graphs.num_replays >= NUM_TOKENS  # every step, prefill included
     return [tokens for tokens, _, _ in streams]
 
 
@@ -97,6 +110,18 @@ def test_triton_prefill_attention_gives_the_reference_tokens(tiny_llama_dir, ada
     assert tokens == reference
     # the prefill step (every prompt) and decode steps (one token per request) both ran through it
     assert max(calls) > len(JOBS) and len(JOBS) in calls
+
+
+@pytest.mark.parametrize("lora_backend", ["ref", "triton"])
+def test_graph_steps_over_static_buffers_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, lora_backend):
+    """The steps CUDA graphs replay (engine/step_graphs.py), run uncaptured: chunked prefill under a
+    7-token budget mixes prompt chunks with decodes of base and adapter rows, each step padded to a
+    bucket of 2, 4 or 7 tokens, with the attention plan, LoRA segments and sample rows refilled in place."""
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, static_steps=(2, 4, 7), attention_backend="ref", lora_backend=lora_backend,
+        max_batch_tokens=7, max_running_requests=3,
+    )  # fmt: skip
+    assert tokens == reference
 
 
 def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):

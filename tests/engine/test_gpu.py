@@ -141,11 +141,41 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_llama_dir, make_adapter, tm
     def run(max_batch: int) -> list[list[int]]:
         config = EngineConfig(
             model_dir=str(tiny_llama_dir), device="cuda", dtype="float32", num_kv_slots=4096, adapters=adapters,
-            work_dir=str(tmp_path / str(max_batch)), cuda_graph_max_batch=max_batch, max_running_requests=16,
-        )
+            work_dir=str(tmp_path / str(max_batch)), cuda_graph_max_batch=max_batch, cuda_graph_max_tokens=0,
+            max_running_requests=16,
+        )  # fmt: skip
         core = EngineCore.build(config)
+        # unmap the allocator's free memory: a graph that names memory it does not hold would fault
+        torch.cuda.empty_cache()
         tokens = generate_all(core, 12, [None, core.resolve_adapter("qv")])
-        assert (core.workers.local.runner.graphs is not None) == (max_batch > 0)
+        runner = core.workers.local.runner
+        assert (runner.graphs is not None) == (max_batch > 0) and runner.step_graphs is None
         return tokens
 
     assert run(16) == run(0)
+
+
+@pytest.mark.parametrize("lora_backend", ["splitk", "triton"])
+def test_cuda_graph_mixed_steps_match_eager_steps(tiny_llama_dir, make_adapter, tmp_path, lora_backend):
+    """Prefill, chunked-prefill and mixed prefill + decode steps replayed from graphs captured per padded
+    token count: a 24-token budget splits the prompts into chunks beside other requests' decodes, the
+    second round's prompts hit cached prefixes, and three adapters of different targets and ranks share
+    two slots, so each replay brings new lengths, prefixes and slots. Tokens equal the eager steps'."""
+    adapters = tuple(
+        (name, str(make_adapter(f"mixed-{name}", r=4 * (i + 1), lora_alpha=16, target_modules=targets, seed=40 + i)))
+        for i, (name, targets) in enumerate([("qv", ["q_proj", "v_proj"]), ("mlp", ["gate_proj", "up_proj", "down_proj"]), ("o", ["o_proj"])])
+    )  # fmt: skip
+
+    def run(max_tokens: int) -> list[list[int]]:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), device="cuda", dtype="float32", num_kv_slots=4096, adapters=adapters,
+            work_dir=str(tmp_path / str(max_tokens)), cuda_graph_max_batch=0, cuda_graph_max_tokens=max_tokens,
+            max_batch_tokens=24, max_running_requests=8, max_loras_per_batch=2, lora_backend=lora_backend,
+        )  # fmt: skip
+        core = EngineCore.build(config)
+        tokens = generate_all(core, 10, [None, *(core.resolve_adapter(name) for name, _ in adapters)], rounds=2)
+        graphs = core.workers.local.runner.step_graphs
+        assert (graphs is not None and graphs.num_replays > 0) == (max_tokens > 0)
+        return tokens
+
+    assert run(24) == run(0)

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from kernels.attention_ref import extend_attention_ref  # noqa: E402
-from kernels.extend_attention import ExtendPlan, block_size_m, extend_attention  # noqa: E402
+from kernels.extend_attention import ExtendPlan, ExtendPlanBuffers, block_size_m, extend_attention  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 NUM_SLOTS, MAX_CONTEXT = 4096, 320
@@ -82,6 +82,29 @@ def test_plan_lists_one_block_per_block_m_new_tokens_of_each_request():
     assert plan.block_req.tolist() == [0, 0, 1, 2] and plan.block_start.tolist() == [0, 64, 0, 0]
     assert plan.q_starts.tolist() == [0, 70, 71] and plan.num_tokens == 104
     assert [block_size_m(g) for g in (1, 3, 4, 8, 16)] == [128, 32, 32, 16, 16]
+
+
+def test_static_plan_buffers_replay_any_step_of_their_size():
+    """One launch size (a CUDA graph's: 96 query rows, its block list and requests padded) refilled
+    with steps of other shapes: each step's rows equal the reference; padding rows belong to no
+    request; the plan views of smaller sizes cover every block their steps can have."""
+    num_heads, num_kv_heads, head_dim, size = 8, 2, 32, 96
+    buffers = ExtendPlanBuffers(128, 6, num_heads // num_kv_heads, torch.device(DEVICE))
+    plan = buffers.plan(size)
+    assert plan.num_blocks == size // buffers.block_m + 6  # every request may add a partial block
+    assert buffers.plan(4).num_blocks == 4 // buffers.block_m + 4  # at most one request per token
+    for seed, batch in enumerate([BATCHES["mixed"], [(0, 70), (5, 1)], [(30, 33), (0, 1), (2, 40)], [(9, 96)]]):
+        q, k_cache, v_cache, req_to_token, rows = make_case(batch, num_heads, num_kv_heads, head_dim, torch.float32, seed)
+        _, want = run_both(batch, q, k_cache, v_cache, req_to_token, rows, 0.2)
+        buffers.fill(rows, [p for p, _ in batch], [e for _, e in batch])
+        padded = torch.cat([q, torch.randn(size - q.shape[0], num_heads, head_dim)])
+        dev = [t.to(DEVICE) for t in (padded, k_cache, v_cache, req_to_token)]
+        got = extend_attention(*dev, plan, 0.2).cpu()
+        torch.testing.assert_close(got[: q.shape[0]], want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="buffers hold 128"):
+        buffers.fill([0, 1], [0, 0], [100, 29])
+    with pytest.raises(ValueError, match="at most 6 requests"):
+        buffers.fill(list(range(7)), [0] * 7, [1] * 7)
 
 
 def test_checks_inputs():
