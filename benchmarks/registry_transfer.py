@@ -4,12 +4,15 @@ through a real `loramux registry serve` process on loopback; prints MB/s each wa
     python benchmarks/registry_transfer.py [--repeats 3] [--rank 16]
 
 Register time covers the whole RPC: upload, validation, compilation, the blob write and the row
-commit. Fetch time covers streaming the canonical artifact to this process.
+commit. Fetch time covers streaming the canonical artifact to this process: through the blocking client
+(`loramux.registry_client`), and through the engine's own path (`engine.registry_link`, grpc.aio, each
+chunk sha256-checked as it arrives), which cold serving waits on.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import statistics
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.registry_link import RegistryLink, record_of
 from loraformat.model_shapes import SUPPORTED_MODULES, ModelShape
 from loramux.demo_model import LLAMA3_8B_CONFIG
 from loramux.registry_client import RegistryClient
@@ -67,7 +71,7 @@ def main() -> None:
 
 
 def run(address: str, model_dir: Path, dirs: list[Path]) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"register": [], "fetch": [], "artifact_bytes": []}
+    times: dict[str, list[float]] = {"register": [], "fetch": [], "engine_fetch": [], "artifact_bytes": []}
     with RegistryClient(address) as client:
         client.register_base_model("llama3-8b", model_dir)
         for i, adapter_dir in enumerate(dirs):
@@ -79,7 +83,21 @@ def run(address: str, model_dir: Path, dirs: list[Path]) -> dict[str, list[float
             times["fetch"].append(time.perf_counter() - start)
             assert hashlib.sha256(artifact).hexdigest() == fetched.digest
             times["artifact_bytes"].append(len(artifact))
+            times["engine_fetch"].append(asyncio.run(engine_fetch(address, fetched)))
     return times
+
+
+async def engine_fetch(address: str, adapter: pb.Adapter) -> float:
+    """Seconds the engine's registry link takes to fetch and check the adapter's artifact."""
+    link = RegistryLink(address, adapter.base_model, "{}", on_event=lambda event: None)
+    try:
+        start = time.perf_counter()
+        artifact = await link.fetch(record_of(adapter))
+        seconds = time.perf_counter() - start
+    finally:
+        await link.close()
+    assert len(artifact) == adapter.size_bytes
+    return seconds
 
 
 def report(times: dict[str, list[float]], upload_sizes: list[int]) -> None:
@@ -87,9 +105,11 @@ def report(times: dict[str, list[float]], upload_sizes: list[int]) -> None:
     artifact_mb = statistics.median(times["artifact_bytes"]) / 1e6
     register_s = statistics.median(times["register"])
     fetch_s = statistics.median(times["fetch"])
+    engine_s = statistics.median(times["engine_fetch"])
     print(f"upload {upload_mb:.1f} MB, artifact {artifact_mb:.1f} MB, {len(upload_sizes)} runs, medians:")
     print(f"register: {register_s * 1e3:.0f} ms = {upload_mb / register_s:.0f} MB/s")
     print(f"fetch:    {fetch_s * 1e3:.0f} ms = {artifact_mb / fetch_s:.0f} MB/s")
+    print(f"engine fetch (sha256-checked): {engine_s * 1e3:.0f} ms = {artifact_mb / engine_s:.0f} MB/s")
 
 
 if __name__ == "__main__":

@@ -64,10 +64,11 @@ class ServiceHost:
 
     def add_servicer(self, add_to_server: Callable, servicer: object) -> None:
         """Register a generated servicer (`add_XServicer_to_server`) so that request bytes which do not
-        parse end as INVALID_ARGUMENT naming the method, not as gRPC's UNKNOWN "Unexpected DecodeError"."""
+        parse end as INVALID_ARGUMENT naming the method, not as gRPC's UNKNOWN "Unexpected DecodeError",
+        and so that a method may answer with a message it encoded itself (bytes: sent as they are)."""
         capture = _HandlerCapture()
         add_to_server(servicer, capture)
-        handlers = {name: _tolerant(name, h) for name, h in capture.handlers.items()}
+        handlers = {name: _encoded_passes(_tolerant(name, h)) for name, h in capture.handlers.items()}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
         self.server.add_registered_method_handlers(capture.service, handlers)
 
@@ -152,6 +153,11 @@ def _tolerant(name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandle
 
         return handler._replace(request_deserializer=deserialize, unary_stream=streamed)
     return handler._replace(request_deserializer=deserialize)  # request streams meet Malformed items themselves
+
+
+def _encoded_passes(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    serialize = handler.response_serializer
+    return handler._replace(response_serializer=lambda m: m if isinstance(m, bytes) else serialize(m))
 
 
 async def _refuse_malformed(name: str, request, context) -> None:

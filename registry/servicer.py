@@ -45,6 +45,25 @@ log = logging.getLogger(__name__)
 FETCH_CHUNKS_PER_READ = 8
 
 
+def encode_data_chunk(offset: int, data: bytes) -> bytes:
+    """`AdapterChunk(data=DataChunk(offset, data))` in protobuf's wire format, the bytes
+    SerializeToString gives, with one copy of data: protobuf's own serializing of a 1 MiB bytes field cost
+    1.1 ms on the 2-core VM against 0.06 ms for this join, most of a fetch's time on the server."""
+    inner = b"\x08" + _varint(offset) if offset else b""  # field 1 (offset), varint; 0 is left out
+    if data:
+        inner += b"\x12" + _varint(len(data))  # field 2 (data), length-delimited
+    return b"".join((b"\x12", _varint(len(inner) + len(data)), inner, data))  # AdapterChunk field 2 (data)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def _status_of(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     """The status an RPC ends with when `exc` leaves its handler (after the wrappers below)."""
     if isinstance(exc, RegistryError):
@@ -255,7 +274,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         # Several chunks per worker-thread hop: the hop, not the read, dominated per-chunk cost.
         while batch := await asyncio.to_thread(list, itertools.islice(chunks, FETCH_CHUNKS_PER_READ)):
             for data in batch:
-                yield pb.AdapterChunk(data=pb.DataChunk(offset=offset, data=data))
+                yield encode_data_chunk(offset, data)  # sent as is (ServiceHost.add_servicer)
                 offset += len(data)
             self.metrics.fetched_bytes.inc(sum(map(len, batch)))
 

@@ -121,6 +121,20 @@ async def test_large_artifact_streams_in_chunks_of_at_most_1_mib(registry, make_
     assert all(size <= 1 << 20 for size in chunk_sizes)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 127, 128, 300, 2**32, 2**64 - 1])
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16384, 1 << 20])
+def test_hand_encoded_fetch_chunks_are_protobufs_own_bytes(offset, size):
+    """The servicer encodes its data chunks itself (one copy of the data instead of protobuf's
+    serializing); the bytes must be protobuf's, so every client (grpcurl included) parses them alike."""
+    from registry.servicer import encode_data_chunk
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    encoded = encode_data_chunk(offset, data)
+    assert encoded == pb.AdapterChunk(data=pb.DataChunk(offset=offset, data=data)).SerializeToString()
+    parsed = pb.AdapterChunk.FromString(encoded)
+    assert parsed.WhichOneof("item") == "data" and (parsed.data.offset, parsed.data.data) == (offset, data)
+
+
 async def test_reregistering_equal_content_returns_the_same_version(registry, qv_adapter, mlp_adapter):
     first = await registry.register("bot", qv_adapter)
     again = await registry.register("bot", qv_adapter, pinned=True)
