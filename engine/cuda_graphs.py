@@ -121,7 +121,7 @@ class DecodeGraphs:
 
 
 def capture_graph(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
-    """Capture step() (its output: the logits) into a graph sharing memory pool `pool` (None: a new
+    """Capture step() (it returns one tensor) into a graph sharing memory pool `pool` (None: a new
     one); returns the graph, its static output and the pool to pass to the next capture."""
     with torch.inference_mode():
         for _ in range(2):  # compile kernels and settle allocations outside the capture
@@ -129,5 +129,5 @@ def capture_graph(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGrap
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = step()
-    return graph, logits, graph.pool()
+            output = step()
+    return graph, output, graph.pool()

@@ -69,9 +69,9 @@ class ModelRunner:
         from engine.cuda_graphs import DecodeGraphs  # imports Triton kernels: CUDA only
         from engine.step_graphs import StepGraphs
 
-        # The chunked backend re-segments on the host per step, which a captured graph cannot follow;
-        # the plain Triton ops compute the same.
-        ops = sgmv_ops("triton") if self.lora_ops == sgmv_ops("chunked") else self.lora_ops
+        # The chunked backend re-segments on the host per step and the reference one reads the segments
+        # back to the host, which a captured graph cannot follow; the plain Triton ops compute the same.
+        ops = sgmv_ops("triton") if self.lora_ops in (sgmv_ops("chunked"), sgmv_ops("ref")) else self.lora_ops
         pool = None
         if max_tokens > 0:  # the largest activations first: the decode graphs then reuse their memory
             self.step_graphs = StepGraphs(self.model, self.kv, self.req_to_token, max_tokens, self.lora_pool, ops)

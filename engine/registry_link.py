@@ -212,13 +212,15 @@ class RegistryLink:
         parts: list[bytes] = []
         sha = hashlib.sha256()
         hashing = None  # the previous chunk's update; chunks are hashed in order
-        async for data in self._artifact_chunks(record):
+        try:
+            async for data in self._artifact_chunks(record):
+                if hashing is not None:
+                    await hashing
+                hashing = asyncio.ensure_future(asyncio.to_thread(sha.update, data))
+                parts.append(data)
+        finally:
             if hashing is not None:
-                await hashing
-            hashing = asyncio.ensure_future(asyncio.to_thread(sha.update, data))
-            parts.append(data)
-        if hashing is not None:
-            await hashing
+                await asyncio.wait([hashing])  # also when the stream failed: no task left behind
         return b"".join(parts), sha.hexdigest()
 
     async def _artifact_chunks(self, record: AdapterRecord) -> AsyncIterator[bytes]:

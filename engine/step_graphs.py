@@ -10,10 +10,11 @@ the step's values in and pads the rest:
     tokens T..bucket-1   id 0, position 0, KV slot 0 (the reserved page): in no request and no LoRA
                          segment, so attention and the LoRA kernels skip them; row-wise ops compute
                          garbage there that no real row reads
-    query blocks         past the step's: a padding request with no token and no key (returns at once)
+    query blocks         past the step's: a padding request with no token and no key (no work)
     LoRA segments        past the step's: empty; each kernel launches for any segmentation of its rows
                          (kernels/sgmv.py finds a program's segment on the device)
-    sample rows          past the step's: row 0, whose logits are dropped
+    sample rows          past the step's: row 0, dropped (the LM head runs after the replay, on the
+                         sampling rows only)
 
 Decode steps replay the smaller decode graphs (engine/cuda_graphs.py) instead; a step with more tokens
 than the largest bucket runs eagerly. The two sets share one memory pool: replays never overlap.
@@ -97,7 +98,7 @@ class StepGraphs:
         # (bucket, with_lora) -> its step function, which holds what the graph reads outside its pool (a
         # later capture empties the allocator's cache: freed memory a graph names would be unmapped)
         self.steps: dict[tuple[int, bool], object] = {}
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # -> (graph, its hidden rows)
         self.pool = None
         self.num_replays = 0
 
@@ -109,8 +110,8 @@ class StepGraphs:
             for with_lora in (False, True) if self.lora_pool else (False,):
                 step = self.steps[(bucket, with_lora)] = self._step(bucket, with_lora)
                 if self.capture_graphs:
-                    graph, logits, self.pool = capture_graph(step, self.device, self.pool)
-                    self.graphs[(bucket, with_lora)] = graph, logits
+                    graph, hidden_rows, self.pool = capture_graph(step, self.device, self.pool)
+                    self.graphs[(bucket, with_lora)] = graph, hidden_rows
         if self.capture_graphs:
             log.info("captured %d step graphs for token counts %s", len(self.graphs), self.buckets)
 
@@ -123,7 +124,8 @@ class StepGraphs:
         previous: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Replay the step of the smallest bucket >= its token count; the logits of sample_rows
-        [len(sample_rows), vocab] fp32. previous: the last step's sampled tokens (a chained plan)."""
+        [len(sample_rows), vocab] fp32 (computed after the replay). previous: the last step's sampled
+        tokens (a chained plan)."""
         t, s = len(input_ids), len(sample_rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, t)]
         n = self.buckets[-1]
@@ -147,16 +149,19 @@ class StepGraphs:
         if previous is not None:
             self.input_ids[:bucket].copy_(resolve_previous(self.input_ids[:bucket], previous))
         if self.capture_graphs:
-            graph, logits = self.graphs[(bucket, with_lora)]
+            graph, hidden_rows = self.graphs[(bucket, with_lora)]
             graph.replay()
         else:
-            logits = self.steps[(bucket, with_lora)]()
+            hidden_rows = self.steps[(bucket, with_lora)]()
         self.num_replays += 1
-        return logits[:s]
+        # the LM head runs after the replay, on the rows that sample: graphs of every bucket holding
+        # [rows, vocab] fp32 outputs would pin about a gigabyte at Llama-3's vocabulary
+        return self.model.compute_logits(hidden_rows[:s])
 
     def _step(self, bucket: int, with_lora: bool):
-        """The forward of a `bucket`-token step over the static buffers: logits of min(bucket, max_reqs)
-        sample rows (each request has a token, so a step of bucket tokens samples at most that many)."""
+        """The forward of a `bucket`-token step over the static buffers: the final hidden states of
+        min(bucket, max_reqs) sample rows (each request has a token, so a step of bucket tokens samples
+        at most that many)."""
         rows = min(bucket, self.max_reqs)
         attn = AttentionInputs(self.out_cache_loc[:bucket], GraphExtendMetadata(self.req_to_token, self.plans.plan(bucket)))
         lora = None
@@ -170,6 +175,6 @@ class StepGraphs:
 
         def step() -> torch.Tensor:
             hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], attn, self.kv, lora)
-            return self.model.compute_logits(hidden[self.sample_rows[:rows]])  # [rows, vocab] fp32
+            return hidden[self.sample_rows[:rows]]  # [rows, hidden]
 
         return step

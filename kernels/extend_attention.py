@@ -152,7 +152,7 @@ class ExtendPlanBuffers:
     max_reqs requests, refilled in place (a captured CUDA graph reads them on every replay).
 
     A step's blocks come first; the rest of the block list names a padding request (index max_reqs:
-    no token, no key), whose programs return at once, so a graph sized for T tokens (`plan(T)`) replays
+    no token, no key), whose programs do no work, so a graph sized for T tokens (`plan(T)`) replays
     any step of at most T tokens. The host staging buffer is pinned on CUDA: no sync to refill.
     """
 
@@ -162,8 +162,9 @@ class ExtendPlanBuffers:
         self.max_blocks = self.blocks_for(max_tokens)
         b = max_reqs + 1  # the padding request last
         pin = torch.device(device).type == "cuda"
-        # layout: [block_req | block_start (max_blocks each) | prefix_lens | extend_lens | q_starts | req_rows (b each)]
-        self._host = torch.zeros(2 * self.max_blocks + 4 * b, dtype=torch.int32, pin_memory=pin)
+        # layout: [block_req | block_start (max_blocks each) | prefix_lens | extend_lens | q_starts (b each)];
+        # req_rows (int64) has its own
+        self._host = torch.zeros(2 * self.max_blocks + 3 * b, dtype=torch.int32, pin_memory=pin)
         self._rows_host = torch.zeros(b, dtype=torch.int64, pin_memory=pin)
         self._ints = torch.zeros_like(self._host, device=device)
         self.req_rows = torch.zeros(b, dtype=torch.int64, device=device)

@@ -65,7 +65,7 @@ class ServiceHost:
     def add_servicer(self, add_to_server: Callable, servicer: object) -> None:
         """Register a generated servicer (`add_XServicer_to_server`) so that request bytes which do not
         parse end as INVALID_ARGUMENT naming the method, not as gRPC's UNKNOWN "Unexpected DecodeError",
-        and so that a method may answer with a message it encoded itself (bytes: sent as they are)."""
+        and so that a response stream may carry messages the method encoded itself (bytes: sent as they are)."""
         capture = _HandlerCapture()
         add_to_server(servicer, capture)
         handlers = {name: _encoded_passes(_tolerant(name, h)) for name, h in capture.handlers.items()}
@@ -156,6 +156,9 @@ def _tolerant(name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandle
 
 
 def _encoded_passes(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A response stream's items may be messages or their encoded bytes (sent as they are)."""
+    if not handler.response_streaming:
+        return handler
     serialize = handler.response_serializer
     return handler._replace(response_serializer=lambda m: m if isinstance(m, bytes) else serialize(m))
 

@@ -263,7 +263,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         return adapter_to_pb(info)
 
     @_stream_statuses
-    async def FetchAdapter(self, request: pb.FetchAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
+    async def FetchAdapter(self, request: pb.FetchAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk | bytes]:
         caller = await self._caller(context)
         check_name(request.name)
         check_version(request.version)

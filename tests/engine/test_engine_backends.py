@@ -47,7 +47,7 @@ def adapter_dirs(make_adapter):
 def run_batch(model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] = (), **config) -> list[list[int]]:
     """JOBS submitted together before the loop starts (one batch); each job's greedy tokens.
     static_steps: token buckets of CUDA-graph steps (engine/step_graphs.py) run uncaptured on the CPU,
-    which then serve every step."""
+    which then serve every step, under the overlapped schedule (chained plans)."""
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
     core = EngineCore.build(EngineConfig(model_dir=str(model_dir), adapters=adapters, work_dir=str(tmp_path / "work"), **config))
     if static_steps:
@@ -59,6 +59,11 @@ def run_batch(model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] =
             buckets=static_steps, capture=False,
         )  # fmt: skip
         runner.step_graphs.capture()
+        core.loop.overlap = True  # plans made before the last step's tokens arrive: chained input ids
+        eager, real_eager = [], runner._run_eager
+        runner._run_eager = lambda plan: eager.append(plan) or real_eager(plan)
+        chained, real_run = [], runner.step_graphs.run
+        runner.step_graphs.run = lambda *args: chained.append(args[-1] is not None) or real_run(*args)
     streams = []
     for prompt, adapter in JOBS:
         tokens, finals, done = [], [], threading.Event()
@@ -83,7 +88,8 @@ def run_batch(model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] =
     finally:
         core.loop.stop()
     if static_steps:
-        assert core.workers.local.runner.step_graphs.num_replays >= NUM_TOKENS  # every step, prefill included
+        assert core.workers.local.runner.step_graphs.num_replays >= NUM_TOKENS and not eager  # every step
+        assert any(chained)  # some replays read the previous step's tokens on the device
     return [tokens for tokens, _, _ in streams]
 
 
@@ -112,14 +118,18 @@ def test_triton_prefill_attention_gives_the_reference_tokens(tiny_llama_dir, ada
     assert max(calls) > len(JOBS) and len(JOBS) in calls
 
 
-@pytest.mark.parametrize("lora_backend", ["ref", "triton"])
-def test_graph_steps_over_static_buffers_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, lora_backend):
-    """The steps CUDA graphs replay (engine/step_graphs.py), run uncaptured: chunked prefill under a
-    7-token budget mixes prompt chunks with decodes of base and adapter rows, each step padded to a
-    bucket of 2, 4 or 7 tokens, with the attention plan, LoRA segments and sample rows refilled in place."""
+@pytest.mark.parametrize(
+    "budget, buckets, lora_backend",
+    [(7, (2, 4, 7), "ref"), (7, (2, 4, 7), "splitk"), (40, (4, 16, 40), "triton"), (40, (4, 16, 40), "splitk")],
+)
+def test_graph_steps_over_static_buffers_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, budget, buckets, lora_backend):
+    """The steps CUDA graphs replay (engine/step_graphs.py), run uncaptured: a 7-token budget splits the
+    prompts into chunks beside decodes of base and adapter rows, a 40-token one takes them in one step
+    (segments of more than 16 rows); each step is padded to a bucket, with the attention plan, LoRA
+    segments and sample rows refilled in place, and chained input ids resolved on the device."""
     tokens = run_batch(
-        tiny_llama_dir, adapter_dirs, tmp_path, static_steps=(2, 4, 7), attention_backend="ref", lora_backend=lora_backend,
-        max_batch_tokens=7, max_running_requests=3,
+        tiny_llama_dir, adapter_dirs, tmp_path, static_steps=buckets, attention_backend="ref", lora_backend=lora_backend,
+        max_batch_tokens=budget, max_running_requests=3,
     )  # fmt: skip
     assert tokens == reference
 

@@ -58,8 +58,10 @@ def test_cuda_fp32_greedy_matches_cpu(tiny_llama_dir, page_size):
         return EngineCore.build(config)
 
     cuda = core("cuda")
+    torch.cuda.empty_cache()  # the default graphs (decode and step graphs in one pool) hold what they read
     assert generate_all(cuda, 16) == generate_all(core("cpu"), 16)
-    assert cuda.workers.local.runner.graphs.num_replays > 0  # decode steps replayed captured graphs
+    runner = cuda.workers.local.runner
+    assert runner.graphs.num_replays > 0 and runner.step_graphs.num_replays > 0  # decode and prefill steps
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

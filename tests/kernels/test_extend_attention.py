@@ -101,6 +101,16 @@ def test_static_plan_buffers_replay_any_step_of_their_size():
         dev = [t.to(DEVICE) for t in (padded, k_cache, v_cache, req_to_token)]
         got = extend_attention(*dev, plan, 0.2).cpu()
         torch.testing.assert_close(got[: q.shape[0]], want, atol=1e-4, rtol=1e-4)
+        used = sum(-(-e // buffers.block_m) for _, e in batch)
+        assert (buffers.block_req[used:] == 6).all()  # the rest names the padding request
+    # the smallest view: a step of up to 4 tokens, as many requests
+    batch = [(3, 1), (0, 1), (7, 1)]  # 3 tokens and a padding row
+    q, k_cache, v_cache, req_to_token, rows = make_case(batch, num_heads, num_kv_heads, head_dim, torch.float32, seed=9)
+    _, want = run_both(batch, q, k_cache, v_cache, req_to_token, rows, 0.2)
+    buffers.fill(rows, [p for p, _ in batch], [e for _, e in batch])
+    padded = torch.cat([q, torch.randn(1, num_heads, head_dim)])
+    got = extend_attention(*[t.to(DEVICE) for t in (padded, k_cache, v_cache, req_to_token)], buffers.plan(4), 0.2).cpu()
+    torch.testing.assert_close(got[:3], want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="buffers hold 128"):
         buffers.fill([0, 1], [0, 0], [100, 29])
     with pytest.raises(ValueError, match="at most 6 requests"):

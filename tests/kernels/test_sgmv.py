@@ -177,6 +177,7 @@ def test_one_launch_size_serves_any_segmentation(monkeypatch, segment_chunk):
         ([70, 0, 1, 1, 0, 33, 45], [3, 1, 2, 1, 4, 1, 2]),  # empty segments between live ones
         ([150], [1]),  # one segment of every row
         ([1] * 12, [1, 2, 3, 0] * 3),  # as many segments as the capacity, rows 12.. in none
+        ([65, 65] + [1] * 10, [1, 2] + [3, 1] * 5),  # 14 row blocks of 64: the launch's bound exactly
     ]
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(num_rows, in_dim, generator=gen).to(DEVICE, torch.bfloat16)
