@@ -60,7 +60,9 @@ class TritonMetadata:
     req_rows: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
-    plan: object = None  # kernels.extend_attention.ExtendPlan, built by the first layer (it needs the head grouping)
+    # kernels.extend_attention.ExtendPlan, built by the first layer (it needs the head grouping); a step
+    # graph gives its static plan (ExtendPlanBuffers.plan) instead, and the lists above go unread
+    plan: object = None
 
     def attend(self, q, k_cache, v_cache, scale):
         from kernels.extend_attention import ExtendPlan, extend_attention  # Triton: imported on use

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -49,11 +50,7 @@ class DecodeGraphs:
         self._host = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)  # staging for the five above
         self._fence = StagingFence(self.device)
         self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets)) if lora_pool else None
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # What each graph reads outside its pool (the attention workspace, the LoRA inputs), kept alive:
-        # a later capture empties the allocator's cache, so freed memory a graph still names would be
-        # unmapped (an illegal address at its next replay) or handed to another tensor.
-        self._held: list[object] = []
+        self.graphs: dict[tuple[int, bool], CapturedStep] = {}
         self.pool = None
         self.num_replays = 0
 
@@ -94,12 +91,11 @@ class DecodeGraphs:
             slots = lora_slots + [pool.base_slot] * (batch - n)
             seg_lens, seg_slots = lora_segments([1] * batch, slots, DECODE_RUN)
             self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
-        graph, logits = self.graphs[(batch, with_lora)]
-        graph.replay()
+        logits = self.graphs[(batch, with_lora)].replay()
         self.num_replays += 1
         return logits[:n]
 
-    def _capture(self, batch: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, with_lora: bool) -> CapturedStep:
         metadata = self.attention.capture_metadata(self.req_rows[:batch], self.seq_lens[:batch])
         attn = AttentionInputs(out_cache_loc=self.out_cache_loc[:batch], metadata=metadata)
         lora = None
@@ -115,14 +111,30 @@ class DecodeGraphs:
             hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)
             return self.model.compute_logits(hidden)  # [batch, vocab] fp32
 
-        self._held.append((attn, lora))
-        graph, logits, self.pool = capture_graph(step, self.device, self.pool)
-        return graph, logits
+        captured, self.pool = capture_graph(step, self.device, self.pool)
+        return captured
 
 
-def capture_graph(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+@dataclasses.dataclass
+class CapturedStep:
+    """A captured step: its graph, the static tensor it returns, and the step function itself, kept
+    alive with the graph because it holds what the graph reads outside its pool (an attention
+    workspace, LoRA inputs). torch.cuda.graph empties the allocator's cache at every capture, so memory
+    a graph still names but nothing holds would be unmapped (an illegal address at the next replay) or
+    handed to another tensor."""
+
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor
+    step: Callable[[], torch.Tensor]
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+def capture_graph(step: Callable[[], torch.Tensor], device: torch.device, pool) -> tuple[CapturedStep, object]:
     """Capture step() (it returns one tensor) into a graph sharing memory pool `pool` (None: a new
-    one); returns the graph, its static output and the pool to pass to the next capture."""
+    one); returns the captured step and the pool to pass to the next capture."""
     with torch.inference_mode():
         for _ in range(2):  # compile kernels and settle allocations outside the capture
             step()
@@ -130,4 +142,4 @@ def capture_graph(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGrap
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             output = step()
-    return graph, output, graph.pool()
+    return CapturedStep(graph, output, step), graph.pool()

@@ -25,9 +25,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 
+from engine.attention import TritonMetadata
 from engine.cuda_graphs import capture_graph
 from engine.forward_inputs import AttentionInputs, KVBuffers, StagingFence, resolve_previous
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, lora_segments
@@ -48,19 +50,6 @@ def token_buckets(max_tokens: int, buckets: tuple[int, ...] | None = None) -> li
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     table = set(buckets or TOKEN_BUCKETS) | set(range(2048 + 512, max_tokens, 512))
     return sorted({b for b in table if b < max_tokens} | {max_tokens})
-
-
-@dataclasses.dataclass
-class GraphExtendMetadata:
-    """Attention metadata of a captured step: the extend kernel over the static plan's buffers."""
-
-    req_to_token: torch.Tensor
-    plan: object  # kernels.extend_attention._StaticPlan
-
-    def attend(self, q, k_cache, v_cache, scale):
-        from kernels.extend_attention import extend_attention
-
-        return extend_attention(q, k_cache, v_cache, self.req_to_token, self.plan, scale)
 
 
 class StepGraphs:
@@ -95,25 +84,22 @@ class StepGraphs:
         slots = lora_pool.num_slots + 1 if lora_pool else 0
         self.lora_meta = SgmvMetaBuffers(self.max_reqs, slots, self.device, tuple(lora_pool.targets)) if lora_pool else None
         self.capture_graphs = capture
-        # (bucket, with_lora) -> its step function, which holds what the graph reads outside its pool (a
-        # later capture empties the allocator's cache: freed memory a graph names would be unmapped)
-        self.steps: dict[tuple[int, bool], object] = {}
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # -> (graph, its hidden rows)
-        self.pool = None
+        # (bucket, with_lora) -> what runs the step: its graph's replay, or the step function uncaptured
+        self.steps: dict[tuple[int, bool], Callable[[], torch.Tensor]] = {}
+        self.pool = None  # the graphs' memory pool, shared by every capture (replays never overlap)
         self.num_replays = 0
 
-    def capture(self, pool=None) -> None:
-        """Capture every bucket, largest first (smaller graphs reuse its memory); pool: a graph memory
-        pool to share (replays of graphs in one pool must not overlap)."""
-        self.pool = pool
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse its memory)."""
         for bucket in reversed(self.buckets):
             for with_lora in (False, True) if self.lora_pool else (False,):
-                step = self.steps[(bucket, with_lora)] = self._step(bucket, with_lora)
+                step = self._step(bucket, with_lora)
                 if self.capture_graphs:
-                    graph, hidden_rows, self.pool = capture_graph(step, self.device, self.pool)
-                    self.graphs[(bucket, with_lora)] = graph, hidden_rows
+                    captured, self.pool = capture_graph(step, self.device, self.pool)
+                    step = captured.replay
+                self.steps[(bucket, with_lora)] = step
         if self.capture_graphs:
-            log.info("captured %d step graphs for token counts %s", len(self.graphs), self.buckets)
+            log.info("captured %d step graphs for token counts %s", len(self.steps), self.buckets)
 
     def can_run(self, num_tokens: int, num_requests: int) -> bool:
         return 0 < num_tokens <= self.buckets[-1] and 0 < num_requests <= self.max_reqs
@@ -148,11 +134,7 @@ class StepGraphs:
         self._fence.copied()
         if previous is not None:
             self.input_ids[:bucket].copy_(resolve_previous(self.input_ids[:bucket], previous))
-        if self.capture_graphs:
-            graph, hidden_rows = self.graphs[(bucket, with_lora)]
-            graph.replay()
-        else:
-            hidden_rows = self.steps[(bucket, with_lora)]()
+        hidden_rows = self.steps[(bucket, with_lora)]()
         self.num_replays += 1
         # the LM head runs after the replay, on the rows that sample: graphs of every bucket holding
         # [rows, vocab] fp32 outputs would pin about a gigabyte at Llama-3's vocabulary
@@ -163,7 +145,9 @@ class StepGraphs:
         min(bucket, max_reqs) sample rows (each request has a token, so a step of bucket tokens samples
         at most that many)."""
         rows = min(bucket, self.max_reqs)
-        attn = AttentionInputs(self.out_cache_loc[:bucket], GraphExtendMetadata(self.req_to_token, self.plans.plan(bucket)))
+        # the Triton extend kernel over the static plan (its host lists are then never read)
+        metadata = TritonMetadata(self.req_to_token, [], [], [], plan=self.plans.plan(bucket))
+        attn = AttentionInputs(self.out_cache_loc[:bucket], metadata)
         lora = None
         if with_lora:
             pool = self.lora_pool
