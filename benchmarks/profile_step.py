@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--lora-backend", default="splitk" if torch.cuda.is_available() else "ref")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gaps", action="store_true", help="then profile overlapped steps and list the device's idle gaps")
+    parser.add_argument("--kernels-json", default="", help="then write every kernel of two steps (name, stream, start, duration in us) to this file")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     graphs = device.type == "cuda"
@@ -58,6 +59,8 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
         if args.gaps:
             idle_gaps(loop, args.rows)
+        if args.kernels_json:
+            kernel_lanes(loop, args.kernels_json)
     loop.workers.close()
 
 
@@ -94,11 +97,42 @@ def idle_gaps(loop, rows: int, steps: int = 6) -> None:
         print(f"  idle {gap:8.1f} us   after {before[:60]:60s} before {after[:60]}")
 
 
+def _device_events(prof) -> list[dict]:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def kernel_lanes(loop, out: str, steps: int = 2) -> None:
+    """Every kernel of `steps` decode steps with its stream, start and duration (us), as JSON: which
+    kernels run beside which, and where the main stream waits."""
+    import json
+
+    step(loop)
+    sync(loop.workers.local.runner.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(loop)
+        torch.cuda.synchronize()
+    events = sorted(_device_events(prof), key=lambda e: e["ts"])
+    t0 = events[0]["ts"]
+    rows = [{"name": e["name"][:120], "stream": e.get("args", {}).get("stream"), "ts": round(e["ts"] - t0, 3), "dur": e["dur"]} for e in events]
+    with open(out, "w") as f:
+        json.dump(rows, f)
+    print(f"wrote {len(rows)} kernels of {steps} steps to {out}")
+
+
 def timeline(loop, steps: int) -> None:
     """Median host milliseconds of each stage of a decode step, and the replayed graph's device time."""
     times: dict[str, list[float]] = defaultdict(list)
     graphs = loop.workers.local.runner.graphs
-    replay_of = {key: graph.replay for key, (graph, _) in graphs.graphs.items()}
+    replay_of = {key: captured.graph.replay for key, captured in graphs.graphs.items()}
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def timed(name, fn):
@@ -120,8 +154,8 @@ def timeline(loop, steps: int) -> None:
 
         return wrapper
 
-    for key, (graph, _) in graphs.graphs.items():
-        graph.replay = replay(replay_of[key])
+    for key, captured in graphs.graphs.items():
+        captured.graph.replay = replay(replay_of[key])
     schedule, plan, execute, run = loop.scheduler.schedule, loop.plan, loop.workers.execute, graphs.run
     loop.scheduler.schedule = timed("schedule", schedule)
     loop.plan = timed("plan", plan)
@@ -134,8 +168,8 @@ def timeline(loop, steps: int) -> None:
             times["step"].append((time.perf_counter() - start) * 1e3)
     finally:
         loop.scheduler.schedule, loop.plan, loop.workers.execute, graphs.run = schedule, plan, execute, run
-        for key, (graph, _) in graphs.graphs.items():
-            graph.replay = replay_of[key]
+        for key, captured in graphs.graphs.items():
+            captured.graph.replay = replay_of[key]
     torch.cuda.synchronize()
     times["graph on the device"] = [begin.elapsed_time(end) for begin, end in events]
     for name, values in times.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable
 
@@ -140,6 +141,14 @@ def capture_graph(step: Callable[[], torch.Tensor], device: torch.device, pool) 
             step()
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            output = step()
+        # No garbage collection inside the capture: collecting another engine's graph there (a cycle
+        # that outlived its engine) destroys it mid-capture, which CUDA refuses and the capture fails.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                output = step()
+        finally:
+            if enabled:
+                gc.enable()
     return CapturedStep(graph, output, step), graph.pool()

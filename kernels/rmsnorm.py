@@ -2,11 +2,12 @@
 
 Semantics, row by row (t < T), rounding exactly where the PyTorch model rounds (engine/models/blocks.py):
 
+    x[t]   = round(x[t] + delta[t])                             delta given (a LoRA delta still to add)
     s[t]   = round(x[t] + residual[t])                          residual given; else s[t] = x[t]
     n[t]   = round(s[t] * rsqrt(mean(s[t]^2) + eps))            normalise in fp32, round to x.dtype
     out[t] = round(weight * n[t])                               scale in the model dtype
 
-    x, residual [T, N] fp16/bf16/fp32; weight [N] x.dtype; out, s [T, N] x.dtype.
+    x, residual, delta [T, N] fp16/bf16/fp32; weight [N] x.dtype; out, s [T, N] x.dtype.
 
 Returns (out, s): s is the new residual stream (the input of the next add). A decoder layer then reads
 
@@ -33,6 +34,7 @@ def _add_rmsnorm_kernel(
     # pointers
     x_ptr,  # [T, N]
     residual_ptr,  # [T, N] (unused without HAS_RESIDUAL)
+    delta_ptr,  # [T, N] (unused without HAS_DELTA)
     weight_ptr,  # [N]
     out_ptr,  # [T, N]
     residual_out_ptr,  # [T, N] (unused without HAS_RESIDUAL)
@@ -40,9 +42,10 @@ def _add_rmsnorm_kernel(
     N,
     eps,
     # strides
-    stride_x, stride_r, stride_o, stride_ro,
+    stride_x, stride_r, stride_d, stride_o, stride_ro,
     # meta-parameters
     HAS_RESIDUAL: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -50,10 +53,14 @@ def _add_rmsnorm_kernel(
     mask = offs_n < N
     x = tl.load(x_ptr + row * stride_x + offs_n, mask=mask, other=0.0)
 
-    # -- residual add, rounded once to the model dtype (what `x + r` in PyTorch does) -----------------
+    # -- the adds, each rounded once to the model dtype (what `x + d` and `x + r` in PyTorch do) -------
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * stride_d + offs_n, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs_n, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if HAS_RESIDUAL or HAS_DELTA:
         tl.store(residual_out_ptr + row * stride_ro + offs_n, x, mask=mask)
 
     # -- normalise in fp32, round, scale in the model dtype ------------------------------------------
@@ -65,19 +72,20 @@ def _add_rmsnorm_kernel(
     tl.store(out_ptr + row * stride_o + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, delta: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"want x [T, N], weight [N]; got {tuple(x.shape)}, {tuple(weight.shape)}")
     if weight.dtype != x.dtype or weight.device != x.device:
         raise ValueError(f"weight is {weight.dtype} on {weight.device}, x is {x.dtype} on {x.device}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"residual is {tuple(residual.shape)} {residual.dtype}, x is {tuple(x.shape)} {x.dtype}"
-        )
+    for name, t in (("residual", residual), ("delta", delta)):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype):
+            raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype}, x is {tuple(x.shape)} {x.dtype}")
+        if t is not None and t.stride(1) != 1:
+            raise ValueError(f"{name} rows must be contiguous")
     if x.shape[1] > MAX_HIDDEN:
         raise ValueError(f"rows of {x.shape[1]} exceed the one-program-per-row limit {MAX_HIDDEN}")
-    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
-        raise ValueError("x and residual rows must be contiguous")
+    if x.stride(1) != 1:
+        raise ValueError("x rows must be contiguous")
 
 
 def add_rmsnorm(
@@ -85,20 +93,24 @@ def add_rmsnorm(
     residual: torch.Tensor | None,  # [T, N] or None (no add: the first layer)
     weight: torch.Tensor,  # [N]
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, N], new residual [T, N]); the residual is x when None
-    """out = weight * rmsnorm(x + residual), residual_out = x + residual; see the module doc."""
-    _check(x, residual, weight)
+    delta: torch.Tensor | None = None,  # [T, N]: a LoRA delta still to add to x, first
+) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, N], new residual [T, N]); the residual is x when both None
+    """out = weight * rmsnorm((x + delta) + residual), residual_out = (x + delta) + residual; see the
+    module doc."""
+    _check(x, residual, weight, delta)
     out = torch.empty_like(x)
-    residual_out = x if residual is None else torch.empty_like(x)
+    residual_out = x if residual is None and delta is None else torch.empty_like(x)
     if x.shape[0] == 0:
         return out, residual_out
     block_n = triton.next_power_of_2(x.shape[1])
     r = x if residual is None else residual
+    d = x if delta is None else delta
     _add_rmsnorm_kernel[(x.shape[0],)](
-        x, r, weight, out, residual_out,
+        x, r, d, weight, out, residual_out,
         x.shape[1], eps,
-        x.stride(0), r.stride(0), out.stride(0), residual_out.stride(0),
+        x.stride(0), r.stride(0), d.stride(0), out.stride(0), residual_out.stride(0),
         HAS_RESIDUAL=residual is not None,
+        HAS_DELTA=delta is not None,
         BLOCK_N=block_n,
         num_warps=min(max(block_n // 512, 1), 16),
     )  # fmt: skip
@@ -110,8 +122,10 @@ def add_rmsnorm_ref(
     residual: torch.Tensor | None,  # [T, N] or None
     weight: torch.Tensor,  # [N]
     eps: float,
+    delta: torch.Tensor | None = None,  # [T, N] or None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, N], new residual [T, N])
     """The same in PyTorch, in the order engine/models/blocks.py's RMSNorm rounds (the CPU path)."""
+    x = x if delta is None else x + delta
     s = x if residual is None else x + residual
     s32 = s.float()
     normed = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)

@@ -3,6 +3,7 @@
 Semantics (rotate-half layout of Hugging Face Llama; rounding where engine/rope.py rounds), token t,
 D = head_dim, c = cos_sin[positions[t], :D/2], s = cos_sin[positions[t], D/2:]:
 
+    qkv      = round(qkv + delta)                                 delta given (a LoRA delta still to add)
     q[t, h]  = qkv[t, h*D : (h+1)*D]                              h < H
     k[t, j]  = qkv[t, H*D + j*D : ...],  v[t, j] = qkv[t, (H+Hkv)*D + j*D : ...]      j < Hkv
     rope(u)  = round(cat(u1 * c - u2 * s, u2 * c + u1 * s))        u1, u2 = halves of u in fp32
@@ -11,7 +12,7 @@ D = head_dim, c = cos_sin[positions[t], :D/2], s = cos_sin[positions[t], D/2:]:
     k_cache[out_cache_loc[t], j]     = rope(k[t, j])               written in place
     v_cache[out_cache_loc[t], j]     = v[t, j]                     written in place
 
-    qkv [T, (H + 2 Hkv) D] fp16/bf16/fp32; positions [T] int; cos_sin [P, D] fp32 (engine/rope.py's table)
+    qkv, delta [T, (H + 2 Hkv) D] fp16/bf16/fp32; positions [T] int; cos_sin [P, D] fp32 (engine/rope.py's table)
     k_cache, v_cache [num_slots, Hkv, D] qkv.dtype; out_cache_loc [T] int; q_out [T, H, D] qkv.dtype
 
 Grid (T, H + Hkv): program (t, h) rotates query head h, or (h >= H) key head h - H and copies its value
@@ -31,6 +32,7 @@ import triton.language as tl
 def _rope_kv_kernel(
     # pointers
     qkv_ptr,  # [T, (H + 2 Hkv) * D]
+    delta_ptr,  # [T, (H + 2 Hkv) * D] (unused without HAS_DELTA)
     positions_ptr,  # [T] int
     cos_sin_ptr,  # [P, D] fp32
     k_cache_ptr,  # [num_slots, Hkv, D]
@@ -41,10 +43,11 @@ def _rope_kv_kernel(
     num_heads,
     num_kv_heads,
     # strides
-    stride_qkv, stride_cs,
+    stride_qkv, stride_d, stride_cs,
     stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
     stride_qo_tok, stride_qo_head,
     # meta-parameters
+    HAS_DELTA: tl.constexpr,
     HALF: tl.constexpr,  # D // 2
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
 ):  # fmt: skip
@@ -58,8 +61,9 @@ def _rope_kv_kernel(
 
     # -- the head this program rotates: a query head, or a key head (then its value head too) ----------
     row_ptr = qkv_ptr + t * stride_qkv + h * 2 * HALF
-    u1 = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u2 = tl.load(row_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    d_ptr = delta_ptr + t * stride_d + h * 2 * HALF
+    u1 = _load_sum(row_ptr, d_ptr, offs, mask, HAS_DELTA).to(tl.float32)
+    u2 = _load_sum(row_ptr + HALF, d_ptr + HALF, offs, mask, HAS_DELTA).to(tl.float32)
     r1 = (u1 * cos - u2 * sin).to(q_out_ptr.dtype.element_ty)
     r2 = (u2 * cos + u1 * sin).to(q_out_ptr.dtype.element_ty)
     if h < num_heads:
@@ -73,16 +77,29 @@ def _rope_kv_kernel(
         tl.store(k_dst + offs, r1.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(k_dst + HALF + offs, r2.to(k_cache_ptr.dtype.element_ty), mask=mask)
         v_src = row_ptr + num_kv_heads * 2 * HALF  # the value head sits Hkv heads after its key head
+        v_d = d_ptr + num_kv_heads * 2 * HALF
         v_dst = v_cache_ptr + loc * stride_vc_slot + j * stride_vc_head
-        tl.store(v_dst + offs, tl.load(v_src + offs, mask=mask), mask=mask)
-        tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs, mask=mask), mask=mask)
+        tl.store(v_dst + offs, _load_sum(v_src, v_d, offs, mask, HAS_DELTA), mask=mask)
+        tl.store(v_dst + HALF + offs, _load_sum(v_src + HALF, v_d + HALF, offs, mask, HAS_DELTA), mask=mask)
+
+
+@triton.jit
+def _load_sum(src_ptr, delta_ptr, offs, mask, HAS_DELTA: tl.constexpr):
+    """src[offs], plus delta[offs] rounded to src's dtype (what `qkv + delta` in PyTorch gives)."""
+    u = tl.load(src_ptr + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + offs, mask=mask, other=0.0)
+        u = (u.to(tl.float32) + d.to(tl.float32)).to(src_ptr.dtype.element_ty)
+    return u
 
 
 def _check(
-    qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim
+    qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim, delta
 ) -> None:
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not [T, (H + 2 Hkv) * D] with contiguous rows")
+    if delta is not None and (delta.shape != qkv.shape or delta.dtype != qkv.dtype or delta.stride(1) != 1):
+        raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} is not qkv's {tuple(qkv.shape)} {qkv.dtype} with contiguous rows")
     if head_dim % 2 or cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
         raise ValueError(
             f"want an even head_dim and cos_sin [P, {head_dim}] fp32, got {tuple(cos_sin.shape)} {cos_sin.dtype}"
@@ -117,20 +134,23 @@ def rope_kv_write(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    delta: torch.Tensor | None = None,  # [T, (H + 2 Hkv) * D]: a LoRA delta still to add to qkv, first
 ) -> torch.Tensor:  # q [T, H, D], rotated
     """Rotate q and k by their positions, write k and v into the paged cache, return q; see the module doc."""
-    _check(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim)
+    _check(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim, delta)
     num_tokens = qkv.shape[0]
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q_out
     half = head_dim // 2
+    d = qkv if delta is None else delta
     _rope_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
-        qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, q_out,
+        qkv, d, positions, cos_sin, k_cache, v_cache, out_cache_loc, q_out,
         num_heads, num_kv_heads,
-        qkv.stride(0), cos_sin.stride(0),
+        qkv.stride(0), d.stride(0), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         q_out.stride(0), q_out.stride(1),
+        HAS_DELTA=delta is not None,
         HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half),
         num_warps=1 if half <= 64 else 2,
@@ -149,8 +169,11 @@ def rope_kv_write_ref(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    delta: torch.Tensor | None = None,
 ) -> torch.Tensor:  # q [T, H, D], rotated
     """The same in PyTorch, rounding as engine/rope.py's apply_rope and the model's cache write do."""
+    if delta is not None:
+        qkv = qkv + delta
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     cos, sin = cos_sin[positions].chunk(2, dim=-1)  # each [T, D/2]

@@ -2,10 +2,11 @@
 
 Semantics, rounding where `F.silu(gate) * up` rounds in PyTorch (engine/models/blocks.py's MLP):
 
-    gate, up = gate_up[:, :I], gate_up[:, I:]
+    g = round(gate_up + delta)                   delta given (a LoRA delta still to add); else g = gate_up
+    gate, up = g[:, :I], g[:, I:]
     out = round(round(silu(gate)) * up)          silu(g) = g / (1 + exp(-g)) in fp32
 
-    gate_up [T, 2 * I] fp16/bf16/fp32 (rows contiguous); out [T, I] gate_up.dtype
+    gate_up, delta [T, 2 * I] fp16/bf16/fp32 (rows contiguous); out [T, I] gate_up.dtype
 
 Grid (T, cdiv(I, BLOCK)): one row slice per program; the PyTorch version reads gate_up, writes silu(gate),
 reads it back with up and writes the product, three passes where this is one.
@@ -24,39 +25,56 @@ BLOCK = 1024
 def _silu_mul_kernel(
     # pointers
     gate_up_ptr,  # [T, 2 * I]
+    delta_ptr,  # [T, 2 * I] (unused without HAS_DELTA)
     out_ptr,  # [T, I]
     # sizes
     I,  # noqa: E741 (the intermediate size)
     # strides
-    stride_g, stride_o,
+    stride_g, stride_d, stride_o,
     # meta-parameters
+    HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
-    gate = tl.load(gate_up_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * stride_g + I + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_up_ptr + row * stride_g + offs, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_g + I + offs, mask=mask, other=0.0)
+    if HAS_DELTA:  # rounded to the model dtype, as `gate_up + delta` in PyTorch
+        dg = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        du = tl.load(delta_ptr + row * stride_d + I + offs, mask=mask, other=0.0)
+        gate = (gate.to(tl.float32) + dg.to(tl.float32)).to(gate_up_ptr.dtype.element_ty)
+        up = (up.to(tl.float32) + du.to(tl.float32)).to(gate_up_ptr.dtype.element_ty)
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + row * stride_o + offs, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=mask
     )
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
-    """silu(gate_up[:, :I]) * gate_up[:, I:]; see the module doc."""
+def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
+    """silu(g[:, :I]) * g[:, I:] of g = gate_up (+ delta, a LoRA delta still to add); see the module doc."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"want gate_up [T, 2 * I] with contiguous rows, got {tuple(gate_up.shape)}")
+    if delta is not None and (delta.shape != gate_up.shape or delta.dtype != gate_up.dtype or delta.stride(1) != 1):
+        raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} is not gate_up's {tuple(gate_up.shape)} {gate_up.dtype} with contiguous rows")
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0 or inter == 0:
         return out
+    d = gate_up if delta is None else delta
     grid = (num_tokens, triton.cdiv(inter, BLOCK))
-    _silu_mul_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[grid](
+        gate_up, d, out, inter, gate_up.stride(0), d.stride(0), out.stride(0),
+        HAS_DELTA=delta is not None, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
     return out
 
 
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
+def silu_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
     """The same in PyTorch (the CPU path): what the MLP computes today."""
+    if delta is not None:
+        gate_up = gate_up + delta
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -13,8 +13,11 @@ checkpoint's), and o's and down's partial sums are all-reduced after their LoRA 
 Embeddings and the LM head are replicated on every rank.
 
 LoRA seam: every linear is applied through one `project_*` method of its module (`Attention.project_qkv`,
-`Attention.project_o`, `MLP.project_gate_up`, `MLP.project_down`); the LoRA delta of a fused target is
-added there and nowhere else (`LoraInputs.project`: in CUDA decode steps, beside the base GEMM).
+`Attention.project_o`, `MLP.project_gate_up`, `MLP.project_down`), which returns the output and the LoRA
+delta still to add to it (None when added in line). A delta computed beside the base GEMM (CUDA decode
+steps, `LoraInputs.project_deferred`) is added by the kernel that reads the output next, as it loads it:
+RoPE's KV write, SiLU-mul, or the residual add before the next norm; a path without such a kernel adds it
+at once (`_plus`). Under tensor parallelism o's and down's deltas are added before the all-reduce.
 """
 
 import torch
@@ -26,6 +29,12 @@ from engine.lora_inputs import LoraInputs
 from engine.model_config import ModelConfig
 from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, local_config
 from engine.rope import apply_rope, cos_sin_cache
+
+Pending = torch.Tensor | None  # a LoRA delta still to add to a projection's output
+
+
+def _plus(y: torch.Tensor, delta: Pending) -> torch.Tensor:
+    return y if delta is None else y.add_(delta)
 
 
 class RMSNorm(nn.Module):
@@ -41,14 +50,15 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None, delta: Pending = None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: [T, hidden] -> (normed, residual + x)
-        """Add x to the residual stream (None: x starts it) and normalise the sum; one kernel on CUDA,
-        rounding where the PyTorch path rounds (kernels/rmsnorm.py)."""
+        """Add x (plus its pending LoRA delta) to the residual stream (None: x starts it) and normalise
+        the sum; one kernel on CUDA, rounding where the PyTorch path rounds (kernels/rmsnorm.py)."""
         if x.is_cuda:
             from kernels.rmsnorm import add_rmsnorm  # Triton: imported only where it runs
 
-            return add_rmsnorm(x, residual, self.weight, self.eps)
+            return add_rmsnorm(x, residual, self.weight, self.eps, delta)
+        x = _plus(x, delta)
         s = x if residual is None else residual + x
         return self(s), s
 
@@ -62,14 +72,13 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(q, config.hidden_size, config.o_bias, tp, **factory)
         self.scale = config.head_dim**-0.5
 
-    def project_qkv(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor, lora: LoraInputs | None) -> tuple[torch.Tensor, Pending]:
         # x: [T, hidden] -> [T, q_size + 2 * kv_size]
-        return self.qkv_proj(x) if lora is None else lora.project(self.qkv_proj, "qkv", self.layer_id, x)
+        return (self.qkv_proj(x), None) if lora is None else lora.project_deferred(self.qkv_proj, "qkv", self.layer_id, x)
 
-    def project_o(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        # x: [T, q_size] -> y: [T, hidden], this rank's partial sum
-        y = self.o_proj(x) if lora is None else lora.project(self.o_proj, "o", self.layer_id, x)
-        return self.tp.all_reduce(y)
+    def project_o(self, x: torch.Tensor, lora: LoraInputs | None) -> tuple[torch.Tensor, Pending]:
+        # x: [T, q_size] -> y: [T, hidden], summed over the ranks
+        return _row_parallel(self.o_proj, "o", self.layer_id, self.tp, x, lora)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A family's per-head transform of q and k before RoPE; none in the Llama family."""
@@ -88,19 +97,20 @@ class Attention(nn.Module):
         attn: AttentionInputs,
         kv: KVBuffers,
         lora: LoraInputs | None = None,
-    ) -> torch.Tensor:  # [T, hidden]
+    ) -> tuple[torch.Tensor, Pending]:  # [T, hidden] and its pending LoRA delta
         c = self.config
-        qkv = self.project_qkv(x, lora)  # [T, q_size + 2 * kv_size]
+        qkv, delta = self.project_qkv(x, lora)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         if self._can_fuse_rope(qkv, k_cache):
             from kernels.rope_kv import rope_kv_write  # Triton: imported only where it runs
 
             q = rope_kv_write(
                 qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
-                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, delta=delta,
             )  # fmt: skip
             o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
             return self.project_o(o.reshape(-1, c.q_size), lora)
+        qkv = _plus(qkv, delta)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)  # [T, H, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
@@ -121,23 +131,37 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden, (inter, inter), config.mlp_bias, tp, **factory)
         self.down_proj = RowParallelLinear(inter, hidden, config.mlp_bias, tp, **factory)
 
-    def project_gate_up(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
+    def project_gate_up(self, x: torch.Tensor, lora: LoraInputs | None) -> tuple[torch.Tensor, Pending]:
         # x: [T, hidden] -> [T, 2 * inter]
-        return self.gate_up_proj(x) if lora is None else lora.project(self.gate_up_proj, "gate_up", self.layer_id, x)
+        if lora is None:
+            return self.gate_up_proj(x), None
+        return lora.project_deferred(self.gate_up_proj, "gate_up", self.layer_id, x)
 
-    def project_down(self, x: torch.Tensor, lora: LoraInputs | None) -> torch.Tensor:
-        # x: [T, inter] -> y: [T, hidden], this rank's partial sum
-        y = self.down_proj(x) if lora is None else lora.project(self.down_proj, "down", self.layer_id, x)
-        return self.tp.all_reduce(y)
+    def project_down(self, x: torch.Tensor, lora: LoraInputs | None) -> tuple[torch.Tensor, Pending]:
+        # x: [T, inter] -> y: [T, hidden], summed over the ranks
+        return _row_parallel(self.down_proj, "down", self.layer_id, self.tp, x, lora)
 
-    def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> torch.Tensor:  # x: [T, hidden]
-        gate_up = self.project_gate_up(x, lora)  # [T, 2 * inter]
+    def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> tuple[torch.Tensor, Pending]:  # x: [T, hidden]
+        gate_up, delta = self.project_gate_up(x, lora)  # [T, 2 * inter]
         if gate_up.is_cuda:
             from kernels.silu_mul import silu_mul  # Triton: imported only where it runs
 
-            return self.project_down(silu_mul(gate_up), lora)
-        gate, up = gate_up.chunk(2, dim=-1)  # each [T, inter]
+            return self.project_down(silu_mul(gate_up, delta), lora)
+        gate, up = _plus(gate_up, delta).chunk(2, dim=-1)  # each [T, inter]
         return self.project_down(F.silu(gate) * up, lora)
+
+
+def _row_parallel(
+    linear: RowParallelLinear, target: str, layer: int, tp: TensorParallel, x: torch.Tensor, lora: LoraInputs | None
+) -> tuple[torch.Tensor, Pending]:
+    """A row-parallel projection summed over the ranks; each rank's LoRA delta is a partial sum too, so
+    under tensor parallelism it is added before the all-reduce."""
+    if lora is None:
+        return tp.all_reduce(linear(x)), None
+    y, delta = lora.project_deferred(linear, target, layer, x)
+    if tp.size > 1:
+        y, delta = _plus(y, delta), None
+    return tp.all_reduce(y), delta
 
 
 class DecoderLayer(nn.Module):
@@ -159,13 +183,15 @@ class DecoderLayer(nn.Module):
         attn: AttentionInputs,
         kv: KVBuffers,
         lora: LoraInputs | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
+        delta: Pending = None,  # x's pending LoRA delta (the previous layer's down projection)
+    ) -> tuple[torch.Tensor, torch.Tensor, Pending]:  # (this layer's MLP output, the residual stream before it, the output's pending delta)
         """`h = h + attn(norm(h)); h = h + mlp(norm(h))`, with each add fused into the following norm:
-        the stream h is `residual + x` until the next layer (or the final norm) adds it."""
-        h, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(h, positions, cos_sin, attn, kv, lora)
-        h, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(h, lora), residual
+        the stream h is `residual + x (+ delta)` until the next layer (or the final norm) adds it."""
+        h, residual = self.input_layernorm.add_forward(x, residual, delta)
+        x, delta = self.self_attn(h, positions, cos_sin, attn, kv, lora)
+        h, residual = self.post_attention_layernorm.add_forward(x, residual, delta)
+        x, delta = self.mlp(h, lora)
+        return x, residual, delta
 
 
 class DecoderModel(nn.Module):
@@ -205,10 +231,10 @@ class DecoderModel(nn.Module):
         kv: KVBuffers,
         lora: LoraInputs | None = None,  # None: no LoRA in this step (base-model tokens only)
     ) -> torch.Tensor:  # [T, hidden]
-        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        x, residual, delta = self.embed_tokens(input_ids), None, None  # [T, hidden]
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin, attn, kv, lora)
-        return self.norm.add_forward(x, residual)[0]
+            x, residual, delta = layer(x, residual, positions, self.cos_sin, attn, kv, lora, delta)
+        return self.norm.add_forward(x, residual, delta)[0]
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -182,14 +182,33 @@ def test_prefix_cache_never_shares_kv_across_adapters(tiny_llama_dir, adapter_di
     assert seen["attn"][1] == final.prompt_tokens - 1  # the same adapter again hits its own prefix
 
 
-def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_model, tmp_path):
+@pytest.mark.parametrize("deferred", [False, True], ids=["in-line", "deferred"])
+def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_model, tmp_path, monkeypatch, deferred):
+    """deferred: every projection hands its LoRA delta back apart, as the side stream of CUDA decode
+    steps does, so the model's blocks must add each one exactly once (in the kernel or op that reads the
+    projection's output next)."""
     from transformers import AutoTokenizer
+
+    if deferred:
+        handed = []
+
+        def project_deferred(self, linear, target, layer, x):  # the side stream's work, on one stream
+            if target in self.idle:
+                return linear(x), None
+            t, meta = self.pool.targets[target], self.by_target.get(target, self.meta)
+            v = self.shrink(x, self.pool.a[target][layer], meta, num_stack=t.num_stack)
+            handed.append(target)
+            return linear(x), self.delta(v, self.pool.b[target][layer], meta, output_slices=t.output_slices)
+
+        monkeypatch.setattr(LoraInputs, "project_deferred", project_deferred)
 
     core = make_core(tiny_llama_dir, adapter_dirs, tmp_path, max_loras_per_batch=len(ADAPTERS))
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     names = ["", "attn", "patterns", "rslora", "mlp", "all"]
     prompts = [tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(len(names))]
     assert_mixed_batch_logits_match(core, peft_model, names, prompts)
+    if deferred:
+        assert sorted(set(handed)) == ["down", "gate_up", "o", "qkv"]
 
 
 def assert_mixed_batch_logits_match(core: EngineCore, peft_model, names: list[str], prompts: list[list[int]]) -> None:

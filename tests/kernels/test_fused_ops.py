@@ -5,7 +5,9 @@ Without CUDA the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRE
 triton is imported); with CUDA they run natively. The references are what the CPU path computes, so
 each is checked bit for bit against engine/models/blocks.py and engine/rope.py; the kernels are checked against
 the references over a grid of dtypes, widths that are and are not powers of two, MHA/GQA/MQA heads and
-head dims, with outputs poisoned first so an unwritten element fails.
+head dims, with outputs poisoned first so an unwritten element fails. Each kernel also takes a LoRA delta
+still to add to its input (computed beside the base GEMM in CUDA decode steps): with it, the kernel gives
+what it gives for the rounded sum input + delta.
 """
 
 import os
@@ -67,6 +69,25 @@ def test_add_rmsnorm_matches_reference(dtype, hidden, with_residual):
         assert res is x
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm_adds_a_pending_delta_first(dtype, with_residual):
+    x = randn(5, 96, dtype=dtype, seed=11, scale=2.0)
+    delta = randn(5, 96, dtype=dtype, seed=12, scale=0.5)
+    residual = randn(5, 96, dtype=dtype, seed=13, scale=3.0) if with_residual else None
+    weight = randn(96, dtype=dtype, seed=14) + 1.0
+    out, res = add_rmsnorm(x, residual, weight, 1e-5, delta)
+    ref_out, ref_res = add_rmsnorm_ref(x, residual, weight, 1e-5, delta)
+    assert_close(out, ref_out, dtype, "normed")
+    assert_close(res, ref_res, dtype, "residual")
+    if dtype in EXACT_ROUNDING:  # the same bits as adding the delta first in PyTorch
+        sum_out, sum_res = add_rmsnorm(x + delta, residual, weight, 1e-5)
+        assert torch.equal(res, sum_res) and torch.equal(out, sum_out)
+    assert res is not x and not torch.equal(out, add_rmsnorm(x, residual, weight, 1e-5)[0])
+    with pytest.raises(ValueError, match="delta"):
+        add_rmsnorm(x, residual, weight, 1e-5, delta[:, :64])
+
+
 def test_add_rmsnorm_handles_strided_rows_and_empty_batches():
     x = randn(5, 128, dtype=torch.float32, seed=3)[:, :64]  # row stride 128, width 64
     weight = randn(64, dtype=torch.float32, seed=4)
@@ -101,6 +122,19 @@ def test_silu_mul_matches_reference(dtype, inter):
     gate_up = randn(6, 2 * inter, dtype=dtype, seed=inter, scale=3.0)
     assert_close(silu_mul(gate_up), silu_mul_ref(gate_up), dtype)
     assert silu_mul(gate_up[:0]).shape == (0, inter)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_adds_a_pending_delta_first(dtype):
+    gate_up = randn(6, 2 * 176, dtype=dtype, seed=21, scale=3.0)
+    delta = randn(6, 2 * 176, dtype=dtype, seed=22, scale=0.5)
+    out = silu_mul(gate_up, delta)
+    assert_close(out, silu_mul_ref(gate_up, delta), dtype)
+    if dtype in EXACT_ROUNDING:
+        assert torch.equal(out, silu_mul(gate_up + delta))
+    assert not torch.equal(out, silu_mul(gate_up))
+    with pytest.raises(ValueError, match="delta"):
+        silu_mul(gate_up, delta.float() if dtype != torch.float32 else delta.half())
 
 
 def test_silu_mul_ref_is_the_model_mlp_activation():
@@ -149,6 +183,30 @@ def test_rope_kv_write_matches_reference(dtype, heads, head_dim):
     untouched = torch.ones(20, dtype=torch.bool, device=DEVICE)
     untouched[loc] = False
     assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", ["gqa", "mqa"])
+def test_rope_kv_write_adds_a_pending_delta_first(dtype, heads):
+    num_heads, num_kv_heads = HEADS[heads]
+    cos_sin, qkv, positions, loc = rope_case(dtype, num_heads, num_kv_heads, 64, seed=5)
+    delta = randn(*qkv.shape, dtype=dtype, seed=6, scale=0.5)
+    kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": 64}
+    k_cache, v_cache = caches(num_kv_heads, 64, dtype)
+    k_ref, v_ref = caches(num_kv_heads, 64, dtype)
+    q = rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, delta=delta, **kw)
+    q_ref = rope_kv_write_ref(qkv, positions, cos_sin, k_ref, v_ref, loc, delta=delta, **kw)
+    assert_close(q, q_ref, dtype, "q")
+    assert_close(k_cache[loc], k_ref[loc], dtype, "k")
+    assert_close(v_cache[loc], v_ref[loc], dtype, "v")
+    if dtype in EXACT_ROUNDING:  # the same bits as adding the delta first in PyTorch
+        k_sum, v_sum = caches(num_kv_heads, 64, dtype)
+        q_sum = rope_kv_write(qkv + delta, positions, cos_sin, k_sum, v_sum, loc, **kw)
+        assert torch.equal(q, q_sum) and torch.equal(k_cache[loc], k_sum[loc]) and torch.equal(v_cache[loc], v_sum[loc])
+    q_plain = rope_kv_write(qkv, positions, cos_sin, *caches(num_kv_heads, 64, dtype), loc, **kw)
+    assert not torch.equal(q, q_plain)
+    with pytest.raises(ValueError, match="delta"):
+        rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, delta=delta[:3], **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
