@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import datetime
 import functools
 import gc
@@ -200,23 +201,27 @@ def write_random_peft_adapter(
 
 
 def register_adapters(
-    registry: str, model_dir: Path, work_dir: Path, num_adapters: int, rank: int, dtype, targets: tuple[str, ...] = TARGETS
+    registry: str, model_dir: Path, work_dir: Path, num_adapters: int, rank: int, dtype, targets: tuple[str, ...] = TARGETS,
+    workers: int = 8,
 ) -> dict[str, Path]:
-    """Register the base model and adapters 0..N-1 on `targets` (skipping names already registered);
-    name -> dir."""
+    """Register the base model and adapters 0..N-1 on `targets` (skipping names already registered),
+    `workers` adapters at a time (each written, uploaded and compiled while others are); name -> dir."""
     config = json.loads((model_dir / "config.json").read_text())
     base = model_dir.resolve().name
-    dirs = {}
+    dirs = {adapter_name(i, targets): work_dir / "adapters" / adapter_name(i, targets) for i in range(num_adapters)}
     with RegistryClient(registry) as client:
         client.register_base_model(base, model_dir)
         known = {a.name for a in client.list(base_model=base, latest_only=True)}
-        for i in range(num_adapters):
+
+        def one(i: int) -> None:
             name = adapter_name(i, targets)
-            dirs[name] = work_dir / "adapters" / name
             if not (dirs[name] / "adapter_config.json").exists():
                 write_random_peft_adapter(dirs[name], config, rank, seed=1000 + i, dtype=dtype, targets=targets)
             if name not in known:
                 client.register_adapter(reg_pb.AdapterSpec(name=name, base_model=base), dirs[name])
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            list(pool.map(one, range(num_adapters)))  # re-raises the first failure
     return dirs
 
 
@@ -549,6 +554,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-adapters", type=int, default=1000, help="registered adapters (zipf draws over all)")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--register-workers", type=int, default=8, help="adapters registered at a time before the runs")
     p.add_argument("--max-loras", type=int, default=32, help="the engine's GPU adapter slots")
     p.add_argument("--max-host-adapters", type=int, default=64)
     p.add_argument("--max-running", type=int, default=64)
@@ -586,7 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
         adapter_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         started = time.perf_counter()
         adapter_dirs = register_adapters(
-            registry.address, model_dir, work_dir, num_adapters, args.rank, adapter_dtype, targets
+            registry.address, model_dir, work_dir, num_adapters, args.rank, adapter_dtype, targets, args.register_workers
         )
         print(f"registry: {num_adapters} adapters ready in {time.perf_counter() - started:.1f}s", flush=True)
         config = engine_config(args, model_dir, registry.address)
