@@ -50,6 +50,9 @@ class EngineConfig:
     lora_backend: str = ""  # "" = "splitk" on CUDA, "ref" on CPU; or "ref" / "triton" / "chunked" / "splitk"
     work_dir: str = ""  # compiled adapters; "" = a temporary directory
     registry: str = ""  # HOST:PORT of the registry service; "" = local adapters only
+    # registry fetches in flight at most; the rest wait their turn in order, so a burst of new adapters
+    # arrives one batch after another instead of all at the end of one shared transfer
+    max_concurrent_fetches: int = 4
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
     # on CUDA, prefill and mixed steps of up to this many tokens (at most max_batch_tokens) replay graphs
     # captured for padded token counts (engine/step_graphs.py); 0 = off
@@ -70,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.lora_load_ahead < 0:
             raise ValueError(f"lora_load_ahead must be >= 0, got {self.lora_load_ahead}")
+        if self.max_concurrent_fetches < 1:
+            raise ValueError(f"max_concurrent_fetches must be >= 1, got {self.max_concurrent_fetches}")
         if self.cuda_graph_max_batch < 0 or self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_batch and cuda_graph_max_tokens must be >= 0 (0 = off)")
 

@@ -63,6 +63,7 @@ class RegistryLink:
         on_event: EventHandler,
         api_key: str = "",
         tls: TlsFiles | None = None,
+        max_concurrent_fetches: int = 4,
     ):
         self.address = address
         self.base_model = base_model
@@ -81,6 +82,10 @@ class RegistryLink:
         self._generation: dict[str, int] = {}  # bumped by every event of a name (and a fresh watch)
         self._epoch = 0
         self._fetches: dict[str, asyncio.Task[bytes]] = {}
+        # Fetches in flight at most; asyncio's semaphore wakes its waiters in order. Unbounded, a burst of
+        # 128 new adapters shared the link's bandwidth and every one of them arrived at the end.
+        self._fetch_turns = asyncio.Semaphore(max_concurrent_fetches)
+        self.num_fetches_in_flight = 0
         self._lookups = CoalescedCalls(self._lookup)
         self._pins: dict[str, bool] = {}  # "name@N" -> pinned, as last applied to the engine
         self._watch: asyncio.Task | None = None
@@ -198,7 +203,12 @@ class RegistryLink:
 
     async def _fetch_checked(self, record: AdapterRecord, attempts: int) -> bytes:
         for attempt in range(1, attempts + 1):
-            data, digest = await self._fetch_once(record)
+            async with self._fetch_turns:
+                self.num_fetches_in_flight += 1
+                try:
+                    data, digest = await self._fetch_once(record)
+                finally:
+                    self.num_fetches_in_flight -= 1
             if digest == record.digest:
                 self.num_fetches += 1
                 return data

@@ -98,7 +98,7 @@ class EngineServer:
             config_json = (Path(self.config.model_dir) / "config.json").read_text()
             self.core.link = RegistryLink(
                 self.config.registry, self.core.base_model_name, config_json, self.core.on_registry_event,
-                api_key=self.config.api_key, tls=self.config.tls,
+                api_key=self.config.api_key, tls=self.config.tls, max_concurrent_fetches=self.config.max_concurrent_fetches,
             )
             if self.config.auth:
                 self.admission.auth = KeyChecker(self.core.link.check_key, self.config.key_cache_s)

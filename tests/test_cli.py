@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from engine.config import EngineConfig
 from loramux.shell import cli
 from loramux.shell.commands import human_bytes, printable
 
@@ -57,11 +58,25 @@ def test_lora_load_ahead_reaches_the_engine_config_from_the_flag_or_its_variable
     assert engine_config(args, "m", 0).lora_load_ahead == 0
 
 
+def test_fetch_cap_reaches_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).max_concurrent_fetches == 4
+    args = cli.build_parser({"LORAMUX_MAX_CONCURRENT_FETCHES": "9"}).parse_args(serve)
+    assert engine_config(args, "m", 0).max_concurrent_fetches == 9
+    args = cli.build_parser({}).parse_args([*serve, "--max-concurrent-fetches", "1"])
+    assert engine_config(args, "m", 0).max_concurrent_fetches == 1
+    with pytest.raises(ValueError, match="max_concurrent_fetches"):
+        EngineConfig(model_dir="m", max_concurrent_fetches=0)
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["generate", "--max-new-tokens", "99999999999", "x"], "--max-new-tokens"),
         (["engine", "serve", "--model", "m", "--lora-load-ahead", "-1"], "--lora-load-ahead"),
+        (["up", "--max-concurrent-fetches", "0"], "--max-concurrent-fetches"),
         (["generate", "--top-p", "0", "x"], "--top-p"),
         (["generate", "--temperature", "-1", "x"], "--temperature"),
         (["generate", "--seed", "-3", "x"], "--seed"),

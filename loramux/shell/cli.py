@@ -261,6 +261,10 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")
     p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))
     p.add_argument(
+        "--max-concurrent-fetches", type=_int_in(1, 1024), default=int(env("--max-concurrent-fetches", 4)),
+        help="registry fetches of adapters in flight at most; the rest wait their turn in arrival order",
+    )
+    p.add_argument(
         "--lora-drain-wait-s", type=float, default=float(env("--lora-drain-wait-s", DEFAULT_LORA_DRAIN_WAIT_S)),
         help="starvation drain: when another adapter's requests waited this long for a slot, stop admitting"
         " to the running adapter with the fewest remaining tokens; 0 turns it off",

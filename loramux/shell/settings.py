@@ -83,6 +83,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_drain_wait_s=args.lora_drain_wait_s,
         lora_backend=args.lora_backend,
         registry=registry or getattr(args, "registry", ""),
+        max_concurrent_fetches=args.max_concurrent_fetches,
         tensor_parallel_size=args.tensor_parallel_size,
         disable_custom_all_reduce=args.disable_custom_all_reduce,
         disable_overlap_schedule=args.disable_overlap_schedule,

@@ -4,6 +4,7 @@ are fetched and sha256-checked, and registry events (new versions, deletes, pins
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import grpc
 import pytest
@@ -244,6 +245,58 @@ async def test_registry_down_then_back(tmp_path, tiny_llama_dir, make_adapter):
 
 async def _connected(engine) -> bool:
     return engine.core.link.is_connected
+
+
+async def test_fetches_beyond_the_cap_wait_their_turn_in_order(tmp_path, tiny_llama_dir, make_adapter):
+    """With --max-concurrent-fetches 2, requests for four uncached adapters start two fetches; each
+    finished fetch lets the longest-waiting one start, and every request is served."""
+    async with running_registry(tmp_path / "registry") as registry:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), port=0, registry=registry.server.address, max_loras_per_batch=2,
+            base_model_name="tiny", max_concurrent_fetches=2,
+        )
+        engine = await start_engine(config)
+        channel = grpc.aio.insecure_channel(engine.address)
+        try:
+            stub = epb_grpc.EngineStub(channel)
+            names = [f"turn{i}" for i in range(4)]
+            for i, name in enumerate(names):
+                await registry.register(name, make_adapter(f"link-turn{i}", r=4, lora_alpha=8, seed=70 + i))
+            link = engine.core.link
+            started, gates, real_fetch = [], {name: asyncio.Event() for name in names}, link._fetch_once
+
+            async def gated(record):
+                started.append(record.name)
+                await gates[record.name].wait()
+                return await real_fetch(record)
+
+            link._fetch_once = gated
+            calls = []
+            for name in names:  # one at a time, so the order they asked in is known
+                calls.append(asyncio.ensure_future(generate(stub, name)))
+                await wait_for(functools.partial(_fetching, engine, len(calls)))
+            await wait_for(lambda: _started(started, 2))
+            await asyncio.sleep(0.2)  # time for a third fetch to start, were there no cap
+            assert started == names[:2] and link.num_fetches_in_flight == 2
+            gates["turn1"].set()
+            await wait_for(lambda: _started(started, 3))
+            assert started == names[:3] and link.num_fetches_in_flight == 2
+            for gate in gates.values():
+                gate.set()
+            results = await asyncio.gather(*calls)
+            assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
+            assert started == names and link.num_fetches == 4 and link.num_fetches_in_flight == 0
+        finally:
+            await channel.close()
+            await engine.stop(grace=0.5)
+
+
+async def _fetching(engine, n: int) -> bool:
+    return engine.admission.num_fetching >= n
+
+
+async def _started(started: list[str], n: int) -> bool:
+    return len(started) >= n
 
 
 async def test_a_slow_fetch_does_not_stall_other_streams(stack, make_adapter):
