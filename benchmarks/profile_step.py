@@ -132,7 +132,7 @@ def timeline(loop, steps: int) -> None:
     """Median host milliseconds of each stage of a decode step, and the replayed graph's device time."""
     times: dict[str, list[float]] = defaultdict(list)
     graphs = loop.workers.local.runner.graphs
-    replay_of = {key: captured.graph.replay for key, captured in graphs.graphs.items()}
+    replay_of = dict(graphs.steps)  # (batch, with_lora) -> the captured graph's replay
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def timed(name, fn):
@@ -148,14 +148,14 @@ def timeline(loop, steps: int) -> None:
         def wrapper():
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            timed("graph launch (replay call)", original)()
+            logits = timed("graph launch (replay call)", original)()
             end.record()
             events.append((begin, end))
+            return logits
 
         return wrapper
 
-    for key, captured in graphs.graphs.items():
-        captured.graph.replay = replay(replay_of[key])
+    graphs.steps = {key: replay(original) for key, original in replay_of.items()}
     schedule, plan, execute, run = loop.scheduler.schedule, loop.plan, loop.workers.execute, graphs.run
     loop.scheduler.schedule = timed("schedule", schedule)
     loop.plan = timed("plan", plan)
@@ -168,8 +168,7 @@ def timeline(loop, steps: int) -> None:
             times["step"].append((time.perf_counter() - start) * 1e3)
     finally:
         loop.scheduler.schedule, loop.plan, loop.workers.execute, graphs.run = schedule, plan, execute, run
-        for key, captured in graphs.graphs.items():
-            captured.graph.replay = replay_of[key]
+        graphs.steps = replay_of
     torch.cuda.synchronize()
     times["graph on the device"] = [begin.elapsed_time(end) for begin, end in events]
     for name, values in times.items():

@@ -37,6 +37,7 @@ class DecodeGraphs:
         lora_ops: tuple,
         buckets: tuple[int, ...] | None = None,  # padded batch sizes to capture; default BATCH_BUCKETS
         lora_side: torch.cuda.Stream | None = None,  # the LoRA deltas' stream (LoraInputs.side)
+        capture: bool = True,  # False: run the same static-buffer step eagerly (a CPU test of the padding)
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
@@ -48,10 +49,12 @@ class DecodeGraphs:
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=self.device)  # padding -> slot 0
         self.req_rows = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=self.device)
-        self._host = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)  # staging for the five above
+        self._host = torch.zeros(5, n, dtype=torch.int64, pin_memory=self.device.type == "cuda")  # the five above
         self._fence = StagingFence(self.device)
         self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets)) if lora_pool else None
-        self.graphs: dict[tuple[int, bool], CapturedStep] = {}
+        self.capture_graphs = capture
+        # (batch, with_lora) -> what runs the step: its graph's replay, or the step function uncaptured
+        self.steps: dict[tuple[int, bool], Callable[[], torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
 
@@ -59,8 +62,13 @@ class DecodeGraphs:
         """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
         for batch in reversed(self.buckets):
             for with_lora in (False, True) if self.lora_pool else (False,):
-                self.graphs[(batch, with_lora)] = self._capture(batch, with_lora)
-        log.info("captured %d decode graphs for batch sizes %s", len(self.graphs), self.buckets)
+                step = self._step(batch, with_lora)
+                if self.capture_graphs:
+                    captured, self.pool = capture_graph(step, self.device, self.pool)
+                    step = captured.replay  # the bound method keeps the graph and what it reads alive
+                self.steps[(batch, with_lora)] = step
+        if self.capture_graphs:
+            log.info("captured %d decode graphs for batch sizes %s", len(self.steps), self.buckets)
 
     def can_run(self, num_requests: int) -> bool:
         return 0 < num_requests <= self.buckets[-1]
@@ -92,11 +100,12 @@ class DecodeGraphs:
             slots = lora_slots + [pool.base_slot] * (batch - n)
             seg_lens, seg_slots = lora_segments([1] * batch, slots, DECODE_RUN)
             self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
-        logits = self.graphs[(batch, with_lora)].replay()
+        logits = self.steps[(batch, with_lora)]()
         self.num_replays += 1
         return logits[:n]
 
-    def _capture(self, batch: int, with_lora: bool) -> CapturedStep:
+    def _step(self, batch: int, with_lora: bool) -> Callable[[], torch.Tensor]:
+        """The decode step of `batch` padded rows over the static buffers, returning [batch, vocab] fp32."""
         metadata = self.attention.capture_metadata(self.req_rows[:batch], self.seq_lens[:batch])
         attn = AttentionInputs(out_cache_loc=self.out_cache_loc[:batch], metadata=metadata)
         lora = None
@@ -112,8 +121,7 @@ class DecodeGraphs:
             hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)
             return self.model.compute_logits(hidden)  # [batch, vocab] fp32
 
-        captured, self.pool = capture_graph(step, self.device, self.pool)
-        return captured
+        return step
 
 
 @dataclasses.dataclass

@@ -44,12 +44,32 @@ def adapter_dirs(make_adapter):
     return {name: make_adapter(f"backends-{name}", **kwargs) for name, kwargs in ADAPTERS.items()}
 
 
-def run_batch(model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] = (), **config) -> list[list[int]]:
+def run_batch(
+    model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] = (), static_decode: tuple[int, ...] = (), **config
+) -> list[list[int]]:
     """JOBS submitted together before the loop starts (one batch); each job's greedy tokens.
     static_steps: token buckets of CUDA-graph steps (engine/step_graphs.py) run uncaptured on the CPU,
-    which then serve every step, under the overlapped schedule (chained plans)."""
+    which then serve every step, under the overlapped schedule (chained plans). static_decode: batch
+    buckets of the decode graphs (engine/cuda_graphs.py) run uncaptured, which then serve every decode
+    step, the paged decode-attention kernel included."""
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
     core = EngineCore.build(EngineConfig(model_dir=str(model_dir), adapters=adapters, work_dir=str(tmp_path / "work"), **config))
+    if static_decode:
+        from engine.attention import DecodeKernelBackend
+        from engine.cuda_graphs import DecodeGraphs
+
+        runner = core.workers.local.runner
+        c = runner.model.config
+        decode = DecodeKernelBackend(runner.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
+        runner.graphs = DecodeGraphs(
+            runner.model, runner.kv, decode, max(static_decode), runner.lora_pool, runner.lora_ops, static_decode, capture=False
+        )  # fmt: skip
+        runner.graphs.capture()
+        core.loop.overlap = True
+        decode_eager, real_decode_eager = [], runner._run_eager
+        runner._run_eager = lambda plan: decode_eager.append(plan.is_decode) or real_decode_eager(plan)
+        decode_chained, real_decode = [], runner.graphs.run
+        runner.graphs.run = lambda *args: decode_chained.append(args[-1] is not None) or real_decode(*args)
     if static_steps:
         from engine.step_graphs import StepGraphs
 
@@ -90,6 +110,9 @@ def run_batch(model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] =
     if static_steps:
         assert core.workers.local.runner.step_graphs.num_replays >= NUM_TOKENS and not eager  # every step
         assert any(chained)  # some replays read the previous step's tokens on the device
+    if static_decode:
+        assert core.workers.local.runner.graphs.num_replays >= NUM_TOKENS - 1 and not any(decode_eager)
+        assert any(decode_chained)  # some replays read the previous step's tokens on the device
     return [tokens for tokens, _, _ in streams]
 
 
@@ -130,6 +153,18 @@ def test_graph_steps_over_static_buffers_give_the_reference_tokens(tiny_llama_di
     tokens = run_batch(
         tiny_llama_dir, adapter_dirs, tmp_path, static_steps=buckets, attention_backend="ref", lora_backend=lora_backend,
         max_batch_tokens=budget, max_running_requests=3,
+    )  # fmt: skip
+    assert tokens == reference
+
+
+@pytest.mark.parametrize("buckets, lora_backend", [((1, 2, 4), "triton"), ((4,), "splitk")])
+def test_decode_steps_over_static_buffers_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, buckets, lora_backend):
+    """The decode steps CUDA graphs replay (engine/cuda_graphs.py), run uncaptured: three requests (base,
+    q/v, all seven projections) padded to the bucket (4: one padding row on the base slot), their LoRA
+    segments and the decode-attention metadata refilled in place, chained input ids resolved on the
+    device; every decode step goes through them."""
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, static_decode=buckets, attention_backend="ref", lora_backend=lora_backend,
     )  # fmt: skip
     assert tokens == reference
 
