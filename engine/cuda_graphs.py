@@ -53,20 +53,30 @@ class DecodeGraphs:
         self._fence = StagingFence(self.device)
         self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets)) if lora_pool else None
         self.capture_graphs = capture
-        # (batch, with_lora) -> what runs the step: its graph's replay, or the step function uncaptured
-        self.steps: dict[tuple[int, bool], Callable[[], torch.Tensor]] = {}
+        # The LoRA graphs of a batch size: one whose projections all run their LoRA kernels, and one whose
+        # o, gate_up and down skip them, for steps whose adapters adapt only q/k/v (PEFT's default q/v);
+        # a captured graph launches every kernel it was captured with, its programs exiting at once when
+        # no row adapts the target. Each variant is named by the fused targets it skips.
+        targets = tuple(lora_pool.targets) if lora_pool else ()
+        skip_beyond_qkv = frozenset(t for t in targets if t != "qkv")
+        self.lora_variants: tuple[frozenset[str], ...] = (
+            (skip_beyond_qkv, frozenset()) if "qkv" in targets and skip_beyond_qkv else (frozenset(),)
+        ) if lora_pool else ()  # fmt: skip
+        # (batch, skipped targets or None without LoRA) -> what runs the step: its graph's replay, or the
+        # step function uncaptured
+        self.steps: dict[tuple[int, frozenset[str] | None], Callable[[], torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
 
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
         for batch in reversed(self.buckets):
-            for with_lora in (False, True) if self.lora_pool else (False,):
-                step = self._step(batch, with_lora)
+            for skipped in (None, *self.lora_variants):
+                step = self._step(batch, skipped)
                 if self.capture_graphs:
                     captured, self.pool = capture_graph(step, self.device, self.pool)
                     step = captured.replay  # the bound method keeps the graph and what it reads alive
-                self.steps[(batch, with_lora)] = step
+                self.steps[(batch, skipped)] = step
         if self.capture_graphs:
             log.info("captured %d decode graphs for batch sizes %s", len(self.steps), self.buckets)
 
@@ -93,29 +103,33 @@ class DecodeGraphs:
         self._fence.copied()
         if previous is not None:
             self.input_ids[:batch].copy_(resolve_previous(self.input_ids[:batch], previous))
-        with_lora = lora_slots is not None
-        if with_lora:
+        skipped = None
+        if lora_slots is not None:
             pool = self.lora_pool
             pool.wait_for_loads(lora_slots)  # loads ahead into other slots keep running beside the replay
             slots = lora_slots + [pool.base_slot] * (batch - n)
             seg_lens, seg_slots = lora_segments([1] * batch, slots, DECODE_RUN)
             self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
-        logits = self.steps[(batch, with_lora)]()
+            used = set(lora_slots)
+            idle = {name for name, ranks in pool.target_ranks.items() if not any(ranks[s] for s in used)}
+            skipped = next(v for v in self.lora_variants if v <= idle)  # the most skipped first
+        logits = self.steps[(batch, skipped)]()
         self.num_replays += 1
         return logits[:n]
 
-    def _step(self, batch: int, with_lora: bool) -> Callable[[], torch.Tensor]:
-        """The decode step of `batch` padded rows over the static buffers, returning [batch, vocab] fp32."""
+    def _step(self, batch: int, skipped: frozenset[str] | None) -> Callable[[], torch.Tensor]:
+        """The decode step of `batch` padded rows over the static buffers, returning [batch, vocab] fp32;
+        skipped: the fused targets whose LoRA kernels it leaves out (None: no LoRA at all)."""
         metadata = self.attention.capture_metadata(self.req_rows[:batch], self.seq_lens[:batch])
         attn = AttentionInputs(out_cache_loc=self.out_cache_loc[:batch], metadata=metadata)
         lora = None
-        if with_lora:
+        if skipped is not None:
             pool = self.lora_pool
             meta = self.lora_meta.fill([1] * batch, [pool.base_slot] * batch, pool.ranks, pool.scalings, pool.target_ranks)
             # replays merge each adapter's rows into one segment (`lora_segments`): size the grids for that
             meta = dataclasses.replace(meta, max_seg_len=min(batch, DECODE_RUN))
             by_target = self.lora_meta.by_target(meta)  # views of the buffers: replays see each refill
-            lora = LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target)
+            lora = LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target, idle=skipped)
 
         def step() -> torch.Tensor:
             hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)

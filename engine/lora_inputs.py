@@ -92,8 +92,9 @@ class LoraInputs:
     # Per fused target, the step's metadata with that target's ranks (SgmvMetaBuffers.by_target); a
     # target not here uses `meta`.
     by_target: Mapping[str, SgmvMeta] = field(default_factory=dict)
-    # Eager steps: fused targets no row of this step adapts (every slot it reads has rank 0 there), whose
-    # projections skip the LoRA kernels; a captured graph leaves it empty, its replays may differ.
+    # Fused targets no row of this step adapts (every slot it reads has rank 0 there), whose projections
+    # skip the LoRA kernels: an eager step's own; a captured decode graph's variant (engine/cuda_graphs.py)
+    # replays only for steps that adapt none of them either.
     idle: frozenset[str] = frozenset()
 
     def project(self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor) -> torch.Tensor:

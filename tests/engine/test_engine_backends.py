@@ -45,13 +45,15 @@ def adapter_dirs(make_adapter):
 
 
 def run_batch(
-    model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] = (), static_decode: tuple[int, ...] = (), **config
+    model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] = (), static_decode: tuple[int, ...] = (), jobs=JOBS,
+    replayed: list | None = None, **config,
 ) -> list[list[int]]:
     """JOBS submitted together before the loop starts (one batch); each job's greedy tokens.
     static_steps: token buckets of CUDA-graph steps (engine/step_graphs.py) run uncaptured on the CPU,
     which then serve every step, under the overlapped schedule (chained plans). static_decode: batch
     buckets of the decode graphs (engine/cuda_graphs.py) run uncaptured, which then serve every decode
-    step, the paged decode-attention kernel included."""
+    step, the paged decode-attention kernel included; replayed gets the LoRA variant (the targets it
+    skips) of each decode step."""
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
     core = EngineCore.build(EngineConfig(model_dir=str(model_dir), adapters=adapters, work_dir=str(tmp_path / "work"), **config))
     if static_decode:
@@ -70,6 +72,8 @@ def run_batch(
         runner._run_eager = lambda plan: decode_eager.append(plan.is_decode) or real_decode_eager(plan)
         decode_chained, real_decode = [], runner.graphs.run
         runner.graphs.run = lambda *args: decode_chained.append(args[-1] is not None) or real_decode(*args)
+        if replayed is not None:
+            runner.graphs.steps = {key: _counted(key, step, replayed) for key, step in runner.graphs.steps.items()}
     if static_steps:
         from engine.step_graphs import StepGraphs
 
@@ -85,7 +89,7 @@ def run_batch(
         chained, real_run = [], runner.step_graphs.run
         runner.step_graphs.run = lambda *args: chained.append(args[-1] is not None) or real_run(*args)
     streams = []
-    for prompt, adapter in JOBS:
+    for prompt, adapter in jobs:
         tokens, finals, done = [], [], threading.Event()
 
         def sink(event, tokens=tokens, finals=finals, done=done):
@@ -114,6 +118,14 @@ def run_batch(
         assert core.workers.local.runner.graphs.num_replays >= NUM_TOKENS - 1 and not any(decode_eager)
         assert any(decode_chained)  # some replays read the previous step's tokens on the device
     return [tokens for tokens, _, _ in streams]
+
+
+def _counted(key, step, replayed: list):
+    def run():
+        replayed.append(key[1])
+        return step()
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +179,22 @@ def test_decode_steps_over_static_buffers_give_the_reference_tokens(tiny_llama_d
         tiny_llama_dir, adapter_dirs, tmp_path, static_decode=buckets, attention_backend="ref", lora_backend=lora_backend,
     )  # fmt: skip
     assert tokens == reference
+
+
+def test_decode_steps_of_qv_adapters_take_the_graph_that_skips_the_other_targets(tiny_llama_dir, adapter_dirs, reference, tmp_path):
+    """A decode batch of the base model and a q/v adapter replays the variant whose o, gate_up and down
+    projections run no LoRA kernels, and still gives the reference tokens; a batch with an adapter on
+    all seven projections takes the variant that runs them all."""
+    replayed: list = []
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, static_decode=(2,), jobs=JOBS[:2], replayed=replayed,  # base, q/v
+        attention_backend="ref", lora_backend="splitk",
+    )  # fmt: skip
+    assert tokens == reference[:2]
+    assert replayed and set(replayed) == {frozenset({"o", "gate_up", "down"})}
+    replayed.clear()
+    run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "all", static_decode=(4,), replayed=replayed, attention_backend="ref", lora_backend="splitk")
+    assert replayed and set(replayed) == {frozenset()}
 
 
 def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):
