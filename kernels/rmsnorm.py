@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pending_delta import load_plus_delta
+
 MAX_HIDDEN = 16384
 
 
@@ -51,12 +53,8 @@ def _add_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     mask = offs_n < N
-    x = tl.load(x_ptr + row * stride_x + offs_n, mask=mask, other=0.0)
-
     # -- the adds, each rounded once to the model dtype (what `x + d` and `x + r` in PyTorch do) -------
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + row * stride_d + offs_n, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    x = load_plus_delta(x_ptr + row * stride_x, delta_ptr + row * stride_d, offs_n, mask, HAS_DELTA)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs_n, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pending_delta import load_plus_delta
+
 
 @triton.jit
 def _rope_kv_kernel(
@@ -62,8 +64,8 @@ def _rope_kv_kernel(
     # -- the head this program rotates: a query head, or a key head (then its value head too) ----------
     row_ptr = qkv_ptr + t * stride_qkv + h * 2 * HALF
     d_ptr = delta_ptr + t * stride_d + h * 2 * HALF
-    u1 = _load_sum(row_ptr, d_ptr, offs, mask, HAS_DELTA).to(tl.float32)
-    u2 = _load_sum(row_ptr + HALF, d_ptr + HALF, offs, mask, HAS_DELTA).to(tl.float32)
+    u1 = load_plus_delta(row_ptr, d_ptr, offs, mask, HAS_DELTA).to(tl.float32)
+    u2 = load_plus_delta(row_ptr + HALF, d_ptr + HALF, offs, mask, HAS_DELTA).to(tl.float32)
     r1 = (u1 * cos - u2 * sin).to(q_out_ptr.dtype.element_ty)
     r2 = (u2 * cos + u1 * sin).to(q_out_ptr.dtype.element_ty)
     if h < num_heads:
@@ -79,18 +81,8 @@ def _rope_kv_kernel(
         v_src = row_ptr + num_kv_heads * 2 * HALF  # the value head sits Hkv heads after its key head
         v_d = d_ptr + num_kv_heads * 2 * HALF
         v_dst = v_cache_ptr + loc * stride_vc_slot + j * stride_vc_head
-        tl.store(v_dst + offs, _load_sum(v_src, v_d, offs, mask, HAS_DELTA), mask=mask)
-        tl.store(v_dst + HALF + offs, _load_sum(v_src + HALF, v_d + HALF, offs, mask, HAS_DELTA), mask=mask)
-
-
-@triton.jit
-def _load_sum(src_ptr, delta_ptr, offs, mask, HAS_DELTA: tl.constexpr):
-    """src[offs], plus delta[offs] rounded to src's dtype (what `qkv + delta` in PyTorch gives)."""
-    u = tl.load(src_ptr + offs, mask=mask, other=0.0)
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + offs, mask=mask, other=0.0)
-        u = (u.to(tl.float32) + d.to(tl.float32)).to(src_ptr.dtype.element_ty)
-    return u
+        tl.store(v_dst + offs, load_plus_delta(v_src, v_d, offs, mask, HAS_DELTA), mask=mask)
+        tl.store(v_dst + HALF + offs, load_plus_delta(v_src + HALF, v_d + HALF, offs, mask, HAS_DELTA), mask=mask)
 
 
 def _check(

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pending_delta import load_plus_delta
+
 BLOCK = 1024
 
 
@@ -38,15 +40,9 @@ def _silu_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
-    gate = tl.load(gate_up_ptr + row * stride_g + offs, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride_g + I + offs, mask=mask, other=0.0)
-    if HAS_DELTA:  # rounded to the model dtype, as `gate_up + delta` in PyTorch
-        dg = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
-        du = tl.load(delta_ptr + row * stride_d + I + offs, mask=mask, other=0.0)
-        gate = (gate.to(tl.float32) + dg.to(tl.float32)).to(gate_up_ptr.dtype.element_ty)
-        up = (up.to(tl.float32) + du.to(tl.float32)).to(gate_up_ptr.dtype.element_ty)
-    gate = gate.to(tl.float32)
-    up = up.to(tl.float32)
+    src, d = gate_up_ptr + row * stride_g, delta_ptr + row * stride_d
+    gate = load_plus_delta(src, d, offs, mask, HAS_DELTA).to(tl.float32)
+    up = load_plus_delta(src + I, d + I, offs, mask, HAS_DELTA).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + row * stride_o + offs, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=mask
