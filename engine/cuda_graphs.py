@@ -70,13 +70,8 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
-        for batch in reversed(self.buckets):
-            for skipped in (None, *self.lora_variants):
-                step = self._step(batch, skipped)
-                if self.capture_graphs:
-                    captured, self.pool = capture_graph(step, self.device, self.pool)
-                    step = captured.replay  # the bound method keeps the graph and what it reads alive
-                self.steps[(batch, skipped)] = step
+        keys = [(batch, skipped) for batch in reversed(self.buckets) for skipped in (None, *self.lora_variants)]
+        self.steps, self.pool = capture_steps(keys, self._step, self.device, self.pool, self.capture_graphs)
         if self.capture_graphs:
             log.info("captured %d decode graphs for batch sizes %s", len(self.steps), self.buckets)
 
@@ -110,8 +105,7 @@ class DecodeGraphs:
             slots = lora_slots + [pool.base_slot] * (batch - n)
             seg_lens, seg_slots = lora_segments([1] * batch, slots, DECODE_RUN)
             self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
-            used = set(lora_slots)
-            idle = {name for name, ranks in pool.target_ranks.items() if not any(ranks[s] for s in used)}
+            idle = pool.idle_targets(lora_slots)
             skipped = next(v for v in self.lora_variants if v <= idle)  # the most skipped first
         logits = self.steps[(batch, skipped)]()
         self.num_replays += 1
@@ -153,6 +147,22 @@ class CapturedStep:
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.output
+
+
+def capture_steps(
+    keys: list, make_step: Callable[..., Callable[[], torch.Tensor]], device: torch.device, pool, capture: bool = True
+) -> tuple[dict, object]:
+    """{key: what runs the step make_step(*key)}, in the order of keys: its captured graph's replay (the
+    bound method keeps the graph and what it reads alive), or the step itself when not capture (a CPU
+    test of the static buffers); and the memory pool the captures share."""
+    steps = {}
+    for key in keys:
+        step = make_step(*key)
+        if capture:
+            captured, pool = capture_graph(step, device, pool)
+            step = captured.replay
+        steps[key] = step
+    return steps, pool
 
 
 def capture_graph(step: Callable[[], torch.Tensor], device: torch.device, pool) -> tuple[CapturedStep, object]:

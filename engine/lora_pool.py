@@ -125,6 +125,12 @@ class LoraSlotPool:
         for name, ranks in self.target_ranks.items():
             ranks[slot] = adapter.rank if name in adapter.a else 0
 
+    def idle_targets(self, slots: Iterable[int]) -> frozenset[str]:
+        """The fused targets none of `slots` adapts (rank 0 there in each): a step over those slots
+        skips their LoRA kernels."""
+        used = set(slots)
+        return frozenset(name for name, ranks in self.target_ranks.items() if not any(ranks[s] for s in used))
+
     def clear(self, slot: int) -> None:
         """Mark a slot empty (rank 0); its buffers are zeroed again by the next load."""
         self.ranks[slot] = 0

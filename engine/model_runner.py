@@ -154,8 +154,7 @@ class ModelRunner:
         seg_lens, seg_slots = lora_segments(list(plan.extend_lens), slots, DECODE_RUN if plan.is_decode else 0)
         meta = self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
         side = self.lora_side if plan.is_decode else None
-        used = set(seg_slots)
-        idle = frozenset(name for name, ranks in pool.target_ranks.items() if not any(ranks[s] for s in used))
+        idle = pool.idle_targets(seg_slots)
         return LoraInputs(pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle)
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

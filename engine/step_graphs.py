@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from engine.attention import TritonMetadata
-from engine.cuda_graphs import capture_graph
+from engine.cuda_graphs import capture_steps
 from engine.forward_inputs import AttentionInputs, KVBuffers, StagingFence, resolve_previous
 from engine.lora_inputs import LoraInputs, SgmvMetaBuffers, lora_segments
 from engine.lora_pool import LoraSlotPool
@@ -91,13 +91,9 @@ class StepGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse its memory)."""
-        for bucket in reversed(self.buckets):
-            for with_lora in (False, True) if self.lora_pool else (False,):
-                step = self._step(bucket, with_lora)
-                if self.capture_graphs:
-                    captured, self.pool = capture_graph(step, self.device, self.pool)
-                    step = captured.replay
-                self.steps[(bucket, with_lora)] = step
+        loras = (False, True) if self.lora_pool else (False,)
+        keys = [(bucket, with_lora) for bucket in reversed(self.buckets) for with_lora in loras]
+        self.steps, self.pool = capture_steps(keys, self._step, self.device, self.pool, self.capture_graphs)
         if self.capture_graphs:
             log.info("captured %d step graphs for token counts %s", len(self.steps), self.buckets)
 
