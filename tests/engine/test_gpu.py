@@ -113,14 +113,20 @@ def test_cuda_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, lora_back
     assert run("cuda", lora_backend) == expected
 
 
+def three_adapters(make_adapter, prefix: str, seed: int) -> tuple[tuple[str, str], ...]:
+    """(name, dir) of three adapters of different targets and ranks: q/v rank 4, the MLP rank 8, o rank 12."""
+    targets = [("qv", ["q_proj", "v_proj"]), ("mlp", ["gate_proj", "up_proj", "down_proj"]), ("o", ["o_proj"])]
+    return tuple(
+        (name, str(make_adapter(f"{prefix}-{name}", r=4 * (i + 1), lora_alpha=16, target_modules=modules, seed=seed + i)))
+        for i, (name, modules) in enumerate(targets)
+    )
+
+
 def test_cuda_overlapped_schedule_with_slot_evictions_matches_cpu(tiny_llama_dir, make_adapter, tmp_path):
     """The overlapped schedule on CUDA (its default) with one slot for three adapters: a slot is
     reloaded for the next adapter while the step planned before its last user finished may still read
     it (the copy stream waits for the compute stream); graphs replay chained plans. CPU tokens."""
-    adapters = tuple(
-        (name, str(make_adapter(f"overlap-{name}", r=4 * (i + 1), lora_alpha=16, target_modules=targets, seed=25 + i)))
-        for i, (name, targets) in enumerate([("qv", ["q_proj", "v_proj"]), ("mlp", ["gate_proj", "up_proj", "down_proj"]), ("o", ["o_proj"])])
-    )  # fmt: skip
+    adapters = three_adapters(make_adapter, "overlap", seed=25)
 
     def run(device: str) -> list[list[int]]:
         config = EngineConfig(
@@ -163,10 +169,7 @@ def test_cuda_graph_mixed_steps_match_eager_steps(tiny_llama_dir, make_adapter, 
     token count: a 24-token budget splits the prompts into chunks beside other requests' decodes, the
     second round's prompts hit cached prefixes, and three adapters of different targets and ranks share
     two slots, so each replay brings new lengths, prefixes and slots. Tokens equal the eager steps'."""
-    adapters = tuple(
-        (name, str(make_adapter(f"mixed-{name}", r=4 * (i + 1), lora_alpha=16, target_modules=targets, seed=40 + i)))
-        for i, (name, targets) in enumerate([("qv", ["q_proj", "v_proj"]), ("mlp", ["gate_proj", "up_proj", "down_proj"]), ("o", ["o_proj"])])
-    )  # fmt: skip
+    adapters = three_adapters(make_adapter, "mixed", seed=40)
 
     def run(max_tokens: int) -> list[list[int]]:
         config = EngineConfig(
