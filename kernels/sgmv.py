@@ -212,6 +212,8 @@ def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config) -> Non
         IS_SHRINK=is_shrink,
         BLOCK_S=SEGMENT_CHUNK,
         INPUT_PRECISION="ieee",  # only fp32 operands look at it: exact fp32, no TF32
+        # Triton's CPU interpreter (the only way Triton runs on CPU tensors) gets bf16 tl.dot wrong
+        # (triton 3.9): upcast there; the products are exact in fp32 either way.
         UPCAST_DOT=inp.device.type == "cpu" and inp.dtype == torch.bfloat16,
         **config,
     )  # fmt: skip
