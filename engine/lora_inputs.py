@@ -1,7 +1,8 @@
 """A step's LoRA inputs for the model: the slot pool's buffers, this step's segments, the SGMV ops.
 
 Each fused projection adds its LoRA delta, with one shrink per input for all its stacked targets and
-one expand (`LoraInputs.project`; in CUDA decode steps both run on a side stream beside the base GEMM):
+one expand (`LoraInputs.project_deferred`; in CUDA decode steps both run on a side stream beside the
+base GEMM, and the delta comes back for the next kernel to add):
 
     y[T, out] += scalings[slot] * (x[T, in] @ A[slot]^T) @ B[slot]^T     per segment of tokens
 """
@@ -97,21 +98,15 @@ class LoraInputs:
     # replays only for steps that adapt none of them either.
     idle: frozenset[str] = frozenset()
 
-    def project(self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """linear(x) plus the LoRA delta of fused target `target` in `layer` (x: [T, in] -> [T, out]).
-
-        In line, the expand adds into the GEMM's output and rounds once. On the side stream, the delta
-        is rounded to x's dtype on its own and then added, as peft computes it."""
-        y, delta = self.project_deferred(linear, target, layer, x)
-        return y if delta is None else y.add_(delta)
-
     def project_deferred(
         self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(linear(x), the LoRA delta still to add to it), or (linear(x) with its delta, None).
+        """(linear(x), the LoRA delta of fused target `target` in `layer` still to add to it), or
+        (linear(x) with its delta, None); x: [T, in] -> [T, out].
 
-        On the side stream (CUDA decode steps) the delta comes back apart, rounded to x's dtype, and
-        the main stream already waits for it: the kernel that reads y next adds it as it loads y
+        In line, the expand adds into the GEMM's output and rounds once. On the side stream (CUDA
+        decode steps) the delta comes back apart, rounded to x's dtype as peft rounds it, and the main
+        stream already waits for it: the kernel that reads y next adds it as it loads y
         (kernels/rope_kv.py, silu_mul.py, rmsnorm.py take a `delta`), one kernel launch less per
         projection than `y.add_(delta)` and the same rounding."""
         if target in self.idle:

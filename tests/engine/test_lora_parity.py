@@ -368,9 +368,10 @@ def test_eager_steps_skip_the_targets_no_row_adapts(tiny_llama_dir, make_adapter
         x = torch.randn(4, pool.targets["o"].in_dim)
         linear = torch.nn.Linear(x.shape[1], pool.targets["o"].out_dim, bias=False)
         with torch.inference_mode():
-            assert torch.equal(lora.project(linear, "o", 0, x), linear(x))  # idle: the base projection alone
+            y, delta = lora.project_deferred(linear, "o", 0, x)
+            assert delta is None and torch.equal(y, linear(x))  # idle: the base projection alone
             down = torch.nn.Linear(pool.targets["down"].in_dim, pool.targets["down"].out_dim, bias=False)
-            lora.project(down, "down", 0, torch.randn(4, pool.targets["down"].in_dim))
+            lora.project_deferred(down, "down", 0, torch.randn(4, pool.targets["down"].in_dim))
         assert len(calls) == 1 and calls[0].data_ptr() == pool.a["down"][0].data_ptr()
     finally:
         core.close()
