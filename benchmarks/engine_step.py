@@ -62,10 +62,12 @@ def sync(device: torch.device) -> None:
 
 
 def random_packed(
-    digest: str, config: ModelConfig, rank: int, dtype: torch.dtype, seed: int, share: bool, fused: tuple[str, ...] = ()
+    digest: str, config: ModelConfig, rank: int, dtype: torch.dtype, seed: int, share: bool, fused: tuple[str, ...] = (),
+    pin: bool = False,
 ) -> PackedAdapter:
     """A random adapter of `rank` on the fused targets `fused` (all four when empty: the seven
-    projections), packed at full size (host memory)."""
+    projections), packed at full size (host memory: shared across processes with share, page-locked
+    with pin, as the engine's host cache holds it for one GPU)."""
     gen = torch.Generator().manual_seed(seed)
     targets, layers = [t for t in fused_targets(config) if not fused or t.name in fused], config.num_layers
     a = {t.name: (torch.randn(layers, t.num_stack * rank, t.in_dim, generator=gen) * 0.01).to(dtype) for t in targets}
@@ -73,6 +75,8 @@ def random_packed(
     if share:
         for tensor in (*a.values(), *b.values()):
             tensor.share_memory_()
+    if pin:
+        a, b = ({name: t.pin_memory() for name, t in d.items()} for d in (a, b))
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 

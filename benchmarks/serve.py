@@ -208,13 +208,14 @@ def register_adapters(
     `workers` adapters at a time (each written, uploaded and compiled while others are); name -> dir."""
     config = json.loads((model_dir / "config.json").read_text())
     base = model_dir.resolve().name
-    dirs = {adapter_name(i, targets): work_dir / "adapters" / adapter_name(i, targets) for i in range(num_adapters)}
+    names = [adapter_name(i, targets) for i in range(num_adapters)]
+    dirs = {name: work_dir / "adapters" / name for name in names}
     with RegistryClient(registry) as client:
         client.register_base_model(base, model_dir)
         known = {a.name for a in client.list(base_model=base, latest_only=True)}
 
         def one(i: int) -> None:
-            name = adapter_name(i, targets)
+            name = names[i]
             if not (dirs[name] / "adapter_config.json").exists():
                 write_random_peft_adapter(dirs[name], config, rank, seed=1000 + i, dtype=dtype, targets=targets)
             if name not in known:

@@ -30,14 +30,6 @@ from engine.lora_pool import LoraSlotPool, PackedAdapter
 KINDS = {"all": (), "qv": ("qkv",)}  # fused targets of each kind of adapter (empty: all four)
 
 
-def pinned(packed: PackedAdapter, device: torch.device) -> PackedAdapter:
-    """The adapter in page-locked memory on CUDA (the engine's host cache holds it so: async copies)."""
-    if device.type != "cuda":
-        return packed
-    pin = {name: t.pin_memory() for name, t in packed.a.items()}, {name: t.pin_memory() for name, t in packed.b.items()}
-    return PackedAdapter(packed.digest, packed.rank, packed.scaling, *pin)
-
-
 def nbytes(packed: PackedAdapter) -> int:
     return sum(t.numel() * t.element_size() for t in (*packed.a.values(), *packed.b.values()))
 
@@ -47,7 +39,7 @@ def load_alone(config, device: torch.device, rank: int, max_rank: int, repeats: 
     pool = LoraSlotPool(config, 2, max_rank, dtype, device)
     rows = []
     for kind, fused in KINDS.items():
-        packed = pinned(random_packed(f"slot-load-{kind}", config, rank, dtype, seed=1, share=False, fused=fused), device)
+        packed = random_packed(f"slot-load-{kind}", config, rank, dtype, seed=1, share=False, fused=fused, pin=device.type == "cuda")
         host_ms, device_ms = [], []
         for i in range(repeats + 1):  # the first load is a warm-up
             sync(device)
@@ -83,7 +75,7 @@ def decode_beside_loads(config, device: torch.device, batch: int, num_adapters: 
     try:
         runner = loop.workers.local.runner
         dtype = next(runner.model.parameters()).dtype
-        extra = pinned(random_packed("slot-load-extra", config, 16, dtype, seed=2, share=False, fused=KINDS[kind]), device)
+        extra = random_packed("slot-load-extra", config, 16, dtype, seed=2, share=False, fused=KINDS[kind], pin=device.type == "cuda")
         vocab = runner.model.config.vocab_size
         for i in range(batch):
             loop.scheduler.add(make_request(i, 64, vocab, 2 * num_steps + 4, f"adapter-{i % num_adapters}"))
