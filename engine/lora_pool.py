@@ -150,6 +150,21 @@ class LoraSlotPool:
             if event is not None:
                 current.wait_event(event)
 
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A packed tensor in pinned host memory, whole, in one asynchronous copy to this pool's GPU (the
+        copy stream's memory), whose pieces then go to the slot on the device; any other tensor itself.
+
+        Copied straight from the host, a strided piece (projection k's rows of a stacked A) is first
+        gathered by PyTorch into new pageable host memory, and a copy from pageable memory waits for
+        everything queued before it on the copy stream, which waits for the compute stream: the load
+        held the host until the running step ended, and the step after it waited (BENCHMARKS.md: a load
+        beside a batch-32 decode step added its whole 5 ms to the step). Tensor-parallel workers read
+        the host cache from shared, unpinned memory: their loads still copy from pageable memory, the
+        rank's shard only."""
+        if self._copy_stream is None or not t.is_pinned():
+            return t
+        return t.to(self.device, non_blocking=True)
+
     def _shard(self, target: FusedTarget, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed (full) target -> this rank's A and B; see the module doc."""
         # a: [L, stack * rank, in_full]; b: [L, out_full, rank]
@@ -167,7 +182,7 @@ class LoraSlotPool:
         dst_b.zero_()
         if a is None or b is None:
             return
-        a, b = self._shard(target, a, b)  # a: [L, stack * rank, in]; b: [L, out, rank]
+        a, b = self._shard(target, self._on_device(a), self._on_device(b))  # [L, stack * rank, in], [L, out, rank]
         for k in range(target.num_stack):
             rows = slice(k * self.max_rank, k * self.max_rank + rank)
             dst_a[:, rows].copy_(a[:, k * rank : (k + 1) * rank], non_blocking=True)

@@ -194,6 +194,33 @@ def test_loads_copy_on_their_own_stream_after_queued_work_and_forwards_wait_for_
     assert pool.ranks[:2] == [4, 4] and pool.a["qkv"][:, 0].any()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_load_does_not_hold_the_host_until_the_running_step_ends():
+    """On CUDA a load only enqueues: with the compute stream busy (a long sleep kernel standing in for a
+    step), `load` returns while that work still runs, and the slot then holds the adapter. The stacked
+    targets' A (q/k/v, gate/up) are the pieces that once went through pageable memory and waited."""
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.bfloat16, device="cuda")
+    adapter = canonical(4, seed=9)
+    host = pack_adapter("x", adapter, pool.targets, torch.bfloat16, pin=True)
+    pool.load(0, host)  # a first load: the copy stream's first allocations
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles on the compute stream
+    busy = torch.cuda.Event()
+    busy.record()
+    pool.load(1, host)
+    assert not busy.query(), "load waited for the compute stream's work"
+    pool.wait_for_loads()
+    torch.cuda.synchronize()
+    for target in pool.targets.values():
+        for k, module in enumerate(target.modules):
+            offset, size = target.output_slices[k]
+            for layer in range(CONFIG.num_layers):
+                a, b = (w.to(torch.bfloat16).cuda() for w in adapter.module_weights(layer, module))
+                assert torch.equal(pool.a[target.name][layer, 1, k * 8 : k * 8 + 4], a), (module, layer)
+                assert torch.equal(pool.b[target.name][layer, 1, offset : offset + size, :4], b), (module, layer)
+
+
 @pytest.mark.parametrize("tp_rank", [0, 1])
 def test_tensor_parallel_slot_holds_the_ranks_shard_of_every_projection(tp_rank):
     """A rank's slot holds, per projection, the full delta's output rows of its shard (column targets:
