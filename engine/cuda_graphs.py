@@ -112,7 +112,7 @@ class DecodeGraphs:
         return logits[:n]
 
     def _step(self, batch: int, skipped: frozenset[str] | None) -> Callable[[], torch.Tensor]:
-        """The decode step of `batch` padded rows over the static buffers, returning [batch, vocab] fp32;
+        """The decode step of `batch` padded rows over the static buffers, returning [batch, vocab] logits;
         skipped: the fused targets whose LoRA kernels it leaves out (None: no LoRA at all)."""
         metadata = self.attention.capture_metadata(self.req_rows[:batch], self.seq_lens[:batch])
         attn = AttentionInputs(out_cache_loc=self.out_cache_loc[:batch], metadata=metadata)
@@ -127,7 +127,7 @@ class DecodeGraphs:
 
         def step() -> torch.Tensor:
             hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)
-            return self.model.compute_logits(hidden)  # [batch, vocab] fp32
+            return self.model.compute_logits(hidden)  # [batch, vocab]
 
         return step
 

@@ -123,7 +123,7 @@ class ModelRunner:
         rows = plan.sample_rows
         if not rows:
             return None
-        return self.model.compute_logits(hidden[self._tensor(rows)])  # [N, vocab] fp32
+        return self.model.compute_logits(hidden[self._tensor(rows)])  # [N, vocab]
 
     def _run_graph(self, plan: StepPlan) -> torch.Tensor:
         lora_slots = None

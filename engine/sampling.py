@@ -141,15 +141,17 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """Next token ids [B] (int64) for logits [B, V] fp32, one SamplingParams and generator per row.
+    """Next token ids [B] (int64) for logits [B, V] (the model's dtype), one SamplingParams and generator
+    per row.
 
-    Greedy rows take the argmax. Other rows are scaled by 1/temperature, filtered by top-k then top-p
-    (the top token always survives) and drawn with the row's own generator (None: torch's default one).
+    Greedy rows take the argmax (of the logits as they are: the first of equal maxima, as of their fp32
+    copy). Other rows, in fp32, are scaled by 1/temperature, filtered by top-k then top-p (the top token
+    always survives) and drawn with the row's own generator (None: torch's default one).
     """
     next_ids = logits.argmax(dim=-1)  # [B]
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
-        probs = _filtered_probs(logits[rows], [params[i] for i in rows])  # [R, V]
+        probs = _filtered_probs(logits[rows].float(), [params[i] for i in rows])  # [R, V]
         noise = _exponential_noise(probs, [generators[i] for i in rows])  # [R, V]
         next_ids[rows] = (probs / noise).argmax(dim=-1)
     return next_ids

@@ -106,7 +106,7 @@ class StepGraphs:
         previous: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Replay the step of the smallest bucket >= its token count; the logits of sample_rows
-        [len(sample_rows), vocab] fp32 (computed after the replay). previous: the last step's sampled
+        [len(sample_rows), vocab] logits (computed after the replay). previous: the last step's sampled
         tokens (a chained plan)."""
         t, s = len(input_ids), len(sample_rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, t)]
@@ -133,7 +133,7 @@ class StepGraphs:
         hidden_rows = self.steps[(bucket, with_lora)]()
         self.num_replays += 1
         # the LM head runs after the replay, on the rows that sample: graphs of every bucket holding
-        # [rows, vocab] fp32 outputs would pin about a gigabyte at Llama-3's vocabulary
+        # [rows, vocab] outputs would pin about a gigabyte at Llama-3's vocabulary
         return self.model.compute_logits(hidden_rows[:s])
 
     def _step(self, bucket: int, with_lora: bool):

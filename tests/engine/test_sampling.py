@@ -36,6 +36,17 @@ def test_greedy_is_argmax():
     assert torch.equal(next_ids, logits.argmax(dim=-1))
 
 
+def test_bf16_logits_sample_as_their_fp32_copy():
+    """The model hands `sample` its logits in bf16: greedy rows (ties included: the first of equal
+    maxima) and seeded rows draw exactly the ids their fp32 copy draws."""
+    logits = _logits(12, seed=3).bfloat16()
+    logits[0, 7] = logits[0, 50] = logits[0].max() + 1  # a tie in a greedy row: id 7 wins
+    params = [SamplingParams(temperature=0.0)] * 6 + [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(6)]
+    draws = [sample(x, params, [make_generator(i, "cpu") for i in range(12)]) for x in (logits, logits.float())]
+    assert torch.equal(draws[0], draws[1])
+    assert draws[0][0].item() == 7
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_top_k_1_is_greedy_even_at_temperature_1(seed):
     logits = _logits(16, seed)
