@@ -396,6 +396,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "--num-kv-slots", str(config.num_kv_slots),
         "--max-queued-requests", str(config.max_queued_requests),
         "--lora-load-ahead", str(config.lora_load_ahead), "--cuda-graph-max-tokens", str(config.cuda_graph_max_tokens),
+        "--lora-target-modules", *config.lora_target_modules,
     ]  # fmt: skip
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
@@ -523,6 +524,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         registry=registry,
         max_loras_per_batch=args.max_loras,
         max_lora_rank=args.rank,
+        lora_target_modules=tuple(args.lora_target_modules),
         max_host_adapters=args.max_host_adapters,
         max_running_requests=args.max_running,
         max_batch_tokens=args.max_batch_tokens,
@@ -557,6 +559,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--register-workers", type=int, default=8, help="adapters registered at a time before the runs")
     p.add_argument("--max-loras", type=int, default=32, help="the engine's GPU adapter slots")
+    p.add_argument(
+        "--lora-target-modules", nargs="*", default=[], choices=TARGETS,
+        help="the engine's --lora-target-modules (slots only for these projections' targets; default all)",
+    )
     p.add_argument("--max-host-adapters", type=int, default=64)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=2048)

@@ -41,10 +41,13 @@ class LocalAdapters:
         self._by_digest = {r.digest: r for r in records}
 
     @classmethod
-    def compile_all(cls, specs: list[tuple[str, Path]], model_dir: Path, base_model: str, max_rank: int, work_dir: Path) -> LocalAdapters:
+    def compile_all(
+        cls, specs: list[tuple[str, Path]], model_dir: Path, base_model: str, max_rank: int, work_dir: Path,
+        served: frozenset[str] | None = None,
+    ) -> LocalAdapters:  # fmt: skip
         shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
         work_dir.mkdir(parents=True, exist_ok=True)
-        records = [_compile_one(check_name(name, "adapter"), Path(src), shape, base_model, max_rank, work_dir) for name, src in specs]
+        records = [_compile_one(check_name(name, "adapter"), Path(src), shape, base_model, max_rank, work_dir, served) for name, src in specs]
         return cls(records)
 
     def resolve(self, ref: str) -> AdapterRecord:
@@ -62,12 +65,26 @@ class LocalAdapters:
         return self._by_digest[digest]
 
 
-def read_canonical_within(artifact: bytes, shape: ModelShape, max_rank: int, label: str) -> CanonicalAdapter:
-    """A canonical artifact checked against the base model and the engine's slot rank."""
+def read_canonical_within(
+    artifact: bytes, shape: ModelShape, max_rank: int, label: str, served: frozenset[str] | None = None
+) -> CanonicalAdapter:
+    """A canonical artifact checked against the base model, the engine's slot rank and the projections
+    its slots hold LoRA for (`served`; None: all)."""
     adapter = read_canonical(artifact, shape)
     if adapter.rank > max_rank:
         raise FailedPrecondition(f"{label}: rank {adapter.rank} is over this engine's --max-lora-rank {max_rank}")
+    check_served(label, adapter.target_modules, served)
     return adapter
+
+
+def check_served(label: str, modules: tuple[str, ...], served: frozenset[str] | None) -> None:
+    """Refuse an adapter of a projection the engine's slots hold no LoRA for (--lora-target-modules)."""
+    missing = [m for m in modules if served is not None and m not in served]
+    if missing:
+        raise FailedPrecondition(
+            f"{label}: adapts {', '.join(missing)}, and this engine's slots hold LoRA for"
+            f" {', '.join(sorted(served))} only (--lora-target-modules)"
+        )
 
 
 def parse_adapter_spec(spec: str) -> tuple[str, str]:
@@ -78,10 +95,12 @@ def parse_adapter_spec(spec: str) -> tuple[str, str]:
     return name, path
 
 
-def _compile_one(name: str, src: Path, shape: ModelShape, base_model: str, max_rank: int, work_dir: Path) -> AdapterRecord:
+def _compile_one(
+    name: str, src: Path, shape: ModelShape, base_model: str, max_rank: int, work_dir: Path, served: frozenset[str] | None
+) -> AdapterRecord:
     if src.is_file():
         data = src.read_bytes()
-        adapter = read_canonical_within(data, shape, max_rank, f"adapter {name!r}")
+        adapter = read_canonical_within(data, shape, max_rank, f"adapter {name!r}", served)
         return AdapterRecord(name, 1, hashlib.sha256(data).hexdigest(), src, adapter.rank)
     if not (src / CONFIG_FILE).is_file():
         raise NotFound(f"adapter {name!r}: {src / CONFIG_FILE} does not exist")
@@ -89,6 +108,11 @@ def _compile_one(name: str, src: Path, shape: ModelShape, base_model: str, max_r
     compiled = compile_adapter(
         (src / CONFIG_FILE).read_bytes(), src / WEIGHTS_FILE, shape, base_model=base_model, max_rank=max_rank, out_path=staging
     )
+    try:
+        check_served(f"adapter {name!r}", compiled.target_modules, served)
+    except FailedPrecondition:
+        staging.unlink(missing_ok=True)
+        raise
     final = work_dir / f"{compiled.digest}.safetensors"
     staging.replace(final)
     return AdapterRecord(name, 1, compiled.digest, final, compiled.rank)

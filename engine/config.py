@@ -43,6 +43,9 @@ class EngineConfig:
     adapters: tuple[tuple[str, str], ...] = ()
     max_loras_per_batch: int = 8  # GPU adapter slots; 0 disables LoRA
     max_lora_rank: int = 64
+    # Projections the slots hold LoRA for (q_proj keeps the whole q/k/v target); empty: all of them. A q/v
+    # pool's slot is 23% of an all-target slot at Llama-3-8B's widths (engine/lora_pool.py).
+    lora_target_modules: tuple[str, ...] = ()
     max_host_adapters: int = 64
     lora_eviction_policy: str = "lru"  # or "fifo"
     lora_load_ahead: int = DEFAULT_LORA_LOAD_AHEAD  # queued requests' adapters loaded a step ahead; 0 = off

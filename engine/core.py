@@ -24,7 +24,7 @@ from engine.engine_loop import EngineLoop
 from engine.errors import FailedPrecondition, NotFound
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
-from engine.lora_pool import PackedAdapter, fused_targets
+from engine.lora_pool import PackedAdapter, fused_targets, served_modules
 from engine.model_config import ModelConfig
 from engine.parallel import TensorParallel, local_config
 from engine.radix_cache import RadixCache
@@ -68,7 +68,8 @@ class EngineCore:
         local_config(model_config, tp)  # a size that does not divide the model fails here, before any rank starts
         tokenizer = Tokenizer.from_dir(config.model_dir)
         max_context = config.max_context or model_config.max_position_embeddings
-        adapters = _local_adapters(config)
+        served_modules(model_config, config.lora_target_modules)  # a name that is no projection fails here
+        adapters = _local_adapters(config, model_config)
         workers = start_workers(WorkerSpec(config, max_context, tp))
         allocator = PageAllocator(workers.info.num_kv_slots // config.page_size, config.page_size)
         req_pool = ReqToTokenPool(config.max_running_requests, max_context)
@@ -179,8 +180,10 @@ class EngineCore:
         return packed
 
     def _pack(self, digest: str, artifact: bytes) -> PackedAdapter:
-        adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {digest[:12]}")
-        targets = {t.name: t for t in fused_targets(self.model_config)}
+        modules = self.config.lora_target_modules
+        served = served_modules(self.model_config, modules)
+        adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {digest[:12]}", served)
+        targets = {t.name: t for t in fused_targets(self.model_config, modules)}
         device = torch.device(self.config.device)
         dtype = getattr(torch, self.config.dtype) if self.config.dtype else default_dtype(device)
         # One rank copies from pinned memory (async); several read one shared-memory copy across processes.
@@ -236,10 +239,11 @@ class EngineCore:
         )
 
 
-def _local_adapters(config: EngineConfig) -> LocalAdapters:
+def _local_adapters(config: EngineConfig, model_config: ModelConfig) -> LocalAdapters:
     if not config.adapters:
         return LocalAdapters([])
     work_dir = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="loramux-adapters-"))
     base_model = config.resolved_base_model_name
     specs = [(name, Path(path)) for name, path in config.adapters]
-    return LocalAdapters.compile_all(specs, Path(config.model_dir), base_model, config.max_lora_rank, work_dir)
+    served = served_modules(model_config, config.lora_target_modules)
+    return LocalAdapters.compile_all(specs, Path(config.model_dir), base_model, config.max_lora_rank, work_dir, served)

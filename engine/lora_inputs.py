@@ -109,7 +109,7 @@ class LoraInputs:
         stream already waits for it: the kernel that reads y next adds it as it loads y
         (kernels/rope_kv.py, silu_mul.py, rmsnorm.py take a `delta`), one kernel launch less per
         projection than `y.add_(delta)` and the same rounding."""
-        if target in self.idle:
+        if target in self.idle or target not in self.pool.targets:  # not adapted here, or no buffers for it
             return linear(x), None
         t = self.pool.targets[target]
         a, b = self.pool.a[target][layer], self.pool.b[target][layer]

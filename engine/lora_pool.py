@@ -11,6 +11,11 @@ target (qkv, gate_up) A is whole and B holds this rank's output rows of each pro
 row-parallel target (o, down) A holds this rank's input columns and B is whole, so the rank's delta is a
 partial sum that the layer's all-reduce completes. The dims above are then the rank's (`local_config`).
 
+With --lora-target-modules (`modules`) only the fused targets holding one of those projections get
+buffers: a q/v pool (q/k/v alone) takes 23% of an all-target pool's bytes a slot at Llama-3-8B's widths,
+so the same memory holds about 4.4x the slots. The other projections then run no LoRA kernels, and an
+adapter that adapts one of them is refused before it reaches a slot (engine/adapters.py).
+
 Slot index `num_slots` is the base-model slot: rank 0 forever, so base-model tokens take the same
 kernels and contribute exactly nothing. An EMPTY slot (no adapter) is a different thing: rank 0 until
 an adapter is loaded into it. `ranks[s]` / `scalings[s]` hold each slot's rank and scaling, and
@@ -21,7 +26,7 @@ q/v adapter has rank 0 in o, gate_up and down), so the kernels of t skip that sl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +55,21 @@ class FusedTarget:
         return offset + size
 
 
-def fused_targets(config: ModelConfig) -> tuple[FusedTarget, ...]:
-    """The family spec's fused targets with this model's widths."""
-    return tuple(_sized(target, config) for target in config.arch.fused)
+def fused_targets(config: ModelConfig, modules: Collection[str] = ()) -> tuple[FusedTarget, ...]:
+    """The family spec's fused targets with this model's widths; with `modules` (projection names, the
+    engine's --lora-target-modules), only the targets holding one of them: q_proj alone keeps the whole
+    q/k/v target, since its projections share one buffer. Raises ValueError for a name that is no
+    projection of the family."""
+    known = [m for target in config.arch.fused for m in target.modules]
+    unknown = sorted(set(modules) - set(known))
+    if unknown:
+        raise ValueError(f"LoRA target modules {unknown} are not projections of {config.arch.family} models ({', '.join(known)})")
+    return tuple(_sized(t, config) for t in config.arch.fused if not modules or set(t.modules) & set(modules))
+
+
+def served_modules(config: ModelConfig, modules: Collection[str] = ()) -> frozenset[str]:
+    """The projections whose LoRA the slots of `fused_targets(config, modules)` hold."""
+    return frozenset(m for target in fused_targets(config, modules) for m in target.modules)
 
 
 def _sized(target: FusedTargetSpec, config: ModelConfig) -> FusedTarget:
@@ -83,14 +100,15 @@ class LoraSlotPool:
     """Owns the slot buffers and each slot's rank/scaling; knows nothing of which adapter is where."""
 
     def __init__(
-        self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE
-    ):
+        self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE,
+        modules: Collection[str] = (),  # --lora-target-modules: buffers only for the targets holding these (all when empty)
+    ):  # fmt: skip
         self.num_slots = num_slots
         self.base_slot = num_slots
         self.max_rank = max_rank
         self.device = torch.device(device)
         self.tp = tp
-        self.targets = {t.name: t for t in fused_targets(local_config(config, tp))}  # this rank's dims
+        self.targets = {t.name: t for t in fused_targets(local_config(config, tp), modules)}  # this rank's dims
         total = num_slots + 1
         layers = config.num_layers
         self.a = {t.name: torch.zeros(layers, total, t.num_stack * max_rank, t.in_dim, dtype=dtype, device=device) for t in self.targets.values()}
@@ -110,6 +128,8 @@ class LoraSlotPool:
             raise ValueError(f"slot {slot} is not an adapter slot (0..{self.num_slots - 1})")
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter rank {adapter.rank} is over the pool's max rank {self.max_rank}")
+        if not set(adapter.a) <= set(self.targets):
+            raise ValueError(f"adapter adapts {sorted(set(adapter.a) - set(self.targets))}: the pool holds {sorted(self.targets)} only")
         stream = self._copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -115,7 +115,9 @@ class ModelWorker:
         req_to_token = torch.zeros(config.max_running_requests, spec.max_context, dtype=torch.int64, device=device)
         pool = None
         if config.max_loras_per_batch > 0:
-            pool = LoraSlotPool(model_config, config.max_loras_per_batch, config.max_lora_rank, dtype, device, tp)
+            pool = LoraSlotPool(
+                model_config, config.max_loras_per_batch, config.max_lora_rank, dtype, device, tp, config.lora_target_modules
+            )
         runner = ModelRunner(
             model, kv, req_to_token, eager_backend(_attention_backend(config, device), req_to_token),
             pool, _lora_backend(config, device), samples=tp.rank == 0,

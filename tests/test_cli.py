@@ -71,6 +71,19 @@ def test_fetch_cap_reaches_the_engine_config_from_the_flag_or_its_variable():
         EngineConfig(model_dir="m", max_concurrent_fetches=0)
 
 
+def test_lora_target_modules_reach_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_target_modules == ()
+    args = cli.build_parser({"LORAMUX_LORA_TARGET_MODULES": "q_proj v_proj"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_target_modules == ("q_proj", "v_proj")
+    args = cli.build_parser({}).parse_args([*serve, "--lora-target-modules", "o_proj"])
+    assert engine_config(args, "m", 0).lora_target_modules == ("o_proj",)
+    args = cli.build_parser({}).parse_args(["up", "--lora-target-modules", "q_proj", "k_proj"])
+    assert args.lora_target_modules == ["q_proj", "k_proj"]
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

@@ -259,6 +259,12 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     )
     p.add_argument("--attention-backend", default=env("--attention-backend", ""), help="ref, sdpa or triton (default: triton on cuda, ref on cpu)")
     p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")
+    p.add_argument(
+        "--lora-target-modules", nargs="*", metavar="MODULE", default=env("--lora-target-modules", "").split(),
+        help="projections the slots hold LoRA for, e.g. q_proj v_proj (q_proj keeps all of q/k/v, which share a"
+        " buffer); adapters of other projections are refused; a slot then takes less memory, so more fit"
+        " (default: all projections)",
+    )
     p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))
     p.add_argument(
         "--max-concurrent-fetches", type=_int_in(1, 1024), default=int(env("--max-concurrent-fetches", 4)),

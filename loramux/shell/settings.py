@@ -77,6 +77,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         adapters=tuple(parse_adapter_spec(spec) for spec in getattr(args, "adapter", [])),
         max_loras_per_batch=args.max_loras_per_batch,
         max_lora_rank=args.max_lora_rank,
+        lora_target_modules=tuple(args.lora_target_modules),
         max_host_adapters=args.max_host_adapters,
         lora_eviction_policy=args.lora_eviction_policy,
         lora_load_ahead=args.lora_load_ahead,

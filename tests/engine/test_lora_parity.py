@@ -9,9 +9,11 @@ import threading
 import pytest
 import torch
 
+from engine.adapters import LocalAdapters
 from engine.attention import RefBackend
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.errors import FailedPrecondition
 from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs, sgmv_ops
 from engine.request import Finished, TokenDelta
@@ -275,6 +277,36 @@ def test_tensor_parallel_two_ranks_match_peft_with_evictions(tiny_llama_dir, ada
         assert tokens == oracle(prompt, adapter), (prompt, adapter)
         assert final.completion_tokens == NUM_TOKENS
     assert core.lora.slots.num_evictions > 0
+
+
+def test_slots_for_some_targets_serve_the_adapters_within_them(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
+    """--lora-target-modules q_proj o_proj: slots with q/k/v and o buffers only (no MLP) serve the
+    attention adapter with peft's tokens beside base-model requests. An adapter of MLP projections met
+    at request time (an artifact as a registry sends it) is refused, FAILED_PRECONDITION, and not cached."""
+    core = make_core(
+        tiny_llama_dir, {"attn": adapter_dirs["attn"]}, tmp_path / "engine", max_loras_per_batch=2,
+        lora_target_modules=("q_proj", "o_proj"),
+    )  # fmt: skip
+    running(core)
+    assert set(core.workers.local.runner.lora_pool.targets) == {"qkv", "o"}
+    jobs = [(p, a) for p in PROMPTS[:3] for a in ["", "attn"]]
+    for (tokens, _), (prompt, adapter) in zip(run_all(core, jobs), jobs, strict=True):
+        assert tokens == oracle(prompt, adapter), (prompt, adapter)
+    elsewhere = LocalAdapters.compile_all([("all", adapter_dirs["all"])], tiny_llama_dir, "tiny", 64, tmp_path / "elsewhere")
+    record = elsewhere.resolve("all")
+    message = r"adapts gate_proj, up_proj, down_proj, and this engine's slots hold LoRA for k_proj, o_proj, q_proj, v_proj only"
+    with pytest.raises(FailedPrecondition, match=message):
+        asyncio.run(core.prepare(record))
+    assert core.lora.host_cache.get(record.digest) is None
+
+
+def test_a_local_adapter_beyond_the_target_modules_is_refused_at_start(tiny_llama_dir, adapter_dirs, tmp_path):
+    message = r"adapter 'mlp': adapts gate_proj, up_proj, down_proj, and this engine's slots hold LoRA for k_proj, q_proj, v_proj only"
+    with pytest.raises(FailedPrecondition, match=message):
+        make_core(tiny_llama_dir, {"mlp": adapter_dirs["mlp"]}, tmp_path, lora_target_modules=("q_proj",))
+    assert not [p.name for p in tmp_path.iterdir()]  # its compiled artifact is not left behind
+    with pytest.raises(ValueError, match=r"LoRA target modules \['qproj'\] are not projections of llama models"):
+        make_core(tiny_llama_dir, {}, tmp_path, lora_target_modules=("qproj",))
 
 
 def test_tensor_parallel_size_that_does_not_divide_is_refused_at_start(tiny_llama_dir, tmp_path):

@@ -12,10 +12,12 @@ import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
+from engine.lora_inputs import LoraInputs, sgmv_ops
 from engine.lora_manager import LoraManager
-from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
+from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets, served_modules
 from engine.named_shapes import NAMED_SHAPES
 from engine.parallel import TensorParallel
+from kernels.sgmv_ref import SgmvMeta
 from loraformat.architectures import Split
 from loraformat.peft_compile import CanonicalAdapter
 
@@ -219,6 +221,35 @@ def test_a_load_does_not_hold_the_host_until_the_running_step_ends():
                 a, b = (w.to(torch.bfloat16).cuda() for w in adapter.module_weights(layer, module))
                 assert torch.equal(pool.a[target.name][layer, 1, k * 8 : k * 8 + 4], a), (module, layer)
                 assert torch.equal(pool.b[target.name][layer, 1, offset : offset + size, :4], b), (module, layer)
+
+
+def test_target_modules_keep_only_the_fused_targets_holding_them():
+    """--lora-target-modules: q_proj keeps the whole q/k/v target (one buffer), o_proj the o target; the
+    pool has buffers for those alone, loads an adapter within them and refuses one beyond them (nothing
+    of it copied); the targets it lacks run the base projection with no LoRA kernel."""
+    assert [t.name for t in fused_targets(CONFIG, ("q_proj", "o_proj"))] == ["qkv", "o"]
+    assert [t.name for t in fused_targets(CONFIG)] == ["qkv", "o", "gate_up", "down"]
+    assert served_modules(CONFIG, ("v_proj",)) == {"q_proj", "k_proj", "v_proj"}
+    with pytest.raises(ValueError, match=r"LoRA target modules \['qproj'\] are not projections of llama models"):
+        fused_targets(CONFIG, ("qproj", "v_proj"))
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu", modules=("q_proj", "o_proj"))
+    full = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    assert set(pool.a) == set(pool.b) == set(pool.target_ranks) == {"qkv", "o"}
+    assert sum(t.numel() for t in (*pool.a.values(), *pool.b.values())) < sum(t.numel() for t in (*full.a.values(), *full.b.values())) / 2
+    adapter = canonical(4, ("q_proj", "v_proj", "o_proj"), seed=8)
+    pool.load(0, pack_adapter("attn", adapter, pool.targets, torch.float32, pin=False))
+    for layer in range(CONFIG.num_layers):
+        for module in ("q_proj", "v_proj", "o_proj"):
+            a, b = adapter.module_weights(layer, module)
+            torch.testing.assert_close(slot_delta(pool, 0, layer, module), b @ a)
+    with pytest.raises(ValueError, match=r"adapter adapts \['down', 'gate_up'\]: the pool holds \['o', 'qkv'\] only"):
+        pool.load(1, packed("all", rank=4))
+    assert pool.ranks[1] == 0 and not pool.a["qkv"][:, 1].any()
+    meta = SgmvMeta.from_lists([2], [0], pool.ranks, pool.scalings)
+    lora = LoraInputs(pool, meta, *sgmv_ops("ref"))
+    x, linear = torch.randn(2, CONFIG.hidden_size), torch.nn.Linear(CONFIG.hidden_size, 3, bias=False)
+    y, delta = lora.project_deferred(linear, "gate_up", 0, x)
+    assert delta is None and torch.equal(y, linear(x))
 
 
 @pytest.mark.parametrize("tp_rank", [0, 1])
