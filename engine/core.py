@@ -202,10 +202,10 @@ class EngineCore:
         elif kind == "UNPINNED":
             await asyncio.wrap_future(self.loop.call(lambda: lora.unpin(record.digest)))
         elif kind == "PINNED":
-            packed = await self.prepare(record)
-            try:
+            try:  # an adapter this engine refuses (rank, projections) or no slot left: others still serve
+                packed = await self.prepare(record)
                 await asyncio.wrap_future(self.loop.call(lambda: lora.pin(record.digest, packed)))
-            except SlotsExhausted as exc:
+            except (SlotsExhausted, FailedPrecondition) as exc:
                 log.warning("cannot pin %s: %s", record.ref, exc)
 
 

@@ -4,6 +4,8 @@ shapes gives peft's tokens and logits, also when slots are fewer than adapters (
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import threading
 
 import pytest
@@ -279,7 +281,7 @@ def test_tensor_parallel_two_ranks_match_peft_with_evictions(tiny_llama_dir, ada
     assert core.lora.slots.num_evictions > 0
 
 
-def test_slots_for_some_targets_serve_the_adapters_within_them(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running):
+def test_slots_for_some_targets_serve_the_adapters_within_them(tiny_llama_dir, adapter_dirs, oracle, tmp_path, running, caplog):
     """--lora-target-modules q_proj o_proj: slots with q/k/v and o buffers only (no MLP) serve the
     attention adapter with peft's tokens beside base-model requests. An adapter of MLP projections met
     at request time (an artifact as a registry sends it) is refused, FAILED_PRECONDITION, and not cached."""
@@ -298,6 +300,10 @@ def test_slots_for_some_targets_serve_the_adapters_within_them(tiny_llama_dir, a
     with pytest.raises(FailedPrecondition, match=message):
         asyncio.run(core.prepare(record))
     assert core.lora.host_cache.get(record.digest) is None
+    with caplog.at_level(logging.WARNING, logger="engine.core"):
+        asyncio.run(core.on_registry_event("PINNED", record))  # a registry's pin of it: a warning, not a failure
+    assert f"cannot pin {record.ref}" in caplog.text and re.search(message, caplog.text)
+    assert core.lora.slots.slot_of(record.digest) is None
 
 
 def test_a_local_adapter_beyond_the_target_modules_is_refused_at_start(tiny_llama_dir, adapter_dirs, tmp_path):
