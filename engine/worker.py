@@ -352,6 +352,8 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
         conn.send(RuntimeError(f"{type(exc).__name__}: {exc}"))
         raise
     conn.send(worker.info)
+    gc.collect()
+    gc.freeze()  # the rank's startup heap, out of the full collections that would stall its steps (engine/server.py)
     while True:
         try:
             message = conn.recv()
