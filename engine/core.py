@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import tempfile
 import time
 import uuid
@@ -167,7 +168,7 @@ class EngineCore:
         """The one loading path of local and registry adapters: artifact bytes -> checked -> packed -> cached."""
         started = time.monotonic()
         if record.path is not None:
-            data = await asyncio.to_thread(record.path.read_bytes)
+            data = await asyncio.to_thread(_read_artifact, record.path)
         else:
             data = await self.link.fetch(record)
             if self.metrics is not None:
@@ -179,7 +180,7 @@ class EngineCore:
             self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)
         return packed
 
-    def _pack(self, digest: str, artifact: bytes) -> PackedAdapter:
+    def _pack(self, digest: str, artifact: bytearray) -> PackedAdapter:
         modules = self.config.lora_target_modules
         served = served_modules(self.model_config, modules)
         adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {digest[:12]}", served)
@@ -237,6 +238,16 @@ class EngineCore:
             deadline=deadline,
             tenant=tenant,
         )
+
+
+def _read_artifact(path: Path) -> bytearray:
+    """A local artifact's bytes in a bytearray, which the safetensors reader keeps as it is (bytes it
+    would copy whole)."""
+    with path.open("rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        size = f.readinto(data)
+    del data[size:]
+    return data
 
 
 def _local_adapters(config: EngineConfig, model_config: ModelConfig) -> LocalAdapters:

@@ -10,11 +10,13 @@ import grpc
 import pytest
 
 from engine.config import EngineConfig
+from engine.registry_link import chunk_data
 from engine.server import start_engine
 from loramux.engine_client import generate_request
 from loramux.v1 import engine_pb2 as epb
 from loramux.v1 import engine_pb2_grpc as epb_grpc
 from loramux.v1 import registry_pb2 as rpb
+from registry.servicer import encode_data_chunk
 from tests.engine.test_engine_grpc import collect
 from tests.registry.harness import running_registry
 
@@ -195,7 +197,7 @@ async def test_digest_mismatch_is_refused_and_retried(stack, make_adapter):
         chunks = [data async for data in real_chunks(record)]
         if corrupt["left"]:
             corrupt["left"] -= 1
-            chunks[-1] = chunks[-1][:-1] + bytes([chunks[-1][-1] ^ 1])
+            chunks[-1] = bytes(chunks[-1][:-1]) + bytes([chunks[-1][-1] ^ 1])
         for data in chunks:
             yield data
 
@@ -207,6 +209,33 @@ async def test_digest_mismatch_is_refused_and_retried(stack, make_adapter):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await generate(stub, "tamper2")
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "digest" in info.value.details()
+
+
+@pytest.mark.parametrize("offset, size", [(0, 0), (0, 5), (1 << 20, 1 << 20), (2**40, 300)])
+def test_chunk_data_reads_what_the_registry_writes_without_a_copy(offset, size):
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    raw = encode_data_chunk(offset, data)
+    view = chunk_data(raw)
+    assert bytes(view) == data == rpb.AdapterChunk.FromString(raw).data.data
+    assert size == 0 or view.obj is raw  # a view into the message, not a copy
+
+
+def test_chunk_data_agrees_with_protobuf_on_any_encoding():
+    """Fields in another order, unknown fields of every wire type, a repeated field (the last wins), the
+    oneof's other item (None), and malformed messages (ValueError, where protobuf fails too)."""
+    inner = b"\x12\x03abc" + b"\x08\x07" + b"\x18\x01" + b"\x21" + bytes(8) + b"\x2d" + bytes(4) + b"\x3a\x02zz"
+    raw = b"\x12" + bytes([len(inner)]) + inner + b"\x50\x01"
+    assert bytes(chunk_data(raw)) == rpb.AdapterChunk.FromString(raw).data.data == b"abc"
+    twice = encode_data_chunk(0, b"first") + encode_data_chunk(3, b"second")
+    assert bytes(chunk_data(twice)) == rpb.AdapterChunk.FromString(twice).data.data == b"second"
+    adapter = rpb.AdapterChunk(adapter=rpb.Adapter(name="x")).SerializeToString()
+    assert chunk_data(adapter) is None and chunk_data(encode_data_chunk(0, b"a") + adapter) is None
+    assert bytes(chunk_data(rpb.AdapterChunk(data=rpb.DataChunk(offset=9)).SerializeToString())) == b""
+    for bad in (encode_data_chunk(0, b"abcdef")[:-1], b"\x12\x80", b"\x13\x00", b"\x12" + b"\xff" * 11):
+        with pytest.raises(ValueError):
+            chunk_data(bad)
+        with pytest.raises(Exception):  # noqa: B017 (protobuf's DecodeError)
+            rpb.AdapterChunk.FromString(bad)
 
 
 async def test_registry_down_then_back(tmp_path, tiny_llama_dir, make_adapter):
