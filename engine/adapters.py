@@ -29,6 +29,7 @@ class AdapterRecord:
     tenant: str = ""  # the owner, from the registry ("" for local adapters and without authentication)
     public: bool = True  # local adapters are served to every caller; the registry says for its own
     base_model: str = ""  # the registry's base model name; "" for local adapters (compiled for this engine)
+    target_modules: tuple[str, ...] = ()  # as the registry says; () for local adapters (their artifact says)
 
     @property
     def ref(self) -> str:
@@ -82,8 +83,8 @@ def check_served(label: str, modules: tuple[str, ...], served: frozenset[str] | 
     missing = [m for m in modules if served is not None and m not in served]
     if missing:
         raise FailedPrecondition(
-            f"{label}: adapts {', '.join(missing)}, and this engine's slots hold LoRA for"
-            f" {', '.join(sorted(served))} only (--lora-target-modules)"
+            f"{label}: adapts {', '.join(missing)}, which this engine's slots hold no LoRA for"
+            f" (--lora-target-modules: {', '.join(sorted(served))})"
         )
 
 

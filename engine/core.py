@@ -18,7 +18,7 @@ import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
-from engine.adapters import AdapterRecord, LocalAdapters, read_canonical_within
+from engine.adapters import AdapterRecord, LocalAdapters, check_served, read_canonical_within
 from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
@@ -156,6 +156,11 @@ class EngineCore:
         packed = self.lora.host_cache.get(record.digest)
         if packed is not None:
             return packed
+        # what the registry's metadata already says this engine refuses, before fetching (the artifact's
+        # own check in _pack stays the authority)
+        if record.rank > self.config.max_lora_rank:
+            raise FailedPrecondition(f"adapter {record.ref!r}: rank {record.rank} is over this engine's --max-lora-rank {self.config.max_lora_rank}")
+        check_served(f"adapter {record.ref!r}", record.target_modules, served_modules(self.model_config, self.config.lora_target_modules))
         task = self._loading.get(record.digest)
         self.lora.host_cache.count_miss(joined=task is not None)
         if task is None:
@@ -174,16 +179,16 @@ class EngineCore:
             if self.metrics is not None:
                 self.metrics.adapter_fetch_bytes.inc(len(data))
                 self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
-        packed = await asyncio.to_thread(self._pack, record.digest, data)
+        packed = await asyncio.to_thread(self._pack, record, data)
         self.lora.host_cache.put(packed)
         if self.metrics is not None:
             self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)
         return packed
 
-    def _pack(self, digest: str, artifact: bytearray) -> PackedAdapter:
-        modules = self.config.lora_target_modules
+    def _pack(self, record: AdapterRecord, artifact: bytearray) -> PackedAdapter:
+        digest, modules = record.digest, self.config.lora_target_modules
         served = served_modules(self.model_config, modules)
-        adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {digest[:12]}", served)
+        adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {record.ref!r}", served)
         targets = {t.name: t for t in fused_targets(self.model_config, modules)}
         device = torch.device(self.config.device)
         dtype = getattr(torch, self.config.dtype) if self.config.dtype else default_dtype(device)

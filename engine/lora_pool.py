@@ -121,9 +121,10 @@ class LoraSlotPool:
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its latest load, not yet waited for
 
     def load(self, slot: int, adapter: PackedAdapter) -> None:
-        """Zero every target of `slot`, then copy the adapter in (asynchronously on CUDA: on the copy
-        stream, after the work already queued on the compute stream, which may still read the slot's
-        previous tenant; `wait_for_loads` makes a later forward wait for it)."""
+        """Zero every target of `slot`, then copy the adapter in (asynchronously on CUDA, on the copy
+        stream: the transfer from the host at once, beside the work already queued on the compute
+        stream; the slot's zeroing and copies after that work, which may still read the slot's previous
+        tenant; `wait_for_loads` makes a later forward wait for them)."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not an adapter slot (0..{self.num_slots - 1})")
         if adapter.rank > self.max_rank:
@@ -131,11 +132,14 @@ class LoraSlotPool:
         if not set(adapter.a) <= set(self.targets):
             raise ValueError(f"adapter adapts {sorted(set(adapter.a) - set(self.targets))}: the pool holds {sorted(self.targets)} only")
         stream = self._copy_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device) if stream is not None else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            # to the device first: these copies touch no slot, so they run beside the queued work
+            staged = {name: (self._on_device(adapter.a[name]), self._on_device(adapter.b[name])) for name in adapter.a}
+            if stream is not None:
+                stream.wait_stream(compute)
             for name, target in self.targets.items():
-                self._copy_target(slot, target, adapter.a.get(name), adapter.b.get(name), adapter.rank)
+                self._copy_target(slot, target, *staged.get(name, (None, None)), adapter.rank)
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
@@ -172,7 +176,8 @@ class LoraSlotPool:
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         """A packed tensor in pinned host memory, whole, in one asynchronous copy to this pool's GPU (the
-        copy stream's memory), whose pieces then go to the slot on the device; any other tensor itself.
+        copy stream's memory, one adapter's packed bytes in all, which the allocator keeps for the copy
+        stream's next load), whose pieces then go to the slot on the device; any other tensor itself.
 
         Copied straight from the host, a strided piece (projection k's rows of a stacked A) is first
         gathered by PyTorch into new pageable host memory, and a copy from pageable memory waits for
@@ -202,7 +207,7 @@ class LoraSlotPool:
         dst_b.zero_()
         if a is None or b is None:
             return
-        a, b = self._shard(target, self._on_device(a), self._on_device(b))  # [L, stack * rank, in], [L, out, rank]
+        a, b = self._shard(target, a, b)  # [L, stack * rank, in], [L, out, rank]
         for k in range(target.num_stack):
             rows = slice(k * self.max_rank, k * self.max_rank + rank)
             dst_a[:, rows].copy_(a[:, k * rank : (k + 1) * rank], non_blocking=True)

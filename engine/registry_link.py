@@ -42,7 +42,7 @@ def unavailable(what: str, exc: grpc.aio.AioRpcError) -> Unavailable:
 def record_of(adapter: pb.Adapter) -> AdapterRecord:
     return AdapterRecord(
         adapter.name, adapter.version, adapter.digest, None, adapter.rank, adapter.pinned, adapter.tenant, adapter.public,
-        adapter.base_model,
+        adapter.base_model, tuple(adapter.target_modules),
     )
 
 
@@ -199,7 +199,9 @@ class RegistryLink:
     # ---- fetching ----------------------------------------------------------------------------
 
     async def fetch(self, record: AdapterRecord, attempts: int = 3) -> bytearray:
-        """The artifact's bytes, sha256-checked; concurrent callers for one digest share one fetch."""
+        """The artifact's bytes, sha256-checked; concurrent callers for one digest share one fetch, and
+        so one bytearray: read it, never resize or write it (the safetensors reader's tensors are views
+        of it)."""
         task = self._fetches.get(record.digest)
         if task is None:
             task = asyncio.create_task(self._fetch_checked(record, attempts))
@@ -247,11 +249,12 @@ class RegistryLink:
         request = pb.FetchAdapterRequest(name=record.name, version=record.version)
         try:
             async for raw in self._fetch_raw(request, timeout=FETCH_TIMEOUT_S, metadata=self.metadata):
-                data = chunk_data(raw)
+                try:
+                    data = chunk_data(raw)
+                except ValueError as exc:
+                    raise Unavailable(f"adapter {record.ref!r}: the registry sent a malformed chunk ({exc})") from None
                 if data is not None:
                     yield data
-        except ValueError as exc:
-            raise Unavailable(f"adapter {record.ref!r}: the registry sent a malformed chunk ({exc})") from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise NotFound(f"adapter {record.ref!r} is not registered") from None
@@ -329,11 +332,13 @@ class RegistryLink:
 
 def chunk_data(raw: bytes) -> memoryview | None:
     """The artifact bytes an `AdapterChunk` in wire format carries, as a view into `raw` (no copy), or
-    None when it carries its other item; a repeated field's last value wins, as in protobuf's parse
-    (registry/servicer.py `encode_data_chunk` writes these). Raises ValueError on malformed input."""
+    None when it carries its other item; as protobuf's parse reads them, a repeated field's last value
+    wins and unknown fields (a known number with another wire type included) are skipped
+    (registry/servicer.py `encode_data_chunk` writes these). Raises ValueError on malformed input and
+    on group fields, which nothing writing an AdapterChunk emits."""
     data = None
     for number, wire, value in _wire_fields(memoryview(raw)):
-        if number == 1:  # the adapter item: the oneof's other member
+        if number == 1 and wire == 2:  # the adapter item: the oneof's other member
             data = None
         elif number == 2 and wire == 2:  # DataChunk
             data = memoryview(b"") if data is None else data
@@ -350,6 +355,8 @@ def _wire_fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]
     while pos < len(buf):
         key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
+        if number == 0:
+            raise ValueError("a field numbered 0")
         if wire == 0:
             value, pos = _varint(buf, pos)
         elif wire in (1, 2, 5):

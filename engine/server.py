@@ -57,6 +57,7 @@ class EngineServer:
             )
         self.config = config
         self.core = core
+        self._frozen = False  # this engine froze the startup heap (freeze_startup_heap) and has not thawed it
         self.admin = AdapterAdmin(core)
         self.admission = Admission(core)
         self.metrics = EngineMetrics(base_model_name=core.base_model_name)
@@ -111,7 +112,7 @@ class EngineServer:
                 raise
         self.core.loop.start()
         await asyncio.to_thread(warm_up, self.core)
-        freeze_startup_heap()
+        self._frozen = freeze_startup_heap() > 0
         self.admission.is_open = True
         await self.host.set_serving(True)
 
@@ -122,15 +123,19 @@ class EngineServer:
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop generating first, so every in-flight stream ends at once with UNAVAILABLE, then the hosts."""
-        self.admission.is_open = False
-        await self.host.set_serving(False)
-        await asyncio.to_thread(self.core.loop.stop)
-        await (self.host.stop() if grace is None else self.host.stop(grace))
-        if self.http is not None:
-            await self.http.stop()
-        if self.core.link is not None:
-            await self.core.link.close()
-        gc.unfreeze()  # in a process that goes on (tests, benchmarks), what this engine leaves is collectable again
+        try:
+            self.admission.is_open = False
+            await self.host.set_serving(False)
+            await asyncio.to_thread(self.core.loop.stop)
+            await (self.host.stop() if grace is None else self.host.stop(grace))
+            if self.http is not None:
+                await self.http.stop()
+            if self.core.link is not None:
+                await self.core.link.close()
+        finally:
+            if self._frozen:
+                self._frozen = False
+                thaw_startup_heap()
 
 
 def freeze_startup_heap() -> int:
@@ -140,11 +145,28 @@ def freeze_startup_heap() -> int:
     holds the GIL, so both the engine loop and the gRPC threads stop for it: with the startup heap in
     it, 100-400 ms on the 2-core VM (440k objects; BENCHMARKS.md), the inter-token latency spikes of
     the Zipf runs. vLLM freezes its startup heap the same way. Returns the objects frozen."""
-    gc.collect()
-    gc.freeze()
-    frozen = gc.get_freeze_count()
+    global _num_frozen
+    with _freeze_lock:
+        gc.collect()
+        gc.freeze()
+        _num_frozen += 1
+        frozen = gc.get_freeze_count()
     log.info("engine: %d startup objects frozen out of garbage collection", frozen)
     return frozen
+
+
+def thaw_startup_heap() -> None:
+    """One started engine fewer; once none is left, every frozen object is collectable again (in a
+    process that goes on: tests, benchmarks), since freezing is process-wide."""
+    global _num_frozen
+    with _freeze_lock:
+        _num_frozen -= 1
+        if _num_frozen == 0:
+            gc.unfreeze()
+
+
+_freeze_lock = threading.Lock()
+_num_frozen = 0  # engines of this process that froze the heap and have not stopped
 
 
 async def start_engine(config: EngineConfig) -> EngineServer:

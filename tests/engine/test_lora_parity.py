@@ -4,6 +4,7 @@ shapes gives peft's tokens and logits, also when slots are fewer than adapters (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import threading
@@ -296,10 +297,17 @@ def test_slots_for_some_targets_serve_the_adapters_within_them(tiny_llama_dir, a
         assert tokens == oracle(prompt, adapter), (prompt, adapter)
     elsewhere = LocalAdapters.compile_all([("all", adapter_dirs["all"])], tiny_llama_dir, "tiny", 64, tmp_path / "elsewhere")
     record = elsewhere.resolve("all")
-    message = r"adapts gate_proj, up_proj, down_proj, and this engine's slots hold LoRA for k_proj, o_proj, q_proj, v_proj only"
+    message = (
+        r"adapter 'all@1': adapts gate_proj, up_proj, down_proj, which this engine's slots hold no LoRA for"
+        r" \(--lora-target-modules: k_proj, o_proj, q_proj, v_proj\)"
+    )
     with pytest.raises(FailedPrecondition, match=message):
-        asyncio.run(core.prepare(record))
+        asyncio.run(core.prepare(record))  # the artifact's own check
     assert core.lora.host_cache.get(record.digest) is None
+    # a registry's record names its projections: refused before any fetch (this core has no registry link)
+    remote = dataclasses.replace(record, path=None, target_modules=("q_proj", "down_proj"))
+    with pytest.raises(FailedPrecondition, match=r"adapter 'all@1': adapts down_proj, which this engine"):
+        asyncio.run(core.prepare(remote))
     with caplog.at_level(logging.WARNING, logger="engine.core"):
         asyncio.run(core.on_registry_event("PINNED", record))  # a registry's pin of it: a warning, not a failure
     assert f"cannot pin {record.ref}" in caplog.text and re.search(message, caplog.text)
@@ -307,7 +315,7 @@ def test_slots_for_some_targets_serve_the_adapters_within_them(tiny_llama_dir, a
 
 
 def test_a_local_adapter_beyond_the_target_modules_is_refused_at_start(tiny_llama_dir, adapter_dirs, tmp_path):
-    message = r"adapter 'mlp': adapts gate_proj, up_proj, down_proj, and this engine's slots hold LoRA for k_proj, q_proj, v_proj only"
+    message = r"adapter 'mlp': adapts gate_proj, up_proj, down_proj, which this engine's slots hold no LoRA for \(--lora-target-modules: k_proj, q_proj, v_proj\)"
     with pytest.raises(FailedPrecondition, match=message):
         make_core(tiny_llama_dir, {"mlp": adapter_dirs["mlp"]}, tmp_path, lora_target_modules=("q_proj",))
     assert not [p.name for p in tmp_path.iterdir()]  # its compiled artifact is not left behind

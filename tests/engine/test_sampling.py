@@ -13,6 +13,7 @@ from engine.sampling import (
     make_generator,
     sample,
 )
+from engine.weights import random_model
 
 VOCAB_SIZE = 64
 
@@ -34,6 +35,15 @@ def test_greedy_is_argmax():
     next_ids = sample(logits, [SamplingParams(temperature=0.0)] * 8, [None] * 8)
     assert next_ids.dtype == torch.int64
     assert torch.equal(next_ids, logits.argmax(dim=-1))
+
+
+def test_logits_come_in_the_models_dtype():
+    """A bf16 model's LM head hands `sample` bf16 logits (no fp32 copy of every row); an fp32 model's
+    stay fp32."""
+    for dtype in (torch.bfloat16, torch.float32):
+        model = random_model("tiny", dtype=dtype, seed=0)
+        logits = model.compute_logits(torch.randn(3, model.config.hidden_size).to(dtype))
+        assert logits.dtype == dtype and logits.shape == (3, model.config.vocab_size)
 
 
 def test_bf16_logits_sample_as_their_fp32_copy():
