@@ -72,10 +72,15 @@ def read_canonical_within(
     """A canonical artifact checked against the base model, the engine's slot rank and the projections
     its slots hold LoRA for (`served`; None: all)."""
     adapter = read_canonical(artifact, shape)
-    if adapter.rank > max_rank:
-        raise FailedPrecondition(f"{label}: rank {adapter.rank} is over this engine's --max-lora-rank {max_rank}")
-    check_served(label, adapter.target_modules, served)
+    check_within(label, adapter.rank, adapter.target_modules, max_rank, served)
     return adapter
+
+
+def check_within(label: str, rank: int, modules: tuple[str, ...], max_rank: int, served: frozenset[str] | None) -> None:
+    """Refuse an adapter over the engine's slot rank or of a projection its slots hold no LoRA for."""
+    if rank > max_rank:
+        raise FailedPrecondition(f"{label}: rank {rank} is over this engine's --max-lora-rank {max_rank}")
+    check_served(label, modules, served)
 
 
 def check_served(label: str, modules: tuple[str, ...], served: frozenset[str] | None) -> None:

@@ -4,6 +4,7 @@ and turns validated inputs into Requests."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -18,7 +19,7 @@ import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
-from engine.adapters import AdapterRecord, LocalAdapters, check_served, read_canonical_within
+from engine.adapters import AdapterRecord, LocalAdapters, check_within, read_canonical_within
 from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
@@ -92,6 +93,11 @@ class EngineCore:
         shape = ModelShape.from_config(json.loads((Path(config.model_dir) / "config.json").read_text()))
         return cls(config, model_config, tokenizer, loop, max_context, adapters, lora, shape)
 
+    @functools.cached_property
+    def served(self) -> frozenset[str]:
+        """The projections this engine's slots hold LoRA for (--lora-target-modules)."""
+        return served_modules(self.model_config, self.config.lora_target_modules)
+
     @property
     def workers(self):
         return self.loop.workers
@@ -158,9 +164,7 @@ class EngineCore:
             return packed
         # what the registry's metadata already says this engine refuses, before fetching (the artifact's
         # own check in _pack stays the authority)
-        if record.rank > self.config.max_lora_rank:
-            raise FailedPrecondition(f"adapter {record.ref!r}: rank {record.rank} is over this engine's --max-lora-rank {self.config.max_lora_rank}")
-        check_served(f"adapter {record.ref!r}", record.target_modules, served_modules(self.model_config, self.config.lora_target_modules))
+        check_within(f"adapter {record.ref!r}", record.rank, record.target_modules, self.config.max_lora_rank, self.served)
         task = self._loading.get(record.digest)
         self.lora.host_cache.count_miss(joined=task is not None)
         if task is None:
@@ -186,10 +190,9 @@ class EngineCore:
         return packed
 
     def _pack(self, record: AdapterRecord, artifact: bytearray) -> PackedAdapter:
-        digest, modules = record.digest, self.config.lora_target_modules
-        served = served_modules(self.model_config, modules)
-        adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {record.ref!r}", served)
-        targets = {t.name: t for t in fused_targets(self.model_config, modules)}
+        digest = record.digest
+        adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {record.ref!r}", self.served)
+        targets = {t.name: t for t in fused_targets(self.model_config, self.config.lora_target_modules)}
         device = torch.device(self.config.device)
         dtype = getattr(torch, self.config.dtype) if self.config.dtype else default_dtype(device)
         # One rank copies from pinned memory (async); several read one shared-memory copy across processes.

@@ -87,7 +87,7 @@ class RegistryLink:
         self._resolved: dict[tuple[str, int], AdapterRecord] = {}
         self._generation: dict[str, int] = {}  # bumped by every event of a name (and a fresh watch)
         self._epoch = 0
-        self._fetches: dict[str, asyncio.Task[bytes]] = {}
+        self._fetches: dict[str, asyncio.Task[bytearray]] = {}
         # Fetches in flight at most; asyncio's semaphore wakes its waiters in order. Unbounded, a burst of
         # 128 new adapters shared the link's bandwidth and every one of them arrived at the end.
         self._fetch_turns = asyncio.Semaphore(max_concurrent_fetches)

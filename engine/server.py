@@ -112,7 +112,8 @@ class EngineServer:
                 raise
         self.core.loop.start()
         await asyncio.to_thread(warm_up, self.core)
-        self._frozen = freeze_startup_heap() > 0
+        freeze_startup_heap()
+        self._frozen = True
         self.admission.is_open = True
         await self.host.set_serving(True)
 
