@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -49,7 +50,13 @@ def _place(t: torch.Tensor, pin: bool, share: bool) -> torch.Tensor:
 
 
 class HostAdapterCache:
-    """At most `max_adapters` packed adapters, least recently used evicted first.
+    """Packed adapters by digest: every adapter a GPU slot holds, plus at most `max_adapters` others,
+    the least recently used of those evicted first.
+
+    An adapter in a slot keeps its host copy (`resident`, set by LoraManager): a request for it must not
+    fetch it again, and a slot reload after its eviction reads this copy. So the cache holds at most
+    max_adapters + the number of slots entries, and max_adapters below the slot count never makes the
+    engine refetch what it is serving.
 
     Thread-safe: request handlers fill it before submitting, the engine loop reads it. An evicted
     entry stays alive while a queued request still holds it (Request.packed_adapter).
@@ -66,6 +73,8 @@ class HostAdapterCache:
         self.max_adapters = max_adapters
         self._entries: OrderedDict[str, PackedAdapter] = OrderedDict()
         self._lock = threading.Lock()
+        # digest -> whether a GPU slot holds it (LoraManager sets it); read under the lock, never written
+        self.resident: Callable[[str], bool] = lambda digest: False
         self.num_hits = 0
         self.num_misses = 0
         self.num_joined = 0
@@ -97,11 +106,22 @@ class HostAdapterCache:
                 self.num_misses += 1
 
     def put(self, adapter: PackedAdapter) -> None:
+        """Insert (or refresh) as the most recently used, then evict the least recently used entries no
+        slot holds while more than max_adapters of those remain."""
         with self._lock:
             self._entries[adapter.digest] = adapter
             self._entries.move_to_end(adapter.digest)
-            while len(self._entries) > self.max_adapters:
-                self._entries.popitem(last=False)
+            evictable = [digest for digest in self._entries if not self.resident(digest)]  # oldest first
+            for digest in evictable[: max(0, len(evictable) - self.max_adapters)]:
+                del self._entries[digest]
+
+    def adopt(self, adapter: PackedAdapter) -> None:
+        """Keep the host copy a slot just took (a request's, which the cache may have evicted since its
+        fetch) so that later requests for it find it; no lookup is counted."""
+        with self._lock:
+            present = adapter.digest in self._entries
+        if not present:
+            self.put(adapter)
 
     def ranks(self) -> dict[str, int]:
         """digest -> rank of every cached adapter (a snapshot)."""

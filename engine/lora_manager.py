@@ -22,6 +22,8 @@ class LoraManager:
     def __init__(self, slots: AdapterSlots, host_cache: HostAdapterCache):
         self.slots = slots
         self.host_cache = host_cache
+        # a slot's adapter keeps its host copy: requests for it need no fetch (see HostAdapterCache)
+        host_cache.resident = lambda digest: slots.slot_of(digest) is not None
         self._retired: set[str] = set()  # deleted in the registry: dropped once no request uses them
 
     @property
@@ -62,7 +64,7 @@ class LoraManager:
                 break
             if packed is None or self.slots.slot_of(digest) is not None:
                 continue
-            if self.slots.load_ahead(digest, lambda p=packed: p, wanted) is None:
+            if self.slots.load_ahead(digest, lambda d=digest, p=packed: self._host_copy(d, p), wanted) is None:
                 break  # no slot is empty or evictable outside `wanted`: none for later adapters either
             num_loads += 1
         return num_loads
@@ -87,7 +89,9 @@ class LoraManager:
         return self.slots.take_loads()
 
     def _host_copy(self, digest: str, packed: PackedAdapter | None) -> PackedAdapter:
+        """The copy a slot is about to take, kept in the host cache while the slot holds it."""
         packed = packed or self.host_cache.get(digest)
         if packed is None:
             raise LookupError(f"adapter {digest[:12]} has no packed host copy (EngineCore.prepare it first)")
+        self.host_cache.adopt(packed)
         return packed

@@ -357,7 +357,7 @@ _HELP = {
     "max_running_requests": "requests decoded together at most",
     "max_batch_tokens": "tokens a step computes at most (chunked prefill splits longer prompts)",
     "max_queued_requests": "requests admitted and not finished at most (waiting, fetching or running); more get RESOURCE_EXHAUSTED",
-    "max_host_adapters": "adapters kept packed in host memory (LRU) behind the GPU slots",
+    "max_host_adapters": "adapters kept packed in host memory (LRU) besides those in GPU slots, which always keep theirs",
     "lora_eviction_policy": "which unpinned, idle adapter leaves a slot first",
     "host": "the address to listen on",
     "port": "the gRPC port to listen on (0 = pick a free one)",

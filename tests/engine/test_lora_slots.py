@@ -371,6 +371,46 @@ def test_host_cache_is_lru_by_digest():
     assert (cache.num_hits, cache.num_misses, cache.num_joined) == (1, 1, 2)
 
 
+def test_host_cache_keeps_what_slots_hold_beyond_its_bound():
+    """Resident entries are never evicted and do not count toward max_adapters; once their slot lets
+    them go they are ordinary LRU entries again, evicted by the next insert."""
+    cache, held = HostAdapterCache(1), {"a", "b"}
+    cache.resident = lambda digest: digest in held
+    for name in ("a", "b", "c", "d"):
+        cache.put(packed(name))
+    assert [name for name in "abcd" if name in cache] == ["a", "b", "d"]  # c: the one non-resident past the bound
+    held.discard("a")
+    assert "a" in cache  # nothing is evicted until an insert
+    cache.put(packed("e"))
+    assert [name for name in "abcde" if name in cache] == ["b", "e"]
+
+
+def test_manager_keeps_host_copies_of_slot_adapters_and_adopts_the_ones_slots_take():
+    """A one-entry host cache behind two slots: every adapter in a slot stays on the host (a request for
+    it must not fetch again), a request's copy that the cache had dropped comes back when a slot takes it,
+    and an evicted adapter's copy becomes evictable again."""
+    lora = LoraManager(make_slots(2), HostAdapterCache(1))
+    cache = lora.host_cache
+    a, b = packed("a"), packed("b")
+    cache.put(a)
+    cache.put(b)
+    assert "a" not in cache  # not in a slot yet: the LRU bound applies
+    lora.acquire("a", a)  # a's request held its copy: the slot takes it, and the cache keeps it again
+    assert "a" in cache and "b" not in cache  # b, in no slot, made room
+    lora.acquire("b", b)
+    assert "a" in cache and "b" in cache
+    cache.put(packed("c"))
+    assert "a" in cache and "b" in cache and "c" in cache  # a and b sit in slots; c is the one other
+    lora.release("a")
+    lora.release("b")
+    lora.acquire("c")  # evicts a (least recently used) from its slot
+    assert lora.slots.slot_of("a") is None
+    cache.put(packed("d"))
+    assert "a" not in cache and "d" in cache and "b" in cache and "c" in cache
+    lora.load_ahead([("e", packed("e"))], max_loads=1)  # a load ahead adopts its copy too
+    assert lora.slots.slot_of("e") is not None and "e" in cache
+
+
 def test_slots_decide_each_load_once_and_evict_on_request():
     slots = make_slots(2)
     index = slots.acquire("a", loader("a"))

@@ -78,6 +78,29 @@ async def test_adapter_by_name_through_the_registry(stack, make_adapter, tmp_pat
     assert engine.core.link.num_fetches == 1  # cached on the host
 
 
+async def test_adapters_in_slots_are_not_fetched_again_past_the_host_cache_bound(tmp_path, tiny_llama_dir, make_adapter):
+    """Two slots, a host cache of one: both adapters stay in their slots, so alternating between them
+    fetches each once (a host copy is kept for every slot's adapter), not on every switch."""
+    async with running_registry(tmp_path / "registry") as registry:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), port=0, registry=registry.server.address, max_loras_per_batch=2,
+            max_host_adapters=1, base_model_name="tiny",
+        )
+        engine = await start_engine(config)  # registers the base model
+        try:
+            for name, seed in (("one", 56), ("two", 57)):
+                await registry.register(name, make_adapter(f"link-{name}", r=4, lora_alpha=8, seed=seed))
+            async with grpc.aio.insecure_channel(engine.address) as channel:
+                stub = epb_grpc.EngineStub(channel)
+                for name in ("one", "two", "one", "two", "one"):
+                    await generate(stub, name)
+            assert engine.core.link.num_fetches == 2
+            cache = engine.core.lora.host_cache
+            assert (cache.num_misses, cache.num_hits) == (2, 3)
+        finally:
+            await engine.stop(grace=0.5)
+
+
 def hold_fetches(link) -> asyncio.Event:
     """Hold every registry fetch of `link` until the returned event is set."""
     release, real_fetch = asyncio.Event(), link._fetch_once
