@@ -570,13 +570,14 @@ def test_an_admission_that_raises_loses_no_slot_blocked_request(tokenizer):
 
 
 def real_lora(num_slots: int) -> LoraManager:
-    """Real slot decisions; a packed adapter's stand-in (the slots read only its rank; nothing is copied)."""
+    """Real slot decisions; a packed adapter's stand-in (the slots and the host cache read only its rank and
+    digest; nothing is copied)."""
     return LoraManager(AdapterSlots(num_slots), HostAdapterCache(8))
 
 
 def add_with_adapter(sim: Sim, rid: str, namespace: str, seed: int, max_new_tokens: int = 3) -> Request:
     req = sim.add(rid, prompt_of(5, seed), max_new_tokens=max_new_tokens, namespace=namespace)
-    req.packed_adapter = SimpleNamespace(rank=4)  # admission fetched it before submitting
+    req.packed_adapter = SimpleNamespace(rank=4, digest=namespace)  # admission fetched it before submitting
     return req
 
 
@@ -650,7 +651,7 @@ def test_load_ahead_never_evicts_an_adapter_in_use_pinned_or_wanted(tokenizer):
     is reloaded (plain LRU would evict Q, and the load ahead would put it back into X's slot)."""
     lora = real_lora(3)
     sim = Sim(tokenizer, page_size=1, num_pages=256, max_running=1, lora=lora, load_ahead=2)
-    lora.pin("P", SimpleNamespace(rank=4))
+    lora.pin("P", SimpleNamespace(rank=4, digest="P"))
     add_with_adapter(sim, "q0", "Q", seed=1, max_new_tokens=1)
     sim.run()
     lora.take_loads()
