@@ -67,7 +67,7 @@ class LocalAdapters:
 
 
 def read_canonical_within(
-    artifact: bytes, shape: ModelShape, max_rank: int, label: str, served: frozenset[str] | None = None
+    artifact: bytes | bytearray | memoryview, shape: ModelShape, max_rank: int, label: str, served: frozenset[str] | None = None
 ) -> CanonicalAdapter:
     """A canonical artifact checked against the base model, the engine's slot rank and the projections
     its slots hold LoRA for (`served`; None: all)."""

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
@@ -189,7 +190,7 @@ class EngineCore:
             self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)
         return packed
 
-    def _pack(self, record: AdapterRecord, artifact: bytearray) -> PackedAdapter:
+    def _pack(self, record: AdapterRecord, artifact: memoryview) -> PackedAdapter:
         digest = record.digest
         adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {record.ref!r}", self.served)
         targets = {t.name: t for t in fused_targets(self.model_config, self.config.lora_target_modules)}
@@ -248,14 +249,13 @@ class EngineCore:
         )
 
 
-def _read_artifact(path: Path) -> bytearray:
-    """A local artifact's bytes in a bytearray, which the safetensors reader keeps as it is (bytes it
-    would copy whole)."""
+def _read_artifact(path: Path) -> memoryview:
+    """A local artifact's bytes in a writable buffer, which the safetensors reader keeps as it is; its
+    pages are first touched by the read, which lets go of the GIL (a bytearray's zeroing holds it)."""
     with path.open("rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
+        data = memoryview(np.empty(os.fstat(f.fileno()).st_size, np.uint8))
         size = f.readinto(data)
-    del data[size:]
-    return data
+    return data[:size]
 
 
 def _local_adapters(config: EngineConfig, model_config: ModelConfig) -> LocalAdapters:

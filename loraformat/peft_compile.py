@@ -362,12 +362,12 @@ class CanonicalAdapter:
 
 
 def read_canonical(
-    source: str | os.PathLike[str] | bytes | bytearray,
+    source: str | os.PathLike[str] | bytes | bytearray | memoryview,
     shape: ModelShape | None = None,
     limits: SafetensorsLimits = DEFAULT_LIMITS,
 ) -> CanonicalAdapter:
     """Reads and checks an artifact; with `shape`, also checks it fits that base model."""
-    if isinstance(source, bytes | bytearray):
+    if isinstance(source, bytes | bytearray | memoryview):
         sf = SafetensorsFile.from_buffer(source, "artifact", limits)
     else:
         sf = SafetensorsFile.open(source, limits)

@@ -93,11 +93,13 @@ class SafetensorsFile:
 
     @classmethod
     def from_buffer(
-        cls, data: bytes | bytearray, label: str, limits: SafetensorsLimits | None = None
+        cls, data: bytes | bytearray | memoryview, label: str, limits: SafetensorsLimits | None = None
     ) -> SafetensorsFile:
-        """From bytes in memory; `bytes` are copied once into a writable bytearray for the views."""
+        """From bytes in memory: a bytearray or a writable byte view is read in place; anything else
+        (`bytes`) is copied once into a writable bytearray for the views."""
         limits = limits or SafetensorsLimits()
-        buffer = data if isinstance(data, bytearray) else bytearray(data)
+        writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+        buffer = data if writable else bytearray(data)
         _check_file_size(label, len(buffer), limits)
         return cls(label, buffer, _data_start(label, buffer, limits), limits)
 

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from engine.config import EngineConfig
+from engine.errors import Unavailable
 from engine.registry_link import chunk_data
 from engine.server import start_engine
 from loramux.engine_client import generate_request
@@ -213,18 +214,18 @@ async def test_digest_mismatch_is_refused_and_retried(stack, make_adapter):
     registry, engine, stub = stack
     await registry.register("tamper", make_adapter("link-tamper", r=4, lora_alpha=8, seed=58))
     link = engine.core.link
-    real_chunks = link._artifact_chunks
+    real_messages = link._artifact_messages
     corrupt = {"left": 1}
 
-    async def flaky(record):  # one bit of the last chunk flipped in transit
-        chunks = [data async for data in real_chunks(record)]
+    async def flaky(record):  # one bit of the last chunk's last byte (its message's last) flipped in transit
+        messages = [raw async for raw in real_messages(record)]
         if corrupt["left"]:
             corrupt["left"] -= 1
-            chunks[-1] = bytes(chunks[-1][:-1]) + bytes([chunks[-1][-1] ^ 1])
-        for data in chunks:
-            yield data
+            messages[-1] = messages[-1][:-1] + bytes([messages[-1][-1] ^ 1])
+        for raw in messages:
+            yield raw
 
-    link._artifact_chunks = flaky
+    link._artifact_messages = flaky
     _, _, done = await generate(stub, "tamper")
     assert done.adapter == "tamper@1" and link.num_digest_mismatches == 1
     corrupt["left"] = 10
@@ -232,6 +233,37 @@ async def test_digest_mismatch_is_refused_and_retried(stack, make_adapter):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await generate(stub, "tamper2")
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "digest" in info.value.details()
+
+
+async def test_a_stream_that_overruns_or_omits_its_declared_size(stack, make_adapter):
+    """The leading Adapter message sizes the artifact's memory: a registry sending more bytes than it
+    declared is refused as malformed (nothing written past the end), one sending fewer fails the digest
+    check, and a stream that declares no size (no Adapter message) still gives the exact bytes."""
+    registry, engine, _ = stack
+    adapter = await registry.register("sized", make_adapter("link-sized", r=4, lora_alpha=8, seed=60))
+    link = engine.core.link
+    record = await link.resolve("sized")
+    real_messages = link._artifact_messages
+    expected = bytes(await link.fetch(record))
+    assert len(expected) == adapter.size_bytes
+
+    def serving(change):
+        async def messages(record):
+            for raw in change([raw async for raw in real_messages(record)]):
+                yield raw
+
+        link._artifact_messages = messages
+
+    serving(lambda messages: [*messages, encode_data_chunk(adapter.size_bytes, b"x")])
+    with pytest.raises(Unavailable, match=r"malformed chunk .*bytes of an artifact of"):
+        await link._fetch_once(record)
+    serving(lambda messages: messages[:-1])
+    data, digest = await link._fetch_once(record)
+    assert digest != record.digest and bytes(data) == expected[: len(data)] and len(data) < len(expected)
+    serving(lambda messages: messages[1:])  # no Adapter message: the bytes grow as they come
+    data, digest = await link._fetch_once(record)
+    assert digest == record.digest and bytes(data) == expected
+    assert not data.readonly  # the safetensors reader's views want a writable buffer
 
 
 @pytest.mark.parametrize("offset, size", [(0, 0), (0, 5), (1 << 20, 1 << 20), (2**40, 300)])
