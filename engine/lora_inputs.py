@@ -26,27 +26,25 @@ from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 DECODE_RUN = 16
 
 
-def sgmv_ops(backend: str) -> tuple[Callable, Callable, Callable, Callable | None]:
-    """(shrink, expand, delta, fold) of a backend: 'ref' (PyTorch, the CPU default), 'triton', 'chunked',
-    or 'splitk' (Triton, the CUDA default: the split-K shrink and the decode expand of
-    kernels/sgmv_decode.py for decode-sized steps, i.e. decode steps, their CUDA graphs and small mixed
-    steps; `sgmv_*` for prefill-sized ones). delta(v, B, meta, output_slices=) is the expand into a new
-    tensor; fold(v, B, meta, output_slices=) the delta for the base GEMM to add in its epilogue, or None
-    where the expand into the GEMM's output is the better path (None: always)."""
+def sgmv_ops(backend: str) -> tuple[Callable, Callable, Callable]:
+    """(shrink, expand, delta) of a backend: 'ref' (PyTorch, the CPU default), 'triton', 'chunked', or
+    'splitk' (Triton, the CUDA default: the split-K shrink and the decode expand of kernels/sgmv_decode.py
+    for decode-sized steps, i.e. decode steps, their CUDA graphs and small mixed steps; `sgmv_*` for
+    prefill-sized ones). delta(v, B, meta, output_slices=) is the expand into a new tensor."""
     if backend == "ref":
-        return sgmv_shrink_ref, sgmv_expand_ref, _delta(sgmv_expand_ref), None
+        return sgmv_shrink_ref, sgmv_expand_ref, _delta(sgmv_expand_ref)
     if backend == "triton":
         from kernels.sgmv import sgmv_expand, sgmv_shrink
 
-        return sgmv_shrink, sgmv_expand, _delta(sgmv_expand), None
+        return sgmv_shrink, sgmv_expand, _delta(sgmv_expand)
     if backend == "chunked":
         from kernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked
 
-        return sgmv_shrink_chunked, sgmv_expand_chunked, _delta(sgmv_expand_chunked), None
+        return sgmv_shrink_chunked, sgmv_expand_chunked, _delta(sgmv_expand_chunked)
     if backend == "splitk":
-        from kernels.sgmv_decode import sgmv_delta_auto, sgmv_expand_auto, sgmv_fold_auto, sgmv_shrink_auto
+        from kernels.sgmv_decode import sgmv_delta_auto, sgmv_expand_auto, sgmv_shrink_auto
 
-        return sgmv_shrink_auto, sgmv_expand_auto, sgmv_delta_auto, sgmv_fold_auto
+        return sgmv_shrink_auto, sgmv_expand_auto, sgmv_delta_auto
     raise ValueError(f"lora backend must be 'ref', 'triton', 'chunked' or 'splitk', not {backend!r}")
 
 
@@ -88,9 +86,6 @@ class LoraInputs:
     shrink: Callable
     expand: Callable
     delta: Callable  # the expand into a new tensor (sgmv_ops)
-    # In line (no side stream): the delta for the base GEMM's epilogue to add, or None where the expand
-    # into the GEMM's output is better (sgmv_ops); None: always the expand.
-    fold: Callable | None = None
     # CUDA decode steps: the stream the LoRA delta is computed on, beside the base GEMM that shares its
     # input. A decode step's shrink and expand are latency-bound (microseconds of dependent loads over a
     # few MB), so the GEMM hides most of them; the projection then adds the finished delta to its output.
@@ -109,8 +104,7 @@ class LoraInputs:
         """(linear(x), the LoRA delta of fused target `target` in `layer` still to add to it), or
         (linear(x) with its delta, None); x: [T, in] -> [T, out].
 
-        In line, the expand adds into the GEMM's output and rounds once, or (a prefill-sized CUDA step,
-        `fold`) the delta, rounded to x's dtype, is added by the GEMM's epilogue. On the side stream (CUDA
+        In line, the expand adds into the GEMM's output and rounds once. On the side stream (CUDA
         decode steps) the delta comes back apart, rounded to x's dtype as peft rounds it, and the main
         stream already waits for it: the kernel that reads y next adds it as it loads y
         (kernels/rope_kv.py, silu_mul.py, rmsnorm.py take a `delta`), one kernel launch less per
@@ -121,14 +115,8 @@ class LoraInputs:
         a, b = self.pool.a[target][layer], self.pool.b[target][layer]
         meta = self.by_target.get(target, self.meta)
         if self.side is None:
-            v = self.shrink(x, a, meta, num_stack=t.num_stack)  # [T, stack * R]
-            # A prefill-sized step's expand would read and write all of y again (memory-bound: 45 GB
-            # of an 8k-token 8B step); the delta alone is written once and the GEMM's epilogue, in a
-            # compute-bound GEMM, adds it for almost nothing.
-            delta = None if self.fold is None else self.fold(v, b, meta, output_slices=t.output_slices)
-            if delta is not None:
-                return linear(x, plus=delta), None
             y = linear(x)
+            v = self.shrink(x, a, meta, num_stack=t.num_stack)  # [T, stack * R]
             self.expand(v, b, meta, y, output_slices=t.output_slices)
             return y, None
         main = torch.cuda.current_stream(x.device)

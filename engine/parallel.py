@@ -158,12 +158,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(local, **factory)) if bias else None
 
-    def forward(self, x: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T + b, plus `plus` [T, out] (a LoRA delta this call may overwrite) added by the GEMM's
-        epilogue (cuBLAS's beta = 1) as it writes the output, rounded once."""
-        if plus is None:
-            return nn.functional.linear(x, self.weight, self.bias)
-        return torch.addmm(_with_bias(plus, self.bias), x, self.weight.t())
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
 
     def shard_full(self, full: torch.Tensor) -> torch.Tensor:
         """The full fused tensor [sum(out_parts), ...] (parts stacked) -> this rank's rows."""
@@ -182,14 +178,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local_in, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
 
-    def forward(self, x: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:  # x: [T, in / N]
-        """This rank's partial sum x @ W_rank^T (+ b on rank 0), plus `plus` [T, out] (this rank's LoRA
-        delta, which this call may overwrite) added by the GEMM's epilogue as ColumnParallelLinear does."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in / N]
         bias = self.bias if self.tp.rank == 0 else None
         out = self.tp.partial_sum_out(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None
-        if plus is not None:
-            plus = _with_bias(plus, bias)
-            return torch.addmm(plus, x, self.weight.t()) if out is None else torch.addmm(plus, x, self.weight.t(), out=out)
         if out is None:
             return nn.functional.linear(x, self.weight, bias)
         if bias is None:  # straight into the peer all-reduce's buffer: no copy there before the sum
@@ -199,10 +190,6 @@ class RowParallelLinear(nn.Module):
     def shard_full(self, full: torch.Tensor) -> torch.Tensor:
         """The full weight [out, in] -> this rank's columns; a bias [out] stays whole."""
         return full if full.dim() == 1 else full[:, self.tp.part(full.shape[1])]
-
-
-def _with_bias(plus: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return plus if bias is None else plus.add_(bias)
 
 
 def local_config(config, tp: TensorParallel):

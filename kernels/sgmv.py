@@ -48,9 +48,8 @@ def _pick(k, a0, a1, a2):
 
 @triton.jit
 def _row_block(seg_indptr_ptr, num_segments, block, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-    """(segment, first row, end row, blocks of all segments) of row block `block`, counting each
-    segment's cdiv(len, BLOCK_M) blocks in segment order; a block past the last gives segment
-    num_segments (the caller returns, or an overwriting expand clears the rows after the segments)."""
+    """(segment, first row, end row) of row block `block`, counting each segment's cdiv(len, BLOCK_M)
+    blocks in segment order; a block past the last gives segment num_segments (the caller returns)."""
     seg = 0
     blocks_before = 0  # blocks of the segments wholly before `block`
     carried = 0  # blocks of the chunks already scanned
@@ -68,18 +67,7 @@ def _row_block(seg_indptr_ptr, num_segments, block, BLOCK_M: tl.constexpr, BLOCK
     inside = seg < num_segments
     seg_start = tl.load(seg_indptr_ptr + seg, mask=inside, other=0)
     seg_end = tl.load(seg_indptr_ptr + seg + 1, mask=inside, other=0)
-    return seg, seg_start + (block - blocks_before) * BLOCK_M, seg_end, carried
-
-
-@triton.jit
-def _clear(out_ptr, m_start, m_end, col_offset, n_size, pid_n, stride_om, stride_on,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Zero out[m_start : min(m_start + BLOCK_M, m_end), col_offset + pid_n's BLOCK_N columns < n_size]."""
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < m_end)[:, None] & (offs_n < n_size)[None, :]
-    ptrs = out_ptr + offs_m[:, None] * stride_om + (col_offset + offs_n)[None, :] * stride_on
-    tl.store(ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask)
+    return seg, seg_start + (block - blocks_before) * BLOCK_M, seg_end
 
 
 @triton.jit
@@ -92,7 +80,6 @@ def _sgmv_kernel(
     lora_ranks_ptr,  # [num_slots] int32
     scalings_ptr,  # [num_slots] fp32
     num_segments,
-    num_rows,  # T
     K,  # shrink: in_dim; expand: unused (K = rank)
     max_rank,  # R
     n_tiles,  # column tiles per target (max over targets)
@@ -102,7 +89,6 @@ def _sgmv_kernel(
     stride_ww, stride_wn, stride_wk,
     stride_om, stride_on,
     IS_SHRINK: tl.constexpr,
-    OVERWRITE: tl.constexpr,  # expand only: store the delta alone, 0 where no LoRA (rows past the segments too)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -113,22 +99,15 @@ def _sgmv_kernel(
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)  # stacked target
     pid_n = pid % n_tiles
-    block = pid // n_tiles
-    seg, m_start, seg_end, num_blocks = _row_block(seg_indptr_ptr, num_segments, block, BLOCK_M, BLOCK_S)
-    col_offset = _pick(pid_k, off_0, off_1, off_2)
-    n_size = _pick(pid_k, size_0, size_1, size_2)
+    seg, m_start, seg_end = _row_block(seg_indptr_ptr, num_segments, pid // n_tiles, BLOCK_M, BLOCK_S)
     if seg >= num_segments:
-        if OVERWRITE:  # the blocks after the segments' clear the rows after them: [covered, num_rows)
-            covered = tl.load(seg_indptr_ptr + num_segments)
-            _clear(out_ptr, covered + (block - num_blocks) * BLOCK_M, num_rows, col_offset, n_size, pid_n,
-                   stride_om, stride_on, BLOCK_M, BLOCK_N)  # fmt: skip
         return
     slot = tl.load(weight_indices_ptr + seg)
     rank = tl.load(lora_ranks_ptr + slot)
     if rank == 0:  # empty slot or base model: contributes nothing
-        if OVERWRITE:
-            _clear(out_ptr, m_start, seg_end, col_offset, n_size, pid_n, stride_om, stride_on, BLOCK_M, BLOCK_N)
         return
+    col_offset = _pick(pid_k, off_0, off_1, off_2)
+    n_size = _pick(pid_k, size_0, size_1, size_2)
     if IS_SHRINK:
         n_size = tl.minimum(n_size, rank)
         k_size = K
@@ -170,10 +149,7 @@ def _sgmv_kernel(
     mask = mask_m[:, None] & mask_n[None, :]
     if not IS_SHRINK:
         scaling = tl.load(scalings_ptr + slot)
-        if OVERWRITE:
-            acc = scaling * acc
-        else:
-            acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + scaling * acc
+        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + scaling * acc
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -219,26 +195,21 @@ def row_blocks(meta: SgmvMeta, num_rows: int, block_m: int) -> int:
     return min(triton.cdiv(meta.max_seg_len, block_m) * meta.num_segments, num_rows // block_m + meta.num_segments)
 
 
-def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config, overwrite=False) -> None:
+def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config) -> None:
     offsets = [off for off, _ in slices] + [0] * (MAX_STACK - len(slices))
     sizes = [size for _, size in slices] + [0] * (MAX_STACK - len(slices))
     n_tiles = triton.cdiv(max(sizes), config["BLOCK_N"])
-    num_rows, block_m = inp.shape[0], config["BLOCK_M"]
-    # overwriting: every row gets a program, those of the segments' blocks and those after them (the
-    # segments' blocks number at most num_rows // block_m + num_segments, the rest at most one more
-    # than cdiv(num_rows - covered, block_m))
-    blocks = triton.cdiv(num_rows, block_m) + meta.num_segments + 1 if overwrite else row_blocks(meta, num_rows, block_m)
-    if blocks == 0 or n_tiles == 0 or num_rows == 0:
+    blocks = row_blocks(meta, inp.shape[0], config["BLOCK_M"])
+    if blocks == 0 or n_tiles == 0:
         return
     _sgmv_kernel[(blocks * n_tiles, len(slices))](
         inp, w, out,
         meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-        meta.num_segments, num_rows, K, max_rank, n_tiles, *offsets, *sizes,
+        meta.num_segments, K, max_rank, n_tiles, *offsets, *sizes,
         inp.stride(0), inp.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
         IS_SHRINK=is_shrink,
-        OVERWRITE=overwrite,
         BLOCK_S=SEGMENT_CHUNK,
         INPUT_PRECISION="ieee",  # only fp32 operands look at it: exact fp32, no TF32
         # Triton's CPU interpreter (the only way Triton runs on CPU tensors) gets bf16 tl.dot wrong
@@ -302,36 +273,6 @@ def sgmv_expand(
     _launch(
         v, B, y, meta, is_shrink=False, K=0, max_rank=max_rank, slices=tuple(output_slices), config=config
     )
-
-
-def sgmv_delta(
-    v: torch.Tensor,  # [T, num_stack * R]
-    B: torch.Tensor,  # [num_slots, out_dim, R], v.dtype
-    meta: SgmvMeta,
-    *,
-    output_slices: tuple[tuple[int, int], ...],
-    out: torch.Tensor | None = None,  # [T, out_dim], v.dtype: written whole, whatever it held
-) -> torch.Tensor:  # [T, out_dim], v.dtype
-    """The LoRA delta alone (in `out`, else a new tensor), scalings[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T
-    per segment and 0 in every other row (rank-0 segments, rows after the last segment), each entry
-    written once: no zero fill first, and nothing read back, where `sgmv_expand` into zeros reads and
-    writes every adapted entry again. output_slices must lie end to end over out_dim."""
-    delta = torch.empty(v.shape[0], B.shape[1], dtype=v.dtype, device=v.device) if out is None else out
-    check_expand_args(v, B, meta, delta, output_slices)
-    if delta.dtype != v.dtype:
-        raise ValueError(f"out is {delta.dtype}, v is {v.dtype}")
-    ends = [0]
-    for offset, size in output_slices:
-        ends.append(offset + size if offset == ends[-1] else -1)
-    if ends[-1] != B.shape[1]:
-        raise ValueError(f"output_slices {output_slices} do not lie end to end over out_dim {B.shape[1]}")
-    max_rank = B.shape[2]
-    config = _expand_config(meta.max_seg_len, max_rank)
-    _launch(
-        v, B, delta, meta, is_shrink=False, K=0, max_rank=max_rank, slices=tuple(output_slices), config=config,
-        overwrite=True,
-    )  # fmt: skip
-    return delta
 
 
 def check_expand_args(

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sgmv import MAX_STACK, check_expand_args, sgmv_delta, sgmv_expand, sgmv_shrink, shrink_output
+from kernels.sgmv import MAX_STACK, check_expand_args, sgmv_expand, sgmv_shrink, shrink_output
 from kernels.sgmv_ref import SgmvMeta
 
 DECODE_MAX_SEG_LEN = 64  # a decode step's merged run of one adapter's requests (engine/lora_inputs.py)
@@ -430,21 +430,6 @@ def sgmv_delta_auto(
     delta = torch.zeros(num_rows, out_dim, dtype=v.dtype, device=v.device)
     sgmv_expand_auto(v, B, meta, delta, output_slices=output_slices)
     return delta
-
-
-def sgmv_fold_auto(
-    v: torch.Tensor,  # [T, num_stack * R]
-    B: torch.Tensor,  # [num_slots, out_dim, R], v.dtype
-    meta: SgmvMeta,
-    *,
-    output_slices: tuple[tuple[int, int], ...],
-) -> torch.Tensor | None:  # [T, out_dim], v.dtype
-    """For a prefill-sized step whose slices tile out_dim: the delta alone (`sgmv_delta`, each entry
-    written once), for the base GEMM to add in its epilogue; None for a decode-sized step (host ints
-    only, as `sgmv_expand_auto` decides), whose small expand stays in line."""
-    if _is_decode(meta, v.shape[0]) or not _tiles(output_slices, B.shape[1]):
-        return None
-    return sgmv_delta(v, B, meta, output_slices=output_slices)
 
 
 def _tiles(output_slices: tuple[tuple[int, int], ...], out_dim: int) -> bool:

@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels.sgmv import sgmv_delta, sgmv_expand, sgmv_shrink  # noqa: E402
+from kernels.sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
 from kernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked  # noqa: E402
 from kernels.sgmv_decode import sgmv_shrink_decode  # noqa: E402
 from kernels.sgmv_ref import SgmvMeta, chunk_segments, sgmv_expand_ref, sgmv_shrink_ref  # noqa: E402
@@ -153,38 +153,6 @@ def test_lora_delta_matches_fp64_loop(backend, dtype, target, popularity):
     assert delta.abs().max() > 0.1  # the LoRA delta is not negligible: a no-op kernel would fail
 
 
-@pytest.mark.parametrize("popularity", POPULARITY)
-@pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_delta_alone_writes_every_entry_once(dtype, target, popularity):
-    """sgmv_delta against the fp64 loop over zeros, into a NaN-filled buffer: the rows of base-model,
-    empty and empty-slot segments come back exact zeros, the LoRA rows the delta with no y added."""
-    in_dim, output_slices, out_dim = TARGETS[target]
-    seg_lens, slots, ranks, scalings = make_batch(popularity, 6, 40, seed=7)
-    num_tokens = sum(seg_lens)
-    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
-    A, B = make_weights(len(ranks), in_dim, out_dim, len(output_slices), dtype, seed=7)
-    x = torch.randn(num_tokens, in_dim, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
-    zeros = torch.zeros(num_tokens, out_dim, dtype=dtype)
-    expected = loop_reference(x, A, B, zeros, seg_lens, slots, ranks, scalings, output_slices)
-    v = sgmv_shrink(x, A, meta, num_stack=len(output_slices))
-    out = torch.full((num_tokens, out_dim), float("nan"), dtype=dtype, device=DEVICE)
-    assert sgmv_delta(v, B, meta, output_slices=output_slices, out=out) is out
-    assert_close(out, expected, dtype)
-    assert torch.equal(out.cpu()[expected == 0], zeros[expected == 0]) and expected.abs().max() > 0.1
-
-
-def test_delta_alone_wants_slices_end_to_end():
-    _, output_slices, out_dim = TARGETS["qkv"]
-    meta = SgmvMeta.from_lists([3], [1], [0, 4], [0.0, 1.0], DEVICE)
-    v = torch.zeros(3, 3 * MAX_RANK, device=DEVICE)
-    B = torch.zeros(2, out_dim, MAX_RANK, device=DEVICE)
-    with pytest.raises(ValueError, match="do not lie end to end"):
-        sgmv_delta(v, B, meta, output_slices=((0, 64), (64, 32), (100, 28)))
-    with pytest.raises(ValueError, match=r"out is torch\.bfloat16"):
-        sgmv_delta(v, B, meta, output_slices=output_slices, out=torch.empty(3, out_dim, dtype=torch.bfloat16, device=DEVICE))
-
-
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 512])
 @pytest.mark.parametrize("backend", ["triton", "chunked", "decode"])
 def test_token_counts(backend, num_tokens):
@@ -223,12 +191,6 @@ def test_one_launch_size_serves_any_segmentation(monkeypatch, segment_chunk):
         v = sgmv_shrink(x, A, meta, num_stack=len(output_slices))
         sgmv_expand(v, B, meta, y, output_slices=output_slices)
         assert_close(y, expected, torch.bfloat16)
-        # the delta alone, into a buffer of NaNs: every entry written, exact zeros outside the LoRA rows
-        zeros = torch.zeros(num_rows, out_dim, dtype=torch.bfloat16)
-        lora_only = loop_reference(x, A, B, zeros, padded_lens, padded_slots, ranks, scalings, output_slices)
-        delta = sgmv_delta(v, B, meta, output_slices=output_slices, out=torch.full_like(y, float("nan")))
-        assert_close(delta, lora_only, torch.bfloat16)
-        assert torch.equal(delta.cpu()[lora_only == 0], zeros[lora_only == 0])
 
 
 @pytest.mark.parametrize(
