@@ -2,7 +2,8 @@
 
 Each fused projection adds its LoRA delta, with one shrink per input for all its stacked targets and
 one expand (`LoraInputs.project_deferred`; in CUDA decode steps both run on a side stream beside the
-base GEMM, and the delta comes back for the next kernel to add):
+base GEMM, and the delta comes back for the next kernel to add; in prefill-sized CUDA steps gate/up's
+expand is left to the SiLU-mul kernel, `PendingExpand`):
 
     y[T, out] += scalings[slot] * (x[T, in] @ A[slot]^T) @ B[slot]^T     per segment of tokens
 """
@@ -79,6 +80,24 @@ def lora_segments(lens: list[int], slots: list[int], max_len: int = 0) -> tuple[
     return seg_lens, seg_slots
 
 
+@dataclass(frozen=True)
+class PendingExpand:
+    """A projection's LoRA expand not yet run: the shrink's v, the slots' B and the step's segments, for
+    the kernel that reads the projection's output next to add as it loads it (gate/up: SiLU-mul,
+    kernels/silu_mul.py `silu_mul_expand`), so the output is not read and written once more first."""
+
+    v: torch.Tensor  # [T, num_stack * R]
+    b: torch.Tensor  # [num_slots, out_dim, R]
+    meta: SgmvMeta
+    output_slices: tuple[tuple[int, int], ...]
+    expand: Callable  # the backend's, for a reader that cannot fuse it (`apply`)
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        """y with the expand added in place (what the in-line path does)."""
+        self.expand(self.v, self.b, self.meta, y, output_slices=self.output_slices)
+        return y
+
+
 @dataclass
 class LoraInputs:
     pool: LoraSlotPool
@@ -97,14 +116,18 @@ class LoraInputs:
     # skip the LoRA kernels: an eager step's own; a captured decode graph's variant (engine/cuda_graphs.py)
     # replays only for steps that adapt none of them either.
     idle: frozenset[str] = frozenset()
+    # Fused targets whose in-line expand, in a prefill-sized step, the next kernel does (PendingExpand):
+    # {"gate_up"} on CUDA with the Triton ops (engine/model_runner.py, step_graphs.py).
+    fused_expand: frozenset[str] = frozenset()
 
     def project_deferred(
         self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
         """(linear(x), the LoRA delta of fused target `target` in `layer` still to add to it), or
         (linear(x) with its delta, None); x: [T, in] -> [T, out].
 
-        In line, the expand adds into the GEMM's output and rounds once. On the side stream (CUDA
+        In line, the expand adds into the GEMM's output and rounds once, or (a prefill-sized step, a
+        target in `fused_expand`) comes back as a PendingExpand for the next kernel. On the side stream (CUDA
         decode steps) the delta comes back apart, rounded to x's dtype as peft rounds it, and the main
         stream already waits for it: the kernel that reads y next adds it as it loads y
         (kernels/rope_kv.py, silu_mul.py, rmsnorm.py take a `delta`), one kernel launch less per
@@ -117,6 +140,8 @@ class LoraInputs:
         if self.side is None:
             y = linear(x)
             v = self.shrink(x, a, meta, num_stack=t.num_stack)  # [T, stack * R]
+            if target in self.fused_expand and not _decode_sized(meta, x.shape[0]):
+                return y, PendingExpand(v, b, meta, t.output_slices, self.expand)
             self.expand(v, b, meta, y, output_slices=t.output_slices)
             return y, None
         main = torch.cuda.current_stream(x.device)
@@ -131,6 +156,13 @@ class LoraInputs:
         y = linear(x)
         main.wait_stream(self.side)
         return y, delta
+
+
+def _decode_sized(meta: SgmvMeta, num_tokens: int) -> bool:
+    """A step whose expand is small (kernels/sgmv_decode.py's rule): it stays in line."""
+    from kernels.sgmv_decode import is_decode_sized  # Triton: only where fused_expand is set
+
+    return is_decode_sized(meta, num_tokens)
 
 
 class SgmvMetaBuffers:

@@ -43,6 +43,8 @@ class ModelRunner:
         self.attention = attention
         self.lora_pool = lora_pool
         self.lora_ops = sgmv_ops(lora_backend)
+        # gate/up's expand done by the SiLU-mul kernel in prefill-sized steps: the Triton ops on CUDA
+        self._fused_expand = frozenset({"gate_up"}) if self.device.type == "cuda" and lora_backend in ("triton", "splitk") else frozenset()
         # Decode steps compute LoRA deltas on this stream beside their base GEMMs (LoraInputs.side)
         self.lora_side = torch.cuda.Stream(self.device) if lora_pool is not None and self.device.type == "cuda" else None
         self.samples = samples
@@ -155,7 +157,9 @@ class ModelRunner:
         meta = self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
         side = self.lora_side if plan.is_decode else None
         idle = pool.idle_targets(seg_slots)
-        return LoraInputs(pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle)
+        return LoraInputs(
+            pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle, fused_expand=self._fused_expand
+        )
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:
         base = self.lora_pool.base_slot

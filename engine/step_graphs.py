@@ -151,7 +151,7 @@ class StepGraphs:
             # then cover every segmentation a replay brings (kernels/sgmv.py)
             meta = self.lora_meta.fill([0] * rows, [pool.base_slot] * rows, pool.ranks, pool.scalings, pool.target_ranks)
             meta = dataclasses.replace(meta, max_seg_len=bucket, host_seg_lens=None, host_slots=None)  # replays differ
-            lora = LoraInputs(pool, meta, *self.lora_ops, by_target=self.lora_meta.by_target(meta))
+            lora = LoraInputs(pool, meta, *self.lora_ops, by_target=self.lora_meta.by_target(meta), fused_expand=frozenset({"gate_up"}))
 
         def step() -> torch.Tensor:
             hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], attn, self.kv, lora)

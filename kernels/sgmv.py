@@ -47,7 +47,7 @@ def _pick(k, a0, a1, a2):
 
 
 @triton.jit
-def _row_block(seg_indptr_ptr, num_segments, block, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+def row_block(seg_indptr_ptr, num_segments, block, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
     """(segment, first row, end row) of row block `block`, counting each segment's cdiv(len, BLOCK_M)
     blocks in segment order; a block past the last gives segment num_segments (the caller returns)."""
     seg = 0
@@ -92,14 +92,14 @@ def _sgmv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # segments scanned at once by _row_block
+    BLOCK_S: tl.constexpr,  # segments scanned at once by row_block
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)  # stacked target
     pid_n = pid % n_tiles
-    seg, m_start, seg_end = _row_block(seg_indptr_ptr, num_segments, pid // n_tiles, BLOCK_M, BLOCK_S)
+    seg, m_start, seg_end = row_block(seg_indptr_ptr, num_segments, pid // n_tiles, BLOCK_M, BLOCK_S)
     if seg >= num_segments:
         return
     slot = tl.load(weight_indices_ptr + seg)
@@ -153,14 +153,14 @@ def _sgmv_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _block_m(max_seg_len: int) -> int:
+def block_m_for(max_seg_len: int) -> int:
     """Rows per tile: tl.dot needs >= 16; grow with the segments so prefill reuses each weight tile."""
     return 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
 
 
 def _shrink_config(max_seg_len: int, max_rank: int) -> dict:
     return {
-        "BLOCK_M": _block_m(max_seg_len),
+        "BLOCK_M": block_m_for(max_seg_len),
         "BLOCK_N": min(max(triton.next_power_of_2(max_rank), 16), 64),
         "BLOCK_K": 128,
         "num_warps": 4,
@@ -170,7 +170,7 @@ def _shrink_config(max_seg_len: int, max_rank: int) -> dict:
 
 def _expand_config(max_seg_len: int, max_rank: int) -> dict:
     return {
-        "BLOCK_M": _block_m(max_seg_len),
+        "BLOCK_M": block_m_for(max_seg_len),
         "BLOCK_N": 128,
         "BLOCK_K": min(max(triton.next_power_of_2(max_rank), 16), 64),
         "num_warps": 4,

@@ -274,11 +274,11 @@ def sgmv_shrink_auto(
     """The decode shrink for steps of at most DECODE_MAX_TOKENS tokens whose segments hold at most
     DECODE_MAX_SEG_LEN (host ints, so a graph captured for a decode batch keeps the decode kernel),
     `sgmv_shrink` otherwise."""
-    shrink = sgmv_shrink_decode if _is_decode(meta, x.shape[0]) else sgmv_shrink
+    shrink = sgmv_shrink_decode if is_decode_sized(meta, x.shape[0]) else sgmv_shrink
     return shrink(x, A, meta, num_stack=num_stack, out=out)
 
 
-def _is_decode(meta: SgmvMeta, num_tokens: int) -> bool:
+def is_decode_sized(meta: SgmvMeta, num_tokens: int) -> bool:
     """A decode-shaped step (host ints only): short segments, a decode batch's token count."""
     return (
         meta.max_seg_len <= DECODE_MAX_SEG_LEN
@@ -403,7 +403,7 @@ def sgmv_expand_auto(
     output_slices: tuple[tuple[int, int], ...],
 ) -> None:
     """The decode expand where `sgmv_shrink_auto` takes the decode shrink, `sgmv_expand` otherwise."""
-    expand = sgmv_expand_decode if _is_decode(meta, v.shape[0]) else sgmv_expand
+    expand = sgmv_expand_decode if is_decode_sized(meta, v.shape[0]) else sgmv_expand
     expand(v, B, meta, y, output_slices=output_slices)
 
 
@@ -423,7 +423,7 @@ def sgmv_delta_auto(
         and sum(meta.host_seg_lens) == num_rows
         and _tiles(output_slices, out_dim)
     )
-    if _is_decode(meta, num_rows) and covered:
+    if is_decode_sized(meta, num_rows) and covered:
         delta = torch.empty(num_rows, out_dim, dtype=v.dtype, device=v.device)
         sgmv_expand_decode(v, B, meta, delta, output_slices=output_slices, overwrite=True)
         return delta

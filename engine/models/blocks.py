@@ -17,7 +17,9 @@ LoRA seam: every linear is applied through one `project_*` method of its module 
 delta still to add to it (None when added in line). A delta computed beside the base GEMM (CUDA decode
 steps, `LoraInputs.project_deferred`) is added by the kernel that reads the output next, as it loads it:
 RoPE's KV write, SiLU-mul, or the residual add before the next norm; a path without such a kernel adds it
-at once (`_plus`). Under tensor parallelism o's and down's deltas are added before the all-reduce.
+at once (`_plus`). In a prefill-sized CUDA step gate/up's expand itself is pending (`PendingExpand`): the
+SiLU-mul kernel computes and adds it as it loads gate_up. Under tensor parallelism o's and down's deltas
+are added before the all-reduce.
 """
 
 import torch
@@ -25,15 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_inputs import AttentionInputs, KVBuffers
-from engine.lora_inputs import LoraInputs
+from engine.lora_inputs import LoraInputs, PendingExpand
 from engine.model_config import ModelConfig
 from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, local_config
 from engine.rope import apply_rope, cos_sin_cache
 
-Pending = torch.Tensor | None  # a LoRA delta still to add to a projection's output
+Pending = torch.Tensor | PendingExpand | None  # a LoRA delta (or its expand) still to add to a projection's output
 
 
 def _plus(y: torch.Tensor, delta: Pending) -> torch.Tensor:
+    if isinstance(delta, PendingExpand):
+        return delta.apply(y)
     return y if delta is None else y.add_(delta)
 
 
@@ -144,8 +148,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> tuple[torch.Tensor, Pending]:  # x: [T, hidden]
         gate_up, delta = self.project_gate_up(x, lora)  # [T, 2 * inter]
         if gate_up.is_cuda:
-            from kernels.silu_mul import silu_mul  # Triton: imported only where it runs
+            from kernels.silu_mul import silu_mul, silu_mul_expand  # Triton: imported only where it runs
 
+            if isinstance(delta, PendingExpand):
+                return self.project_down(silu_mul_expand(gate_up, delta.v, delta.b, delta.meta), lora)
             return self.project_down(silu_mul(gate_up, delta), lora)
         gate, up = _plus(gate_up, delta).chunk(2, dim=-1)  # each [T, inter]
         return self.project_down(F.silu(gate) * up, lora)

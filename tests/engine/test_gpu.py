@@ -21,10 +21,10 @@ pytestmark = [
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over the lazy dog " * 4, "café 日本語"]
 
 
-def generate_all(core: EngineCore, num_tokens: int, adapters=(None,), rounds: int = 1) -> list[list[int]]:
+def generate_all(core: EngineCore, num_tokens: int, adapters=(None,), rounds: int = 1, prompts=PROMPTS) -> list[list[int]]:
     """Every prompt under every adapter record (None = the base model), submitted together; with rounds > 1
     the same jobs again once the previous round has finished (its prompts now cached prefixes)."""
-    jobs = [(prompt, adapter) for prompt in PROMPTS for adapter in adapters]
+    jobs = [(prompt, adapter) for prompt in prompts for adapter in adapters]
     results = [[] for _ in jobs * rounds]
     done = [threading.Event() for _ in jobs * rounds]
 
@@ -111,6 +111,39 @@ def test_cuda_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, lora_back
     for base, qv, all_ in zip(*[iter(expected)] * 3, strict=True):
         assert base[3:] != qv[3:] and base[3:] != all_[3:]
     assert run("cuda", lora_backend) == expected
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("lora_backend", ["splitk", "triton"])
+def test_cuda_long_prompts_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, lora_backend, graphs):
+    """Prompts longer than a decode-sized segment (64 tokens): their prefill steps leave gate/up's LoRA
+    expand to the SiLU-mul kernel (kernels/silu_mul.py `silu_mul_expand`), eagerly or in step graphs.
+    Greedy tokens equal the CPU reference's, and the fused kernel did run."""
+    import kernels.silu_mul
+
+    adapters = three_adapters(make_adapter, "long", seed=60)
+    prompts = ["The quick brown fox jumps over the lazy dog " * 12, "café 日本語 " * 20, "Hello world, this is"]
+    calls = []
+    real = kernels.silu_mul.silu_mul_expand
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    def run(device: str, backend: str) -> list[list[int]]:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
+            work_dir=str(tmp_path / device), max_loras_per_batch=3, lora_backend=backend,
+            cuda_graph_max_tokens=1024 if graphs else 0,
+        )  # fmt: skip
+        core = EngineCore.build(config)
+        records = [None, *(core.resolve_adapter(name) for name, _ in adapters)]
+        return generate_all(core, 8, records, prompts=prompts)
+
+    expected = run("cpu", "ref")
+    monkeypatch.setattr(kernels.silu_mul, "silu_mul_expand", counted)
+    assert run("cuda", lora_backend) == expected
+    assert calls and max(calls) > 64
 
 
 def three_adapters(make_adapter, prefix: str, seed: int) -> tuple[tuple[str, str], ...]:

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from engine import lora_inputs
 from engine.adapters import LocalAdapters
 from engine.attention import RefBackend
 from engine.config import EngineConfig
@@ -187,14 +188,26 @@ def test_prefix_cache_never_shares_kv_across_adapters(tiny_llama_dir, adapter_di
     assert seen["attn"][1] == final.prompt_tokens - 1  # the same adapter again hits its own prefix
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["in-line", "deferred"])
+@pytest.mark.parametrize("deferred", [False, True, "expand"], ids=["in-line", "deferred", "pending-expand"])
 def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_model, tmp_path, monkeypatch, deferred):
     """deferred: every projection hands its LoRA delta back apart, as the side stream of CUDA decode
     steps does, so the model's blocks must add each one exactly once (in the kernel or op that reads the
-    projection's output next)."""
+    projection's output next). pending-expand: gate/up hands back its expand not yet run, as prefill-sized
+    CUDA steps do for the SiLU-mul kernel; on the CPU the MLP runs it before its activation."""
     from transformers import AutoTokenizer
 
-    if deferred:
+    if deferred == "expand":
+        handed = []
+        real = LoraInputs.project_deferred
+
+        def project_deferred(self, linear, target, layer, x):
+            y, delta = real(dataclasses.replace(self, fused_expand=frozenset({"gate_up"})), linear, target, layer, x)
+            handed.append((target, type(delta).__name__))
+            return y, delta
+
+        monkeypatch.setattr(LoraInputs, "project_deferred", project_deferred)
+        monkeypatch.setattr(lora_inputs, "_decode_sized", lambda meta, num_tokens: False)
+    elif deferred:
         handed = []
 
         def project_deferred(self, linear, target, layer, x):  # the side stream's work, on one stream
@@ -212,7 +225,10 @@ def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_
     names = ["", "attn", "patterns", "rslora", "mlp", "all"]
     prompts = [tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(len(names))]
     assert_mixed_batch_logits_match(core, peft_model, names, prompts)
-    if deferred:
+    if deferred == "expand":
+        assert {kind for target, kind in handed if target == "gate_up"} == {"PendingExpand"}
+        assert {kind for target, kind in handed if target != "gate_up"} == {"NoneType"}
+    elif deferred:
         assert sorted(set(handed)) == ["down", "gate_up", "o", "qkv"]
 
 

@@ -10,6 +10,7 @@ still to add to its input (computed beside the base GEMM in CUDA decode steps): 
 what it gives for the rounded sum input + delta.
 """
 
+import dataclasses
 import os
 
 import torch
@@ -25,7 +26,8 @@ pytest.importorskip("triton")
 from engine.rope import apply_rope  # noqa: E402
 from kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref  # noqa: E402
 from kernels.rope_kv import rope_kv_write, rope_kv_write_ref  # noqa: E402
-from kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
+from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref  # noqa: E402
+from kernels.silu_mul import silu_mul, silu_mul_expand, silu_mul_ref  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -135,6 +137,82 @@ def test_silu_mul_adds_a_pending_delta_first(dtype):
     assert not torch.equal(out, silu_mul(gate_up))
     with pytest.raises(ValueError, match="delta"):
         silu_mul(gate_up, delta.float() if dtype != torch.float32 else delta.half())
+
+
+# (seg_lens, slots, padding rows past the last segment): slot 0 is the base model (rank 0), slot 3 an
+# adapter of rank 5 < R, slot 4 an empty slot; long segments span several row blocks, 1-token ones
+# are decodes beside them, an empty segment sits in between.
+EXPAND_CASES = {
+    "one_long": ([70], [1], 0),
+    "mixed": ([1, 1, 0, 37, 1, 90, 2], [2, 3, 1, 1, 0, 3, 4], 0),
+    "padded": ([5, 20], [2, 0], 11),
+    "base_only": ([9], [0], 3),
+}
+
+
+def expand_case(dtype, seg_lens, slots, padding, inter=80, seed=0):
+    ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
+    max_rank = 8
+    num_tokens = sum(seg_lens) + padding
+    gate_up = randn(num_tokens, 2 * inter, dtype=dtype, seed=seed, scale=3.0)
+    v = randn(num_tokens, 2 * max_rank, dtype=dtype, seed=seed + 1)
+    B = randn(len(ranks), 2 * inter, max_rank, dtype=dtype, seed=seed + 2, scale=0.5)
+    start = 0
+    for n, w in zip(seg_lens, slots, strict=True):  # what the shrink does not write: NaN, never read
+        v[start : start + n, ranks[w] : max_rank] = float("nan")
+        v[start : start + n, max_rank + ranks[w] :] = float("nan")
+        start += n
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    return gate_up, v, B, meta
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(EXPAND_CASES))
+def test_silu_mul_expand_is_the_expand_then_silu_mul(dtype, case):
+    """silu_mul_expand(gate_up, v, B, meta) = silu_mul(gate_up after the gate/up expand), with gate_up
+    left as it was: every segmentation, ranks below R (v past the rank unread), base and empty slots,
+    and rows past the last segment (a CUDA graph's padding) that get the SiLU-mul alone."""
+    seg_lens, slots, padding = EXPAND_CASES[case]
+    gate_up, v, B, meta = expand_case(dtype, seg_lens, slots, padding)
+    inter = gate_up.shape[1] // 2
+    before = gate_up.clone()
+    expanded = gate_up.clone()
+    sgmv_expand_ref(torch.nan_to_num(v), B, meta, expanded, output_slices=((0, inter), (inter, inter)))
+    out = silu_mul_expand(gate_up, v, B, meta)
+    assert_close(out, silu_mul_ref(expanded), dtype, case)
+    assert torch.equal(gate_up, before)
+    adapted = torch.zeros(gate_up.shape[0], dtype=torch.bool)
+    start = 0
+    for n, w in zip(seg_lens, slots, strict=True):
+        adapted[start : start + n] = w in (1, 2, 3)
+        start += n
+    plain = silu_mul_ref(before)
+    assert torch.equal(out[~adapted.to(out.device)], silu_mul(before)[~adapted.to(out.device)])
+    if adapted.any():
+        assert not torch.allclose(out[adapted.to(out.device)].float(), plain[adapted.to(out.device)].float())
+
+
+def test_silu_mul_expand_replays_any_segmentation_from_one_launch_size():
+    """A CUDA graph's meta: max_seg_len and the segment count as captured, segments refilled on the
+    device. The same launch gives each new segmentation's result."""
+    gate_up, v, B, _ = expand_case(torch.float32, [40, 10], [1, 2], 14)
+    inter = gate_up.shape[1] // 2
+    ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
+    for seg_lens, slots in (([40, 10, 0, 0], [1, 2, 0, 0]), ([1, 1, 1, 61], [3, 0, 2, 1]), ([0, 0, 0, 0], [0, 0, 0, 0])):
+        meta = dataclasses.replace(SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE), max_seg_len=64)
+        expanded = gate_up.clone()
+        sgmv_expand_ref(torch.nan_to_num(v), B, meta, expanded, output_slices=((0, inter), (inter, inter)))
+        assert_close(silu_mul_expand(gate_up, torch.nan_to_num(v), B, meta), silu_mul_ref(expanded), torch.float32, str(seg_lens))
+
+
+def test_silu_mul_expand_refuses_mismatched_inputs():
+    gate_up, v, B, meta = expand_case(torch.float32, [6], [1], 0)
+    with pytest.raises(ValueError, match="columns"):
+        silu_mul_expand(gate_up, v[:, :8], B, meta)
+    with pytest.raises(ValueError, match="out_dim"):
+        silu_mul_expand(gate_up[:, :-2], v, B, meta)
+    with pytest.raises(ValueError, match="2 \\* I"):
+        silu_mul_expand(gate_up[:, :-1], v, B, meta)
 
 
 def test_silu_mul_ref_is_the_model_mlp_activation():
