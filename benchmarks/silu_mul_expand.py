@@ -68,8 +68,8 @@ def main() -> None:
             )  # fmt: skip
 
         results[f"silu_mul_expand_{tile}"] = do_bench(fused) * 1e3
-    floor_fused = (2 * T * 2 * I + T * I) * 2  # read gate_up, write out (bytes)
-    floor_two = floor_fused + 2 * T * 2 * I * 2  # plus the expand's read and write of gate_up
+    floor_fused = (T * 2 * I + T * I) * 2  # read gate_up, write out (bytes)
+    floor_two = floor_fused + 2 * (T * 2 * I) * 2  # plus the expand's read and write of gate_up
     print(json.dumps({"tokens": T, "inter": I, "rank": R, "segments": args.segments,
                       "floor_gb_fused": floor_fused / 1e9, "floor_gb_two": floor_two / 1e9,
                       **{k: round(us, 1) for k, us in results.items()}}))  # fmt: skip
