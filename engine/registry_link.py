@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from engine.adapters import AdapterRecord
 from engine.coalesce import CoalescedCalls
@@ -246,9 +247,14 @@ class RegistryLink:
                 if taking is not None:
                     await taking
                 taking = asyncio.ensure_future(asyncio.to_thread(artifact.take, offset, data))  # a view of its own message
-        finally:
             if taking is not None:
-                await asyncio.wait([taking])  # also when the stream failed: no task left behind
+                last, taking = taking, None
+                await last  # the last chunk's copy: its failure is the fetch's too
+        finally:
+            if taking is not None:  # the stream failed: no task left behind, its outcome read
+                await asyncio.wait([taking])
+                if not taking.cancelled():
+                    taking.exception()
         return artifact.bytes(), artifact.sha.hexdigest()
 
     async def _artifact_messages(self, record: AdapterRecord) -> AsyncIterator[bytes]:
@@ -348,9 +354,16 @@ class _Artifact:
 
     def expect(self, raw: bytes) -> None:
         """Size the memory from an Adapter message (before any data: the registry sends it first)."""
-        size = pb.AdapterChunk.FromString(raw).adapter.size_bytes
+        try:
+            size = pb.AdapterChunk.FromString(raw).adapter.size_bytes
+        except DecodeError as exc:
+            raise ValueError(f"an Adapter message that does not decode: {exc}") from None
         if size and self._array is None and not self.received:
-            self.size, self._array = size, np.empty(size, np.uint8)
+            try:
+                self._array = np.empty(size, np.uint8)
+            except MemoryError:
+                raise ValueError(f"a declared size of {size} bytes, more than this host can hold") from None
+            self.size = size
 
     def place(self, length: int) -> int:
         """The offset of the next chunk of `length` bytes; ValueError when it overruns the declared size."""

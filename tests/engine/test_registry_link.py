@@ -264,6 +264,39 @@ async def test_a_stream_that_overruns_or_omits_its_declared_size(stack, make_ada
     data, digest = await link._fetch_once(record)
     assert digest == record.digest and bytes(data) == expected
     assert not data.readonly  # the safetensors reader's views want a writable buffer
+    # an Adapter message that does not decode, or declares more than the host can allocate
+    serving(lambda messages: [b"\x0a\x02\x0a\xff", *messages[1:]])  # field 1 framed, its inside not
+    with pytest.raises(Unavailable, match=r"malformed chunk \(an Adapter message that does not decode"):
+        await link._fetch_once(record)
+    huge = rpb.AdapterChunk(adapter=rpb.Adapter(size_bytes=2**62)).SerializeToString()
+    serving(lambda messages: [huge, *messages[1:]])
+    with pytest.raises(Unavailable, match=r"malformed chunk \(a declared size of 4611686018427387904 bytes"):
+        await link._fetch_once(record)
+
+
+async def test_a_failed_copy_of_the_last_chunk_fails_the_fetch(stack, make_adapter, monkeypatch):
+    """The worker thread's copy of each chunk, the last one too, is awaited: a copy that fails is the
+    fetch's failure, not an artifact with an unwritten tail that hashed as whole."""
+    registry, engine, _ = stack
+    await registry.register("tail", make_adapter("link-tail", r=4, lora_alpha=8, seed=61))
+    link = engine.core.link
+    record = await link.resolve("tail")
+    num_chunks = sum(chunk_data(raw) is not None for raw in [raw async for raw in link._artifact_messages(record)])
+    from engine import registry_link
+
+    real_take, taken = registry_link._Artifact.take, []
+
+    def take(self, offset, data):
+        taken.append(offset)
+        if len(taken) == num_chunks:
+            self.sha.update(data)  # hashed, as a copy failing after the hash would leave it
+            raise OSError("copy failed")
+        real_take(self, offset, data)
+
+    monkeypatch.setattr(registry_link._Artifact, "take", take)
+    with pytest.raises(OSError, match="copy failed"):
+        await link._fetch_once(record)
+    assert len(taken) == num_chunks
 
 
 @pytest.mark.parametrize("offset, size", [(0, 0), (0, 5), (1 << 20, 1 << 20), (2**40, 300)])
