@@ -140,7 +140,7 @@ class LoraInputs:
         if self.side is None:
             y = linear(x)
             v = self.shrink(x, a, meta, num_stack=t.num_stack)  # [T, stack * R]
-            if target in self.fused_expand and not _decode_sized(meta, x.shape[0]):
+            if target in self.fused_expand and _fuses_expand(meta, x.shape[0], b.shape[2]):
                 return y, PendingExpand(v, b, meta, t.output_slices, self.expand)
             self.expand(v, b, meta, y, output_slices=t.output_slices)
             return y, None
@@ -158,11 +158,13 @@ class LoraInputs:
         return y, delta
 
 
-def _decode_sized(meta: SgmvMeta, num_tokens: int) -> bool:
-    """A step whose expand is small (kernels/sgmv_decode.py's rule): it stays in line."""
+def _fuses_expand(meta: SgmvMeta, num_tokens: int, max_rank: int) -> bool:
+    """Whether the next kernel takes a fused target's expand: not in a step whose expand is small
+    (kernels/sgmv_decode.py's rule for decode-sized steps), nor past the fused kernel's rank capacity."""
     from kernels.sgmv_decode import is_decode_sized  # Triton: only where fused_expand is set
+    from kernels.silu_mul import FUSED_MAX_RANK
 
-    return is_decode_sized(meta, num_tokens)
+    return max_rank <= FUSED_MAX_RANK and not is_decode_sized(meta, num_tokens)
 
 
 class SgmvMetaBuffers:

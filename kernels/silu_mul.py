@@ -34,6 +34,9 @@ from kernels.sgmv import SEGMENT_CHUNK, block_m_for, check_expand_args, row_bloc
 from kernels.sgmv_ref import SgmvMeta
 
 BLOCK = 1024
+# silu_mul_expand loads a row block's whole v and a column block's whole B (no loop over the rank): up to
+# this rank capacity (the default max LoRA rank); larger pools expand first (engine/lora_inputs.py)
+FUSED_MAX_RANK = 64
 
 
 @triton.jit
@@ -116,8 +119,8 @@ def _silu_mul_expand_kernel(
     else:  # rows no segment covers (a graph's padding): the SiLU-mul alone
         m_start = tl.load(seg_indptr_ptr + num_segments) + (pid_m - seg_blocks) * BLOCK_M
         m_end = num_tokens
-        slot = tl.load(weight_indices_ptr, mask=False, other=0)
-        rank = slot
+        slot = tl.load(weight_indices_ptr, mask=False, other=0)  # 0, typed as the loads above
+        rank = slot  # 0: no LoRA
     if m_start >= m_end:
         return
     offs_m = (m_start + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -158,13 +161,20 @@ def silu_mul_expand(
     v: torch.Tensor,  # [T, 2 * R], the gate/up shrink's output
     B: torch.Tensor,  # [num_slots, 2 * I, R], v.dtype
     meta: SgmvMeta,
+    *,
+    output_slices: tuple[tuple[int, int], ...] | None = None,  # the projection's; must be gate's, then up's
 ) -> torch.Tensor:  # [T, I]
     """silu_mul(gate_up after `sgmv_expand(v, B, meta, gate_up, output_slices=((0, I), (I, I)))`), in one
-    kernel that leaves gate_up as it was; see the module doc."""
+    kernel that leaves gate_up as it was; see the module doc. Ranks up to FUSED_MAX_RANK."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"want gate_up [T, 2 * I] with contiguous rows, got {tuple(gate_up.shape)}")
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    check_expand_args(v, B, meta, gate_up, ((0, inter), (inter, inter)))
+    slices = ((0, inter), (inter, inter))
+    if output_slices is not None and tuple(output_slices) != slices:
+        raise ValueError(f"output_slices {output_slices} are not gate's then up's halves {slices}")
+    check_expand_args(v, B, meta, gate_up, slices)
+    if B.shape[2] > FUSED_MAX_RANK:
+        raise ValueError(f"rank capacity {B.shape[2]} > {FUSED_MAX_RANK}: expand first, then silu_mul")
     if v.stride(1) != 1 or B.dtype != gate_up.dtype:
         raise ValueError(f"want v with contiguous rows and B in gate_up's dtype {gate_up.dtype}, got {B.dtype}")
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
@@ -173,7 +183,10 @@ def silu_mul_expand(
     block_m = block_m_for(meta.max_seg_len)
     seg_blocks = row_blocks(meta, num_tokens, block_m)
     block_n = 64
-    grid = (seg_blocks + triton.cdiv(num_tokens, block_m), triton.cdiv(inter, block_n))
+    # rows past the last segment: a graph's padding; none where the host knows the segments cover all
+    covered = meta.host_seg_lens is not None and sum(meta.host_seg_lens) == num_tokens
+    tail_blocks = 0 if covered else triton.cdiv(num_tokens, block_m)
+    grid = (seg_blocks + tail_blocks, triton.cdiv(inter, block_n))
     _silu_mul_expand_kernel[grid](
         gate_up, v, B, out,
         meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,

@@ -151,7 +151,8 @@ class MLP(nn.Module):
             from kernels.silu_mul import silu_mul, silu_mul_expand  # Triton: imported only where it runs
 
             if isinstance(delta, PendingExpand):
-                return self.project_down(silu_mul_expand(gate_up, delta.v, delta.b, delta.meta), lora)
+                out = silu_mul_expand(gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices)
+                return self.project_down(out, lora)
             return self.project_down(silu_mul(gate_up, delta), lora)
         gate, up = _plus(gate_up, delta).chunk(2, dim=-1)  # each [T, inter]
         return self.project_down(F.silu(gate) * up, lora)

@@ -206,7 +206,7 @@ def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_
             return y, delta
 
         monkeypatch.setattr(LoraInputs, "project_deferred", project_deferred)
-        monkeypatch.setattr(lora_inputs, "_decode_sized", lambda meta, num_tokens: False)
+        monkeypatch.setattr(lora_inputs, "_fuses_expand", lambda meta, num_tokens, max_rank: True)
     elif deferred:
         handed = []
 

@@ -27,7 +27,7 @@ from engine.rope import apply_rope  # noqa: E402
 from kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref  # noqa: E402
 from kernels.rope_kv import rope_kv_write, rope_kv_write_ref  # noqa: E402
 from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref  # noqa: E402
-from kernels.silu_mul import silu_mul, silu_mul_expand, silu_mul_ref  # noqa: E402
+from kernels.silu_mul import FUSED_MAX_RANK, silu_mul, silu_mul_expand, silu_mul_ref  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -213,6 +213,23 @@ def test_silu_mul_expand_refuses_mismatched_inputs():
         silu_mul_expand(gate_up[:, :-2], v, B, meta)
     with pytest.raises(ValueError, match="2 \\* I"):
         silu_mul_expand(gate_up[:, :-1], v, B, meta)
+    with pytest.raises(ValueError, match="not gate's then up's halves"):
+        silu_mul_expand(gate_up, v, B, meta, output_slices=((0, 40), (40, 40)))
+    wide = torch.zeros(B.shape[0], B.shape[1], 2 * FUSED_MAX_RANK, dtype=B.dtype, device=B.device)
+    with pytest.raises(ValueError, match="rank capacity 128 > 64"):
+        silu_mul_expand(gate_up, torch.zeros(v.shape[0], 4 * FUSED_MAX_RANK, device=v.device), wide, meta)
+
+
+def test_only_prefill_sized_steps_within_the_rank_capacity_fuse_the_expand():
+    """engine/lora_inputs.py leaves gate/up's expand to silu_mul_expand only in steps the decode
+    kernels would not take, and only for pools whose rank capacity the kernel loads whole."""
+    from engine.lora_inputs import _fuses_expand
+
+    prefill = SgmvMeta.from_lists([300, 2], [1, 2], [0, 8, 8], [0.0, 1.0, 1.0], DEVICE)
+    decode = SgmvMeta.from_lists([1] * 32, [1, 2] * 16, [0, 8, 8], [0.0, 1.0, 1.0], DEVICE)
+    assert _fuses_expand(prefill, 302, FUSED_MAX_RANK)
+    assert not _fuses_expand(prefill, 302, 2 * FUSED_MAX_RANK)
+    assert not _fuses_expand(decode, 32, 16)
 
 
 def test_silu_mul_ref_is_the_model_mlp_activation():
