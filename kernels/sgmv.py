@@ -118,7 +118,7 @@ def _sgmv_kernel(
     if (m_start >= seg_end) | (pid_n * BLOCK_N >= n_size):
         return
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_m = (m_start + tl.arange(0, BLOCK_M)).to(tl.int64)  # row x stride passes 2**31 at 75k tokens x 28672
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < seg_end
