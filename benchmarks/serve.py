@@ -390,7 +390,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "engine", "serve", "--model", config.model_dir, "--port", "0", "--metrics-port", "0",
         "--registry", config.registry, "--device", config.device,
         "--max-loras-per-batch", str(config.max_loras_per_batch), "--max-lora-rank", str(config.max_lora_rank),
-        "--max-host-adapters", str(config.max_host_adapters),
+        "--max-host-adapters", str(config.max_host_adapters), "--host-pinned-gb", str(config.host_pinned_gb),
         "--max-running-requests", str(config.max_running_requests),
         "--max-batch-tokens", str(config.max_batch_tokens), "--max-context", str(config.max_context),
         "--num-kv-slots", str(config.num_kv_slots),
@@ -526,6 +526,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         max_lora_rank=args.rank,
         lora_target_modules=tuple(args.lora_target_modules),
         max_host_adapters=args.max_host_adapters,
+        host_pinned_gb=args.host_pinned_gb,
         max_running_requests=args.max_running,
         max_batch_tokens=args.max_batch_tokens,
         max_context=max_context,
@@ -564,6 +565,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the engine's --lora-target-modules (slots only for these projections' targets; default all)",
     )
     p.add_argument("--max-host-adapters", type=int, default=64)
+    p.add_argument("--host-pinned-gb", type=float, default=0.0, help="the engine's --host-pinned-gb (0 = off)")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--graph-max-tokens", type=int, default=2048, help="prefill and mixed steps up to N tokens replay graphs (0 = eager)")

@@ -7,22 +7,28 @@ are keyed by digest, never by name.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
 from engine.lora_pool import FusedTarget, PackedAdapter
+from engine.pinned_arena import PinnedArena
 from loraformat.peft_compile import CanonicalAdapter
+
+ARENA_ALIGN = 256  # bytes between a packed adapter's tensors in an arena block
 
 
 def pack_adapter(
-    digest: str, adapter: CanonicalAdapter, targets: dict[str, FusedTarget], dtype: torch.dtype, pin: bool, share: bool = False
+    digest: str, adapter: CanonicalAdapter, targets: dict[str, FusedTarget], dtype: torch.dtype, pin: bool, share: bool = False,
+    arena: PinnedArena | None = None,
 ) -> PackedAdapter:
     """Lay a canonical adapter out per fused target (full, unsharded dims); projections it lacks become
     zeros, and a target none of whose projections it adapts is left out (PackedAdapter). pin:
-    page-locked (async copies to one GPU); share: in shared memory, so that tensor-parallel worker
-    processes read this one copy."""
+    page-locked (async copies to one GPU), in a block of `arena` when one is given and has room (the
+    block goes back when the PackedAdapter is collected), else freshly pinned; share: in shared memory,
+    so that tensor-parallel worker processes read this one copy."""
     rank, num_layers = adapter.rank, adapter.num_layers
     a, b = {}, {}
     for name, target in targets.items():
@@ -39,8 +45,33 @@ def pack_adapter(
                 offset, size = target.output_slices[k]
                 a_t[layer, k * rank : (k + 1) * rank] = lora_a
                 b_t[layer, offset : offset + size] = lora_b
-        a[name], b[name] = (_place(t, pin, share) for t in (a_t, b_t))
-    return PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b)
+        a[name], b[name] = a_t, b_t
+    packed = (*a.values(), *b.values())
+    block = arena.take(sum(_aligned(t.nbytes) for t in packed)) if arena is not None and pin and not share else None
+    if block is None:
+        a, b = ({name: _place(t, pin, share) for name, t in tensors.items()} for tensors in (a, b))
+    else:
+        a, b = _into_arena(arena, block[0], (a, b))
+    result = PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b)
+    if block is not None:
+        weakref.finalize(result, arena.give_back, *block, result.reads)
+    return result
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+
+
+def _into_arena(arena: PinnedArena, offset: int, groups: tuple[dict[str, torch.Tensor], ...]) -> list[dict[str, torch.Tensor]]:
+    """Each tensor copied into the arena from `offset` on, one after another (aligned)."""
+    placed = []
+    for tensors in groups:
+        views = {}
+        for name, t in tensors.items():
+            views[name] = arena.view(offset, t.nbytes, t.dtype, tuple(t.shape)).copy_(t)
+            offset += _aligned(t.nbytes)
+        placed.append(views)
+    return placed
 
 
 def _place(t: torch.Tensor, pin: bool, share: bool) -> torch.Tensor:

@@ -47,6 +47,9 @@ class EngineConfig:
     # pool's slot is 23% of an all-target slot at Llama-3-8B's widths (engine/lora_pool.py).
     lora_target_modules: tuple[str, ...] = ()
     max_host_adapters: int = 64
+    # On CUDA, pinned host memory (GiB) taken at startup for packed adapters (engine/pinned_arena.py): a
+    # fresh pinned allocation while serving holds up the GPU launches; 0 = pin each adapter as it is packed
+    host_pinned_gb: float = 0.0
     lora_eviction_policy: str = "lru"  # or "fifo"
     lora_load_ahead: int = DEFAULT_LORA_LOAD_AHEAD  # queued requests' adapters loaded a step ahead; 0 = off
     lora_drain_wait_s: float = DEFAULT_LORA_DRAIN_WAIT_S  # starvation drain threshold (DESIGN 7); 0 = off
@@ -78,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"lora_load_ahead must be >= 0, got {self.lora_load_ahead}")
         if self.max_concurrent_fetches < 1:
             raise ValueError(f"max_concurrent_fetches must be >= 1, got {self.max_concurrent_fetches}")
+        if not self.host_pinned_gb >= 0:
+            raise ValueError(f"host_pinned_gb must be >= 0 (0 = off), got {self.host_pinned_gb}")
         if self.cuda_graph_max_batch < 0 or self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_batch and cuda_graph_max_tokens must be >= 0 (0 = off)")
 

@@ -30,6 +30,7 @@ from engine.lora_manager import LoraManager
 from engine.lora_pool import PackedAdapter, fused_targets, served_modules
 from engine.model_config import ModelConfig
 from engine.parallel import TensorParallel, local_config
+from engine.pinned_arena import PinnedArena
 from engine.radix_cache import RadixCache
 from engine.registry_link import RegistryLink
 from engine.request import Request, Sink
@@ -92,7 +93,10 @@ class EngineCore:
             config.model_dir, config.device, tp.size, allocator.num_slots, config.page_size, max_context, workers.info.attention_backend,
         )  # fmt: skip
         shape = ModelShape.from_config(json.loads((Path(config.model_dir) / "config.json").read_text()))
-        return cls(config, model_config, tokenizer, loop, max_context, adapters, lora, shape)
+        core = cls(config, model_config, tokenizer, loop, max_context, adapters, lora, shape)
+        if core.pinned_arena is not None:  # page-locked now, before serving, not by the first pack
+            log.info("engine: %.1f GiB of pinned host memory for packed adapters", core.pinned_arena.capacity / (1 << 30))
+        return core
 
     @functools.cached_property
     def served(self) -> frozenset[str]:
@@ -198,7 +202,16 @@ class EngineCore:
         dtype = getattr(torch, self.config.dtype) if self.config.dtype else default_dtype(device)
         # One rank copies from pinned memory (async); several read one shared-memory copy across processes.
         shared = self.config.tensor_parallel_size > 1
-        return pack_adapter(digest, adapter, targets, dtype, pin=device.type == "cuda" and not shared, share=shared)
+        pin = device.type == "cuda" and not shared
+        return pack_adapter(digest, adapter, targets, dtype, pin=pin, share=shared, arena=self.pinned_arena)
+
+    @functools.cached_property
+    def pinned_arena(self) -> PinnedArena | None:
+        """--host-pinned-gb of page-locked memory for packed adapters (one GPU rank only), taken once."""
+        gb = self.config.host_pinned_gb
+        if gb <= 0 or self.lora is None or not self.config.device.startswith("cuda") or self.config.tensor_parallel_size > 1:
+            return None
+        return PinnedArena(int(gb * (1 << 30)))
 
     async def on_registry_event(self, kind: str, record: AdapterRecord) -> None:
         """WatchAdapters events, in order: deletions, pins and unpins (RegistryLink filters deletes of

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.model_config import ModelConfig
 from engine.parallel import SINGLE, TensorParallel, local_config
+from engine.pinned_arena import HostReads
 from loraformat.architectures import FusedTarget as FusedTargetSpec
 from loraformat.architectures import Split
 
@@ -94,6 +95,9 @@ class PackedAdapter:
     scaling: float
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
+    # the latest queued copy out of these tensors (LoraSlotPool.load notes it): pinned arena memory
+    # (engine/pinned_arena.py) is lent again only after it
+    reads: HostReads = field(default_factory=HostReads)
 
 
 class LoraSlotPool:
@@ -144,6 +148,7 @@ class LoraSlotPool:
                 event = torch.cuda.Event()
                 event.record(stream)
                 self._pending[slot] = event  # one stream runs in order: the latest load covers the earlier
+                adapter.reads.event = event  # its host memory is read until then
         self.ranks[slot] = adapter.rank
         self.scalings[slot] = adapter.scaling
         for name, ranks in self.target_ranks.items():

@@ -71,6 +71,19 @@ def test_fetch_cap_reaches_the_engine_config_from_the_flag_or_its_variable():
         EngineConfig(model_dir="m", max_concurrent_fetches=0)
 
 
+def test_host_pinned_memory_reaches_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).host_pinned_gb == 0
+    args = cli.build_parser({"LORAMUX_HOST_PINNED_GB": "2.5"}).parse_args(serve)
+    assert engine_config(args, "m", 0).host_pinned_gb == 2.5
+    args = cli.build_parser({}).parse_args([*serve, "--host-pinned-gb", "8"])
+    assert engine_config(args, "m", 0).host_pinned_gb == 8
+    with pytest.raises(ValueError, match="host_pinned_gb"):
+        EngineConfig(model_dir="m", host_pinned_gb=-1)
+
+
 def test_lora_target_modules_reach_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

@@ -175,6 +175,31 @@ def test_cuda_overlapped_schedule_with_slot_evictions_matches_cpu(tiny_llama_dir
     assert run("cuda") == run("cpu")
 
 
+def test_cuda_adapters_packed_into_a_pinned_arena_match_cpu(tiny_llama_dir, make_adapter, tmp_path):
+    """--host-pinned-gb: adapters packed into blocks of one pinned buffer taken at startup. Two 1 MiB
+    blocks for three adapters, one slot and one host-cache entry: blocks go back as the host cache drops
+    adapters and are lent again (after the copies that read them), and an adapter that finds no free
+    block is pinned as before. CPU tokens."""
+    adapters = three_adapters(make_adapter, "arena", seed=70)
+
+    def run(device: str) -> tuple[list[list[int]], EngineCore]:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
+            work_dir=str(tmp_path / device), max_loras_per_batch=1, max_host_adapters=1, lora_load_ahead=0,
+            host_pinned_gb=2 / 1024,
+        )  # fmt: skip
+        core = EngineCore.build(config)
+        records = [None, *(core.resolve_adapter(name) for name, _ in adapters)]
+        return generate_all(core, 10, records, rounds=2), core
+
+    expected, cpu = run("cpu")
+    assert cpu.pinned_arena is None
+    tokens, core = run("cuda")
+    assert tokens == expected
+    arena = core.pinned_arena
+    assert arena.capacity == 2 << 20 and arena.num_lent > 2  # blocks came back and were lent again
+
+
 def test_cuda_graph_decode_matches_eager_decode(tiny_llama_dir, make_adapter, tmp_path):
     """Replayed decode graphs (batch padding, LoRA segments refilled in place) give the eager tokens."""
     adapters = (("qv", str(make_adapter("graph-qv", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=23))),)

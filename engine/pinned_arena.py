@@ -1,0 +1,109 @@
+"""Page-locked host memory taken once at startup, for the host cache's packed adapters.
+
+A packed adapter's tensors live in pinned memory so that a slot load is one asynchronous copy
+(engine/lora_pool.py). Pinning them as each adapter is packed asks the driver to page-lock fresh memory,
+and on the H200 that held up the engine loop's GPU launches in another thread for as long as it took:
+up to 110 ms for an 84 MB all-target Llama-3-8B adapter, 15 ms for a 14 MB q/v one
+(benchmarks/pinned_alloc_stall.py, BENCHMARKS.md). A cold burst of new adapters then stalls decoding once per
+adapter. With `--host-pinned-gb` the engine takes that memory once, before it serves, and packs adapters
+into blocks of it; an adapter that does not fit is pinned the old way.
+
+A block goes back when its PackedAdapter is collected, but a GPU copy from it may still be queued: the
+slot pool notes the event after its latest copy (`HostReads`), and the block is reused only once that
+event has passed. Blocks are handed out first fit, in whole granules, and neighbours merge when freed.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+import torch
+
+GRANULE = 1 << 20  # block sizes round up to this: fewer, larger free runs
+
+
+@dataclass
+class HostReads:
+    """The latest queued GPU copy out of a packed adapter's host memory (a CUDA event; None: none)."""
+
+    event: object | None = None  # torch.cuda.Event, or anything with query()
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class PinnedArena:
+    """One pinned buffer of `nbytes` (rounded up to whole granules), lent out in blocks."""
+
+    def __init__(self, nbytes: int, *, pin: bool = True, granule: int = GRANULE):
+        if nbytes <= 0:
+            raise ValueError(f"a pinned arena needs a positive size, got {nbytes} bytes")
+        self.granule = granule
+        self.capacity = -(-nbytes // granule) * granule
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (offset, size), by offset, never adjacent
+        # blocks given back, maybe still read by a queued copy: appended from any thread (a collector's
+        # finalizer may run inside take itself), drained under the lock by take
+        self._returned: collections.deque[tuple[int, int, HostReads]] = collections.deque()
+        self._waiting: list[tuple[int, int, HostReads]] = []
+        self._lock = threading.Lock()
+        self.num_blocks = 0  # lent and not yet back
+        self.num_lent = 0  # blocks lent in all
+        self.num_misses = 0  # requests no free run could hold
+
+    def take(self, nbytes: int) -> tuple[int, int] | None:
+        """(offset, size) of a block of at least nbytes, or None when no free run holds it."""
+        size = max(1, -(-nbytes // self.granule)) * self.granule
+        with self._lock:
+            self._reclaim()
+            for i, (offset, run) in enumerate(self._free):
+                if run >= size:
+                    if run == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (offset + size, run - size)
+                    self.num_blocks += 1
+                    self.num_lent += 1
+                    return offset, size
+            self.num_misses += 1
+            return None
+
+    def give_back(self, offset: int, size: int, reads: HostReads) -> None:
+        """Return a block; it is lent again once `reads` is done. Safe from any thread, any time."""
+        self._returned.append((offset, size, reads))
+
+    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor over bytes [offset, offset + nbytes) of the buffer."""
+        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            self._reclaim()
+            return sum(run for _, run in self._free)
+
+    def _reclaim(self) -> None:
+        while self._returned:
+            self._waiting.append(self._returned.popleft())
+        still = []
+        for offset, size, reads in self._waiting:
+            if reads.done():
+                self._free_run(offset, size)
+                self.num_blocks -= 1
+            else:
+                still.append((offset, size, reads))
+        self._waiting = still
+
+    def _free_run(self, offset: int, size: int) -> None:
+        runs = self._free
+        i = 0
+        while i < len(runs) and runs[i][0] < offset:
+            i += 1
+        runs.insert(i, (offset, size))
+        if i + 1 < len(runs) and offset + size == runs[i + 1][0]:  # merge with the next run
+            runs[i] = (offset, size + runs.pop(i + 1)[1])
+        if i > 0 and runs[i - 1][0] + runs[i - 1][1] == offset:  # and with the previous one
+            prev_offset, prev_size = runs[i - 1]
+            runs[i - 1] = (prev_offset, prev_size + runs.pop(i)[1])

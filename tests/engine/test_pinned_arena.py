@@ -1,0 +1,109 @@
+"""The pinned arena packed adapters live in with --host-pinned-gb (engine/pinned_arena.py), on the CPU
+(an unpinned buffer stands in for the page-locked one): first-fit blocks in whole granules, neighbours
+merged when freed, a block lent again only after the copy that reads it, and pack_adapter's use of it."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from engine.adapter_cache import pack_adapter
+from engine.lora_pool import fused_targets
+from engine.pinned_arena import HostReads, PinnedArena
+from tests.engine.test_lora_slots import CONFIG, MODULES, canonical
+
+KB = 1024
+
+
+class FakeEvent:
+    def __init__(self):
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+
+def arena(granules: int = 8) -> PinnedArena:
+    return PinnedArena(granules * KB, pin=False, granule=KB)
+
+
+def test_blocks_are_first_fit_whole_granules_and_merge_when_freed():
+    a = arena(8)
+    assert a.capacity == 8 * KB and a.free_bytes == 8 * KB
+    assert a.take(1) == (0, KB)  # rounded up to a granule
+    assert a.take(2 * KB + 1) == (KB, 3 * KB)
+    assert a.take(4 * KB) == (4 * KB, 4 * KB)
+    assert a.take(1) is None and a.num_misses == 1 and a.num_blocks == 3
+    a.give_back(KB, 3 * KB, HostReads())
+    assert a.take(4 * KB) is None  # 3 granules free, not 4
+    a.give_back(0, KB, HostReads())  # merges with the run after it
+    assert a.take(4 * KB) == (0, 4 * KB)
+    a.give_back(0, 4 * KB, HostReads())
+    a.give_back(4 * KB, 4 * KB, HostReads())  # and with the run before it: whole again
+    assert a.free_bytes == 8 * KB and a.num_blocks == 0
+    assert a.take(8 * KB) == (0, 8 * KB)
+    with pytest.raises(ValueError, match="positive size"):
+        PinnedArena(0, pin=False)
+
+
+def test_a_block_still_read_by_a_queued_copy_is_not_lent_again():
+    a = arena(2)
+    block = a.take(2 * KB)
+    event = FakeEvent()
+    a.give_back(*block, HostReads(event))
+    assert a.take(KB) is None and a.num_blocks == 1  # the copy out of it has not run yet
+    event.passed = True
+    assert a.take(KB) == (0, KB)
+
+
+def test_blocks_come_back_from_other_threads():
+    a = arena(64)
+    blocks = [a.take(KB) for _ in range(64)]
+    threads = [threading.Thread(target=a.give_back, args=(*b, HostReads())) for b in blocks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert a.free_bytes == 64 * KB and a.take(64 * KB) == (0, 64 * KB)
+
+
+def test_packed_adapters_live_in_the_arena_and_give_their_block_back_when_collected():
+    targets = {t.name: t for t in fused_targets(CONFIG)}
+    adapter = canonical(4, MODULES, seed=3)
+    plain = pack_adapter("d", adapter, targets, torch.float32, pin=False)
+    size = sum(t.nbytes for t in (*plain.a.values(), *plain.b.values()))
+    big = PinnedArena(4 * size, pin=False, granule=4 * KB)
+    packed = pack_adapter("d", adapter, targets, torch.float32, pin=True, arena=big)
+    start, end = big.buffer.data_ptr(), big.buffer.data_ptr() + big.capacity
+    for name in plain.a:
+        for got, want in ((packed.a[name], plain.a[name]), (packed.b[name], plain.b[name])):
+            assert torch.equal(got, want) and got.is_contiguous()
+            assert start <= got.data_ptr() and got.data_ptr() + got.nbytes <= end
+    ptrs = sorted(t.data_ptr() for t in (*packed.a.values(), *packed.b.values()))
+    assert len(set(ptrs)) == len(ptrs)  # each tensor its own bytes
+    assert big.num_blocks == 1 and big.free_bytes < big.capacity
+    event = FakeEvent()
+    packed.reads.event = event  # as LoraSlotPool.load notes its copy
+    del packed
+    gc.collect()
+    assert big.free_bytes < big.capacity and big.num_blocks == 1  # back, not lendable until the copy has run
+    event.passed = True
+    assert big.free_bytes == big.capacity and big.num_blocks == 0
+
+
+def test_an_adapter_the_arena_cannot_hold_is_pinned_as_before(monkeypatch):
+    import engine.adapter_cache as adapter_cache
+
+    placed = []
+    monkeypatch.setattr(adapter_cache, "_place", lambda t, pin, share: placed.append(pin) or t)
+    targets = {t.name: t for t in fused_targets(CONFIG)}
+    small = PinnedArena(KB, pin=False, granule=KB)
+    packed = pack_adapter("d", canonical(4, MODULES), targets, torch.float32, pin=True, arena=small)
+    assert small.num_misses == 1 and small.num_blocks == 0 and placed and all(placed)
+    assert all(not (small.buffer.data_ptr() <= t.data_ptr() < small.buffer.data_ptr() + KB) for t in packed.a.values())
+    # unpinned (CPU) and shared (tensor-parallel) packs never use it
+    pack_adapter("d", canonical(4, MODULES), targets, torch.float32, pin=False, arena=small)
+    assert small.num_misses == 1
