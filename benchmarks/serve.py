@@ -257,6 +257,8 @@ class InProcessClient:
             "host_cache_hits": lora.host_cache.num_hits,
             "host_cache_misses": lora.host_cache.num_misses,
             "host_cache_joined": lora.host_cache.num_joined,
+            # adapters the pinned arena had no free block for (pinned fresh): --host-pinned-gb only
+            **({"pinned_arena_misses": arena.num_misses} if (arena := self.core.pinned_arena) is not None else {}),
         }
 
     async def close(self) -> None:

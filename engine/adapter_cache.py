@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from engine.lora_pool import FusedTarget, PackedAdapter
-from engine.pinned_arena import PinnedArena
+from engine.pinned_arena import HostReads, PinnedArena
 from loraformat.peft_compile import CanonicalAdapter
 
 ARENA_ALIGN = 256  # bytes between a packed adapter's tensors in an arena block
@@ -51,11 +51,16 @@ def pack_adapter(
     if block is None:
         a, b = ({name: _place(t, pin, share) for name, t in tensors.items()} for tensors in (a, b))
     else:
-        a, b = _into_arena(arena, block[0], (a, b))
-    result = PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b)
-    if block is not None:
-        weakref.finalize(result, arena.give_back, *block, result.reads)
-    return result
+        reads = HostReads()
+        try:
+            a, b = _into_arena(arena, block[0], (a, b))
+            result = PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b, reads=reads)
+        except BaseException:
+            arena.give_back(*block, reads)
+            raise
+        weakref.finalize(result, arena.give_back, *block, reads)
+        return result
+    return PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b)
 
 
 def _aligned(nbytes: int) -> int:

@@ -81,8 +81,8 @@ class EngineConfig:
             raise ValueError(f"lora_load_ahead must be >= 0, got {self.lora_load_ahead}")
         if self.max_concurrent_fetches < 1:
             raise ValueError(f"max_concurrent_fetches must be >= 1, got {self.max_concurrent_fetches}")
-        if not self.host_pinned_gb >= 0:
-            raise ValueError(f"host_pinned_gb must be >= 0 (0 = off), got {self.host_pinned_gb}")
+        if not 0 <= self.host_pinned_gb < float("inf"):
+            raise ValueError(f"host_pinned_gb must be a finite number >= 0 (0 = off), got {self.host_pinned_gb}")
         if self.cuda_graph_max_batch < 0 or self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_batch and cuda_graph_max_tokens must be >= 0 (0 = off)")
 

@@ -209,7 +209,10 @@ class EngineCore:
     def pinned_arena(self) -> PinnedArena | None:
         """--host-pinned-gb of page-locked memory for packed adapters (one GPU rank only), taken once."""
         gb = self.config.host_pinned_gb
-        if gb <= 0 or self.lora is None or not self.config.device.startswith("cuda") or self.config.tensor_parallel_size > 1:
+        if gb <= 0:
+            return None
+        if self.lora is None or not self.config.device.startswith("cuda") or self.config.tensor_parallel_size > 1:
+            log.warning("--host-pinned-gb has no effect here: it serves one CUDA rank with LoRA on")
             return None
         return PinnedArena(int(gb * (1 << 30)))
 

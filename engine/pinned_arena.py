@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,20 @@ class HostReads:
         return self.event is None or self.event.query()
 
 
+def _page_lock(t: torch.Tensor) -> None:
+    """Page-lock exactly t's bytes (cudaHostRegister). `torch.empty(..., pin_memory=True)` would go
+    through PyTorch's pinned allocator, which rounds a request up to a power of two: 5 GiB asked would
+    lock 8. The memory then counts as pinned (`is_pinned()`), so copies from it run asynchronously."""
+    nbytes = t.numel() * t.element_size()
+    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+    if err != 0:
+        raise RuntimeError(f"page-locking {nbytes} bytes of host memory failed (cudaError {err})")
+
+
+def _page_unlock(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 class PinnedArena:
     """One pinned buffer of `nbytes` (rounded up to whole granules), lent out in blocks."""
 
@@ -42,7 +57,12 @@ class PinnedArena:
             raise ValueError(f"a pinned arena needs a positive size, got {nbytes} bytes")
         self.granule = granule
         self.capacity = -(-nbytes // granule) * granule
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        if pin:
+            _page_lock(self.buffer)
+            # unlocked with the arena, so the pages can be locked again later in the process (another
+            # engine's arena); views still held elsewhere keep the memory, no longer locked
+            weakref.finalize(self, _page_unlock, self.buffer.data_ptr())
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (offset, size), by offset, never adjacent
         # blocks given back, maybe still read by a queued copy: appended from any thread (a collector's
         # finalizer may run inside take itself), drained under the lock by take

@@ -198,6 +198,11 @@ def test_cuda_adapters_packed_into_a_pinned_arena_match_cpu(tiny_llama_dir, make
     assert tokens == expected
     arena = core.pinned_arena
     assert arena.capacity == 2 << 20 and arena.num_lent > 2  # blocks came back and were lent again
+    packed = asyncio.run(core.prepare(core.resolve_adapter(adapters[0][0])))
+    start = arena.buffer.data_ptr()
+    tensors = [*packed.a.values(), *packed.b.values()]
+    if all(start <= t.data_ptr() < start + arena.capacity for t in tensors):  # else it found no free block
+        assert all(t.is_pinned() for t in tensors)  # registered memory: the loads' copies stay asynchronous
 
 
 def test_cuda_graph_decode_matches_eager_decode(tiny_llama_dir, make_adapter, tmp_path):

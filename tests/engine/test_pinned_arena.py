@@ -107,3 +107,17 @@ def test_an_adapter_the_arena_cannot_hold_is_pinned_as_before(monkeypatch):
     # unpinned (CPU) and shared (tensor-parallel) packs never use it
     pack_adapter("d", canonical(4, MODULES), targets, torch.float32, pin=False, arena=small)
     assert small.num_misses == 1
+
+
+def test_a_pack_that_fails_in_the_arena_gives_its_block_back(monkeypatch):
+    import engine.adapter_cache as adapter_cache
+
+    def broken(arena, offset, groups):
+        raise MemoryError("copy failed")
+
+    monkeypatch.setattr(adapter_cache, "_into_arena", broken)
+    targets = {t.name: t for t in fused_targets(CONFIG)}
+    big = PinnedArena(64 * KB * KB, pin=False, granule=KB)
+    with pytest.raises(MemoryError, match="copy failed"):
+        pack_adapter("d", canonical(4, MODULES), targets, torch.float32, pin=True, arena=big)
+    assert big.free_bytes == big.capacity and big.num_blocks == 0 and big.num_lent == 1
