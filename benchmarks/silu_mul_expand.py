@@ -13,12 +13,11 @@ import argparse
 import json
 
 import torch
-import triton
 from triton.testing import do_bench
 
-from kernels.sgmv import SEGMENT_CHUNK, row_blocks, sgmv_expand
+from kernels.sgmv import sgmv_expand
 from kernels.sgmv_ref import SgmvMeta
-from kernels.silu_mul import _silu_mul_expand_kernel, silu_mul, silu_mul_expand
+from kernels.silu_mul import launch_silu_mul_expand, silu_mul, silu_mul_expand
 
 
 def main() -> None:
@@ -55,17 +54,9 @@ def main() -> None:
     out = torch.empty(T, I, device=dev, dtype=dtype)
     for tile in args.tiles:
         bm, bn, warps = (int(n) for n in tile.split("x"))
-        seg_blocks = row_blocks(meta, T, bm)
-        grid = (seg_blocks + triton.cdiv(T, bm), triton.cdiv(I, bn))
 
-        def fused(bm=bm, bn=bn, warps=warps, seg_blocks=seg_blocks, grid=grid):
-            _silu_mul_expand_kernel[grid](
-                gate_up, v, B, out, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-                T, I, R, meta.num_segments, seg_blocks,
-                gate_up.stride(0), v.stride(0), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_S=SEGMENT_CHUNK,
-                INPUT_PRECISION="ieee", UPCAST_DOT=False, num_warps=warps,
-            )  # fmt: skip
+        def fused(bm=bm, bn=bn, warps=warps):
+            launch_silu_mul_expand(gate_up, v, B, meta, out, block_m=bm, block_n=bn, num_warps=warps)
 
         results[f"silu_mul_expand_{tile}"] = do_bench(fused) * 1e3
     floor_fused = (T * 2 * I + T * I) * 2  # read gate_up, write out (bytes)

@@ -232,7 +232,7 @@ class RegistryLink:
         and numpy let go of the GIL), into memory sized from the stream's leading Adapter message, so
         the new pages are first touched by that copy too. Appending to a growing bytearray on the
         event loop held the GIL for 53 ms of an 84 MB fetch on the VM, mostly faulting in new pages."""
-        artifact = _Artifact(record.ref)
+        artifact = _Artifact()
         taking = None  # the previous chunk's hash and copy; chunks are taken in order
         try:
             async for raw in self._artifact_messages(record):
@@ -344,12 +344,10 @@ class _Artifact:
     message declares sizes the memory up front (untouched until the copies); a stream that declares
     none grows a bytearray instead."""
 
-    def __init__(self, ref: str):
-        self.ref = ref
+    def __init__(self):
         self.sha = hashlib.sha256()
-        self.size = 0  # as declared; 0: not (yet) declared
         self.received = 0
-        self._array: np.ndarray | None = None
+        self._array: np.ndarray | None = None  # sized as declared
         self._grown = bytearray()
 
     def expect(self, raw: bytes) -> None:
@@ -363,13 +361,12 @@ class _Artifact:
                 self._array = np.empty(size, np.uint8)
             except MemoryError:
                 raise ValueError(f"a declared size of {size} bytes, more than this host can hold") from None
-            self.size = size
 
     def place(self, length: int) -> int:
         """The offset of the next chunk of `length` bytes; ValueError when it overruns the declared size."""
         offset = self.received
-        if self.size and offset + length > self.size:
-            raise ValueError(f"{offset + length} bytes of an artifact of {self.size}")
+        if self._array is not None and offset + length > len(self._array):
+            raise ValueError(f"{offset + length} bytes of an artifact of {len(self._array)}")
         self.received += length
         return offset
 

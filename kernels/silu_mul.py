@@ -178,8 +178,34 @@ def silu_mul_expand(
     if v.stride(1) != 1 or B.dtype != gate_up.dtype:
         raise ValueError(f"want v with contiguous rows and B in gate_up's dtype {gate_up.dtype}, got {B.dtype}")
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
-    if num_tokens == 0 or inter == 0:
-        return out
+    if num_tokens and inter:
+        launch_silu_mul_expand(gate_up, v, B, meta, out, block_m=block_m_for(meta.max_seg_len))
+    return out
+
+
+def launch_silu_mul_expand(
+    gate_up: torch.Tensor, v: torch.Tensor, B: torch.Tensor, meta: SgmvMeta, out: torch.Tensor,
+    *, block_m: int, block_n: int = 64, num_warps: int = 4,
+) -> None:  # fmt: skip
+    """The kernel's launch over checked, non-empty inputs (`silu_mul_expand`; the tile sizes are the
+    benchmark's to vary, benchmarks/silu_mul_expand.py)."""
+    num_tokens, inter = out.shape
+    seg_blocks = row_blocks(meta, num_tokens, block_m)
+    # rows past the last segment: a graph's padding; none where the host knows the segments cover all
+    covered = meta.host_seg_lens is not None and sum(meta.host_seg_lens) == num_tokens
+    tail_blocks = 0 if covered else triton.cdiv(num_tokens, block_m)
+    grid = (seg_blocks + tail_blocks, triton.cdiv(inter, block_n))
+    _silu_mul_expand_kernel[grid](
+        gate_up, v, B, out,
+        meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
+        num_tokens, inter, B.shape[2], meta.num_segments, seg_blocks,
+        gate_up.stride(0), v.stride(0), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(B.shape[2])),
+        BLOCK_S=SEGMENT_CHUNK,
+        INPUT_PRECISION="ieee",  # as kernels/sgmv.py: fp32 operands exact, no TF32
+        UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
+        num_warps=num_warps,
+    )  # fmt: skip
     block_m = block_m_for(meta.max_seg_len)
     seg_blocks = row_blocks(meta, num_tokens, block_m)
     block_n = 64
