@@ -126,9 +126,9 @@ def test_cuda_long_prompts_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_pa
     calls = []
     real = kernels.silu_mul.silu_mul_expand
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
-        return real(*args)
+        return real(*args, **kwargs)
 
     def run(device: str, backend: str) -> list[list[int]]:
         config = EngineConfig(
