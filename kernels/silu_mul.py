@@ -206,25 +206,6 @@ def launch_silu_mul_expand(
         UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
         num_warps=num_warps,
     )  # fmt: skip
-    block_m = block_m_for(meta.max_seg_len)
-    seg_blocks = row_blocks(meta, num_tokens, block_m)
-    block_n = 64
-    # rows past the last segment: a graph's padding; none where the host knows the segments cover all
-    covered = meta.host_seg_lens is not None and sum(meta.host_seg_lens) == num_tokens
-    tail_blocks = 0 if covered else triton.cdiv(num_tokens, block_m)
-    grid = (seg_blocks + tail_blocks, triton.cdiv(inter, block_n))
-    _silu_mul_expand_kernel[grid](
-        gate_up, v, B, out,
-        meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-        num_tokens, inter, B.shape[2], meta.num_segments, seg_blocks,
-        gate_up.stride(0), v.stride(0), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(B.shape[2])),
-        BLOCK_S=SEGMENT_CHUNK,
-        INPUT_PRECISION="ieee",  # as kernels/sgmv.py: fp32 operands exact, no TF32
-        UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
-        num_warps=4,
-    )  # fmt: skip
-    return out
 
 
 def silu_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
