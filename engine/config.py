@@ -21,6 +21,12 @@ DEFAULT_LORA_DRAIN_WAIT_S = 2.0
 # behind one step's compute, and a burst of new adapters still loads a few steps ahead of admission.
 DEFAULT_LORA_LOAD_AHEAD = 2
 
+# A quarter of an H200's 132 SMs. Llama-3-8B decode steps with rank-16 adapters on every projection
+# (BENCHMARKS.md, tenth session): LoRA/base at batch 64 with 32 adapters 0.75 / 0.77 / 0.76 / 0.79 for a
+# carve-out of 0 / 8 / 16 / 32 SMs, the base GEMMs alone no slower; prefill GEMMs are compute bound and
+# never get one.
+DEFAULT_LORA_SM_CARVEOUT = 32
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -50,6 +56,10 @@ class EngineConfig:
     # On CUDA, pinned host memory (GiB) taken at startup for packed adapters (engine/pinned_arena.py): a
     # fresh pinned allocation while serving holds up the GPU launches; 0 = pin each adapter as it is packed
     host_pinned_gb: float = 0.0
+    # On CUDA, SMs a decode step's base GEMMs leave to the LoRA kernels running beside them
+    # (LoraInputs.sm_carveout): cuBLAS's decode GEMMs are weight-read bound, so they lose little, and the
+    # LoRA kernels no longer wait for whole SMs; 0 = the GEMMs take every SM
+    lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT
     lora_eviction_policy: str = "lru"  # or "fifo"
     lora_load_ahead: int = DEFAULT_LORA_LOAD_AHEAD  # queued requests' adapters loaded a step ahead; 0 = off
     lora_drain_wait_s: float = DEFAULT_LORA_DRAIN_WAIT_S  # starvation drain threshold (DESIGN 7); 0 = off
@@ -79,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.lora_load_ahead < 0:
             raise ValueError(f"lora_load_ahead must be >= 0, got {self.lora_load_ahead}")
+        if not 0 <= self.lora_sm_carveout <= 1024:
+            raise ValueError(f"lora_sm_carveout must be 0-1024 SMs, got {self.lora_sm_carveout}")
         if self.max_concurrent_fetches < 1:
             raise ValueError(f"max_concurrent_fetches must be >= 1, got {self.max_concurrent_fetches}")
         if not 0 <= self.host_pinned_gb < float("inf"):

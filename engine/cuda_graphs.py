@@ -38,9 +38,11 @@ class DecodeGraphs:
         buckets: tuple[int, ...] | None = None,  # padded batch sizes to capture; default BATCH_BUCKETS
         lora_side: torch.cuda.Stream | None = None,  # the LoRA deltas' stream (LoraInputs.side)
         capture: bool = True,  # False: run the same static-buffer step eagerly (a CPU test of the padding)
+        sm_carveout: int = 0,  # LoraInputs.sm_carveout of the LoRA graphs
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
+        self.sm_carveout = sm_carveout
         self.device = attention.req_to_token.device
         self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
         n = max_batch
@@ -123,7 +125,9 @@ class DecodeGraphs:
             # replays merge each adapter's rows into one segment (`lora_segments`): size the grids for that
             meta = dataclasses.replace(meta, max_seg_len=min(batch, DECODE_RUN))
             by_target = self.lora_meta.by_target(meta)  # views of the buffers: replays see each refill
-            lora = LoraInputs(pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target, idle=skipped)
+            lora = LoraInputs(
+                pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target, idle=skipped, sm_carveout=self.sm_carveout
+            )
 
         def step() -> torch.Tensor:
             hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)

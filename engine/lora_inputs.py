@@ -10,9 +10,11 @@ expand is left to the SiLU-mul kernel, `PendingExpand`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +121,10 @@ class LoraInputs:
     # Fused targets whose in-line expand, in a prefill-sized step, the next kernel does (PendingExpand):
     # {"gate_up"} on CUDA with the Triton ops (engine/model_runner.py, step_graphs.py).
     fused_expand: frozenset[str] = frozenset()
+    # SMs the base GEMMs beside the side stream's LoRA kernels leave free (`sm_carveout`; EngineConfig's
+    # lora_sm_carveout): with every SM, a GEMM's next tile waits for a whole SM the LoRA kernels hold,
+    # and they get SMs only between its tiles
+    sm_carveout: int = 0
 
     def project_deferred(
         self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor
@@ -153,9 +159,30 @@ class LoraInputs:
         with torch.cuda.stream(self.side):
             v = self.shrink(x, a, meta, num_stack=t.num_stack)
             delta = self.delta(v, b, meta, output_slices=t.output_slices)
-        y = linear(x)
+        with sm_carveout(self.sm_carveout):
+            y = linear(x)
         main.wait_stream(self.side)
         return y, delta
+
+
+@contextlib.contextmanager
+def sm_carveout(num_sms: int) -> Iterator[None]:
+    """cuBLAS(Lt) GEMMs called inside leave num_sms SMs of the device free (PyTorch's process-wide SM
+    carve-out, read when a GEMM is launched or captured; restored after). 0 or a PyTorch without the
+    setting: no change."""
+    if num_sms <= 0 or not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    with warnings.catch_warnings():  # PyTorch warns that the setting is experimental, at every set
+        warnings.simplefilter("ignore")
+        torch._C._set_sm_carveout_experimental(num_sms)
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch._C._set_sm_carveout_experimental(before)
 
 
 def _fuses_expand(meta: SgmvMeta, num_tokens: int, max_rank: int) -> bool:

@@ -35,6 +35,7 @@ class ModelRunner:
         lora_pool: LoraSlotPool | None = None,
         lora_backend: str = "ref",  # SGMV ops: "ref" (PyTorch), "triton" or "chunked"
         samples: bool = True,  # False on tensor-parallel ranks > 0: rank 0's tokens are the step's
+        lora_sm_carveout: int = 0,  # CUDA decode steps: SMs the base GEMMs leave to the LoRA kernels
     ):
         self.model = model
         self.kv = kv
@@ -47,6 +48,7 @@ class ModelRunner:
         self._fused_expand = frozenset({"gate_up"}) if self.device.type == "cuda" and lora_backend in ("triton", "splitk") else frozenset()
         # Decode steps compute LoRA deltas on this stream beside their base GEMMs (LoraInputs.side)
         self.lora_side = torch.cuda.Stream(self.device) if lora_pool is not None and self.device.type == "cuda" else None
+        self.lora_sm_carveout = lora_sm_carveout  # LoraInputs.sm_carveout of those steps
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran
@@ -82,7 +84,9 @@ class ModelRunner:
         if max_batch > 0:
             c = self.model.config
             decode = DecodeKernelBackend(self.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
-            self.graphs = DecodeGraphs(self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side, sm_carveout=self.lora_sm_carveout
+            )
             self.graphs.pool = pool
             self.graphs.capture()
 
@@ -158,8 +162,9 @@ class ModelRunner:
         side = self.lora_side if plan.is_decode else None
         idle = pool.idle_targets(seg_slots)
         return LoraInputs(
-            pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle, fused_expand=self._fused_expand
-        )
+            pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle,
+            fused_expand=self._fused_expand, sm_carveout=self.lora_sm_carveout if side is not None else 0,
+        )  # fmt: skip
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:
         base = self.lora_pool.base_slot

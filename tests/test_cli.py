@@ -84,6 +84,20 @@ def test_host_pinned_memory_reaches_the_engine_config_from_the_flag_or_its_varia
         EngineConfig(model_dir="m", host_pinned_gb=-1)
 
 
+def test_lora_sm_carveout_reaches_the_engine_config_from_the_flag_or_its_variable():
+    from engine.config import DEFAULT_LORA_SM_CARVEOUT
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_sm_carveout == DEFAULT_LORA_SM_CARVEOUT == 32
+    args = cli.build_parser({"LORAMUX_LORA_SM_CARVEOUT": "16"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_sm_carveout == 16
+    args = cli.build_parser({}).parse_args([*serve, "--lora-sm-carveout", "0"])
+    assert engine_config(args, "m", 0).lora_sm_carveout == 0
+    with pytest.raises(ValueError, match="lora_sm_carveout"):
+        EngineConfig(model_dir="m", lora_sm_carveout=-1)
+
+
 def test_lora_target_modules_reach_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 
@@ -103,6 +117,7 @@ def test_lora_target_modules_reach_the_engine_config_from_the_flag_or_its_variab
         (["generate", "--max-new-tokens", "99999999999", "x"], "--max-new-tokens"),
         (["engine", "serve", "--model", "m", "--lora-load-ahead", "-1"], "--lora-load-ahead"),
         (["up", "--max-concurrent-fetches", "0"], "--max-concurrent-fetches"),
+        (["engine", "serve", "--model", "m", "--lora-sm-carveout", "-1"], "--lora-sm-carveout"),
         (["generate", "--top-p", "0", "x"], "--top-p"),
         (["generate", "--temperature", "-1", "x"], "--temperature"),
         (["generate", "--seed", "-3", "x"], "--seed"),

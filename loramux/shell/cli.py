@@ -14,6 +14,7 @@ from engine.config import (
     DEFAULT_HTTP_PORT,
     DEFAULT_LORA_DRAIN_WAIT_S,
     DEFAULT_LORA_LOAD_AHEAD,
+    DEFAULT_LORA_SM_CARVEOUT,
 )
 from loraformat.errors import StatusError
 from loramux.shell import commands
@@ -271,6 +272,10 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="on cuda, page-locked host memory (GiB) taken at startup that adapters are packed into, so a burst"
         " of new adapters does not page-lock memory while serving (which held up decoding for up to 110 ms per"
         " 84 MB adapter); adapters that do not fit are pinned as before; 0 = off",
+    )
+    p.add_argument(
+        "--lora-sm-carveout", type=_int_in(0, 1024), default=int(env("--lora-sm-carveout", DEFAULT_LORA_SM_CARVEOUT)),
+        help="on cuda, SMs a decode step's base GEMMs leave free for the LoRA kernels beside them (0 = none)",
     )
     p.add_argument(
         "--max-concurrent-fetches", type=_int_in(1, 1024), default=int(env("--max-concurrent-fetches", 4)),

@@ -216,3 +216,28 @@ def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_
         chosen = steps.gather(1, torch.tensor(generated)[:, None])[:, 0]
         gaps = steps.max(dim=1).values - chosen
         assert (gaps <= BF16_LOGIT_SLACK).all(), (prompt, adapter, gaps.tolist())
+
+
+def test_the_lora_sm_carveout_reaches_the_decode_graphs_lora_inputs(tiny_llama_dir, adapter_dirs, tmp_path, monkeypatch):
+    """EngineConfig.lora_sm_carveout -> the worker's runner -> each LoRA decode graph's LoraInputs, where
+    the base GEMMs beside the side stream take it (tests/engine/test_lora_slots.py; on the CPU there is
+    no side stream, so only the hand-over shows here). The captures are stubbed: the steps are built."""
+    import engine.cuda_graphs
+
+    adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
+    core = EngineCore.build(
+        EngineConfig(model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / "work"), lora_sm_carveout=12)
+    )
+    runner = core.workers.local.runner
+    assert runner.lora_sm_carveout == 12
+    made, real = [], engine.cuda_graphs.LoraInputs
+
+    def lora_inputs(*args, **kwargs):
+        made.append(kwargs["sm_carveout"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.cuda_graphs, "LoraInputs", lora_inputs)
+    monkeypatch.setattr(engine.cuda_graphs, "capture_steps", lambda keys, make, device, pool, capture: ({k: make(*k) for k in keys}, pool))
+    runner.enable_cuda_graphs(2, (2,))
+    assert runner.graphs.sm_carveout == 12
+    assert made == [12] * len(runner.graphs.lora_variants)

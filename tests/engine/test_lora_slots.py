@@ -585,3 +585,60 @@ def test_a_forward_waits_only_for_the_loads_of_its_own_slots(monkeypatch):
     assert waited == ["end of slot 0's load"]  # waited for once
     pool.wait_for_loads()  # None: every slot
     assert waited == ["end of slot 0's load", "end of slot 2's load"] and not pool._pending
+
+
+def test_sm_carveout_is_set_inside_and_restored_after():
+    """engine/lora_inputs.py `sm_carveout`: PyTorch's process-wide setting holds the given SM count
+    inside the block only, is restored when the block raises, and is left alone for 0."""
+    from engine.lora_inputs import sm_carveout
+
+    get = torch._C._get_sm_carveout_experimental
+    before = get()
+    with sm_carveout(24):
+        assert get() == 24
+        with sm_carveout(0):
+            assert get() == 24
+    assert get() == before
+    with pytest.raises(RuntimeError, match="inside"), sm_carveout(8):
+        raise RuntimeError("inside")
+    assert get() == before
+
+
+def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(monkeypatch):
+    """A decode step's projection with a side stream (LoraInputs.side, CUDA): the base GEMM beside the
+    LoRA kernels leaves `sm_carveout` SMs free; the shrink and expand on the side stream, and steps
+    without a carve-out, run with the setting as it was. Streams are stand-ins (the CPU has none)."""
+    import engine.lora_inputs
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    monkeypatch.setattr(engine.lora_inputs.torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(engine.lora_inputs.torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    get = torch._C._get_sm_carveout_experimental
+    before = get()
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    pool.load(1, packed("all", rank=4))
+    meta = SgmvMeta.from_lists([2], [1], pool.ranks, pool.scalings)
+    seen = {}
+    shrink, expand, delta = sgmv_ops("ref")
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            seen[name] = get()
+            return fn(*args, **kwargs)
+
+        return call
+
+    gemm = torch.nn.Linear(CONFIG.hidden_size, pool.targets["qkv"].out_dim, bias=False)
+    x = torch.randn(2, CONFIG.hidden_size)
+    for carveout, expected in ((16, 16), (0, before)):
+        seen.clear()
+        lora = LoraInputs(
+            pool, meta, recorded("shrink", shrink), expand, recorded("delta", delta), side=Stream(), sm_carveout=carveout
+        )  # fmt: skip
+        y, d = lora.project_deferred(recorded("gemm", gemm), "qkv", 0, x)
+        assert seen == {"shrink": before, "delta": before, "gemm": expected}
+        assert get() == before
+        assert torch.equal(y, gemm(x)) and d is not None and d.abs().sum() > 0
