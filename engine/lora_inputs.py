@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -174,15 +173,11 @@ def sm_carveout(num_sms: int) -> Iterator[None]:
         yield
         return
     before = torch._C._get_sm_carveout_experimental()
-    with warnings.catch_warnings():  # PyTorch warns that the setting is experimental, at every set
-        warnings.simplefilter("ignore")
-        torch._C._set_sm_carveout_experimental(num_sms)
+    torch._C._set_sm_carveout_experimental(num_sms)  # PyTorch logs once that the setting is experimental
     try:
         yield
     finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch._C._set_sm_carveout_experimental(before)
+        torch._C._set_sm_carveout_experimental(before)
 
 
 def _fuses_expand(meta: SgmvMeta, num_tokens: int, max_rank: int) -> bool:
