@@ -29,7 +29,9 @@ in process; its Prometheus /metrics over gRPC), LoRA/base throughput, and engine
 in a row (rows carry "pass"): the first pass fetches its adapters cold from the registry and loads their
 slots, later ones find them in the host cache (and, with enough slots, still loaded): the steady state.
 --target-modules picks the projections the adapters adapt (PEFT's default is q_proj and v_proj; all
-seven by default). JSON to --out.
+seven by default). --slow-steps N (in-process engine) adds each scenario's N longest gaps between
+engine steps' token deliveries (`StepTrace`): what that step computed, what it loaded, how long the host
+took to launch the next one, and garbage collection inside the gap. JSON to --out.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.admission import GenerateInput
-from engine.config import DEFAULT_LORA_LOAD_AHEAD, EngineConfig
+from engine.config import DEFAULT_LORA_LOAD_AHEAD, DEFAULT_LORA_SM_CARVEOUT, EngineConfig
 from engine.request import Finished, TokenDelta
 from engine.sampling import SamplingParams
 from engine.server import start_engine
@@ -229,12 +231,85 @@ def register_adapters(
 # -- clients: the engine in process, over gRPC ---------------------------------------------------------
 
 
+class StepTrace:
+    """The in-process engine's steps as its streams see them (--slow-steps). A step's tokens reach the
+    streams when the loop post-processes it, so the gap from the previous post-processing is the
+    inter-token latency of the requests in both. Each gap is recorded with the step it delivered (its
+    rows of one new token, decodes or prompts cached but for their last token; the new tokens of its
+    other rows, prefill chunks; the slot loads issued with it; the rows with an adapter), the time inside post-processing (mostly
+    the wait for the device), the host time of the launches made in the gap (planning, slot loads, the
+    graph launch; under the overlapped schedule the next step goes out before this one's tokens are
+    read; on the CPU the forward itself runs inside the launch), and the garbage collection in the gap.
+    Runs on the loop thread; `take` from any thread."""
+
+    def __init__(self, loop):
+        self.gaps: list[dict] = []
+        self._last_end: float | None = None
+        self._launch_ms = self._gc_ms = 0.0
+        self._gc_start: float | None = None
+        real_launch, real_post = loop._launch, loop._post_process
+
+        def launch(entries, previous=None):
+            started = time.perf_counter()
+            try:
+                return real_launch(entries, previous)
+            finally:
+                self._launch_ms += (time.perf_counter() - started) * 1e3
+
+        def post_process(step) -> None:
+            started = time.perf_counter()
+            real_post(step)
+            self._record(step.plan, started, time.perf_counter())
+
+        loop._launch, loop._post_process = launch, post_process
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self._gc_ms += (time.perf_counter() - self._gc_start) * 1e3
+            self._gc_start = None
+
+    def _record(self, plan, started: float, ended: float) -> None:
+        if self._last_end is not None:  # None until the first take
+            prefill = sum(n for n in plan.extend_lens if n > 1)
+            self.gaps.append({
+                "gap_ms": (ended - self._last_end) * 1e3,
+                "post_process_ms": (ended - started) * 1e3,
+                "launch_host_ms": self._launch_ms,
+                "gc_ms": self._gc_ms,
+                "decode_rows": sum(1 for n in plan.extend_lens if n == 1),
+                "prefill_tokens": prefill,
+                "slot_loads": len(plan.loads),
+                "lora_rows": sum(1 for s in plan.lora_slots or () if s >= 0),
+            })  # fmt: skip
+        self._last_end = ended
+        self._launch_ms = self._gc_ms = 0.0
+
+    def take(self, slowest: int) -> dict:
+        """The gaps since the last take (p50/p99, and the `slowest` longest with their steps); the
+        next gap is measured from now (a scenario's first: from its start to its first tokens)."""
+        gaps, self.gaps, self._last_end = self.gaps, [], time.perf_counter()
+        self._launch_ms = self._gc_ms = 0.0
+        ordered = sorted(gaps, key=lambda g: g["gap_ms"], reverse=True)
+        values = np.array([g["gap_ms"] for g in gaps]) if gaps else None
+        return {
+            "step_gaps": len(gaps),
+            "step_gap_p50_ms": float(np.percentile(values, 50)) if gaps else None,
+            "step_gap_p99_ms": float(np.percentile(values, 99)) if gaps else None,
+            "slow_steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()} for g in ordered[:slowest]],
+        }
+
+
 class InProcessClient:
     """The engine's admission path (engine/admission.py), called as the gRPC and HTTP fronts call it."""
 
-    def __init__(self, server):
+    def __init__(self, server, slow_steps: int = 0):
         self.server = server
         self.core = server.core
+        self.slow_steps = slow_steps
+        self.trace = StepTrace(self.core.loop) if slow_steps > 0 else None
 
     async def stream(self, prompt: list[int], adapter: str, max_new: int) -> AsyncIterator[int]:
         params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
@@ -261,7 +336,13 @@ class InProcessClient:
             **({"pinned_arena_misses": arena.num_misses} if (arena := self.core.pinned_arena) is not None else {}),
         }
 
+    def step_report(self) -> dict:
+        """--slow-steps: the scenario's step gaps (StepTrace.take); {} without."""
+        return self.trace.take(self.slow_steps) if self.trace is not None else {}
+
     async def close(self) -> None:
+        if self.trace is not None:
+            gc.callbacks.remove(self.trace._on_gc)
         await self.server.stop()
 
 
@@ -354,6 +435,8 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
 async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
     prompts, arrivals = workload.prompts(), workload.arrivals()
     before = await client.counters()
+    if isinstance(client, InProcessClient):
+        client.step_report()  # the gaps of this scenario alone
     start = time.perf_counter()
     traces = await asyncio.gather(*(
         timed_stream(client, start, arrivals[i], prompts[i], scenario.adapters[i], workload.output_len)
@@ -364,6 +447,8 @@ async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
     row = summarize(traces, wall_s)
     row |= {key: after[key] - before.get(key, 0) for key in after}
     row["num_distinct_adapters"] = len({a for a in scenario.adapters if a})
+    if isinstance(client, InProcessClient):
+        row |= client.step_report()
     return row
 
 
@@ -383,8 +468,8 @@ async def run_engine(
     return rows
 
 
-async def in_process_client(config: EngineConfig) -> InProcessClient:
-    return InProcessClient(await start_engine(config))
+async def in_process_client(config: EngineConfig, slow_steps: int = 0) -> InProcessClient:
+    return InProcessClient(await start_engine(config), slow_steps)
 
 
 async def grpc_client(config: EngineConfig) -> GrpcClient:
@@ -398,6 +483,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "--num-kv-slots", str(config.num_kv_slots),
         "--max-queued-requests", str(config.max_queued_requests),
         "--lora-load-ahead", str(config.lora_load_ahead), "--cuda-graph-max-tokens", str(config.cuda_graph_max_tokens),
+        "--lora-sm-carveout", str(config.lora_sm_carveout),
         "--lora-target-modules", *config.lora_target_modules,
     ]  # fmt: skip
     if config.lora_backend:
@@ -537,6 +623,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_backend=args.lora_backend,
         lora_load_ahead=args.lora_load_ahead,
         cuda_graph_max_tokens=args.graph_max_tokens,
+        lora_sm_carveout=args.lora_sm_carveout,
     )
 
 
@@ -576,6 +663,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora-load-ahead", type=int, default=DEFAULT_LORA_LOAD_AHEAD,
         help="the engine's loads ahead per step for queued requests' adapters (0 = off)",
     )
+    p.add_argument(
+        "--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT,
+        help="the engine's SMs its decode GEMMs leave to the LoRA kernels (0 = none)",
+    )
+    p.add_argument(
+        "--slow-steps", type=int, default=0,
+        help="in-process engine: report each scenario's N longest gaps between steps' token deliveries (StepTrace)",
+    )
     p.add_argument("--passes", type=int, default=1, help="runs of each engine scenario in a row (2+: warm)")
     p.add_argument(
         "--target-modules", nargs="+", default=list(TARGETS), choices=TARGETS, help="the adapters' projections"
@@ -613,7 +708,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
             if "inproc" in args.engines:
                 rows += asyncio.run(
-                    run_engine("inproc", lambda: in_process_client(config), scenarios, workload, args.passes)
+                    run_engine("inproc", lambda: in_process_client(config, args.slow_steps), scenarios, workload, args.passes)
                 )
                 _free(args.device)
             if "grpc" in args.engines:
