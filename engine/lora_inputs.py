@@ -180,6 +180,12 @@ def sm_carveout(num_sms: int) -> Iterator[None]:
         torch._C._set_sm_carveout_experimental(before)
 
 
+def usable_sm_carveout(requested: int, num_sms: int) -> int:
+    """The carve-out a device of num_sms SMs takes: at most half of them (PyTorch asks cuBLASLt for the
+    device's SMs less the carve-out, which must stay positive, and the GEMMs keep most of the device)."""
+    return max(0, min(requested, num_sms // 2))
+
+
 def _fuses_expand(meta: SgmvMeta, num_tokens: int, max_rank: int) -> bool:
     """Whether the next kernel takes a fused target's expand: not in a step whose expand is small
     (kernels/sgmv_decode.py's rule for decode-sized steps), nor past the fused kernel's rank capacity."""

@@ -18,7 +18,14 @@ import torch
 
 from engine.attention import AttentionBackend, DecodeKernelBackend
 from engine.forward_inputs import AttentionInputs, KVBuffers, resolve_previous
-from engine.lora_inputs import DECODE_RUN, LoraInputs, SgmvMetaBuffers, lora_segments, sgmv_ops
+from engine.lora_inputs import (
+    DECODE_RUN,
+    LoraInputs,
+    SgmvMetaBuffers,
+    lora_segments,
+    sgmv_ops,
+    usable_sm_carveout,
+)
 from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.models.blocks import DecoderModel
 from engine.sampling import make_generator, sample
@@ -49,6 +56,8 @@ class ModelRunner:
         # Decode steps compute LoRA deltas on this stream beside their base GEMMs (LoraInputs.side)
         self.lora_side = torch.cuda.Stream(self.device) if lora_pool is not None and self.device.type == "cuda" else None
         self.lora_sm_carveout = lora_sm_carveout  # LoraInputs.sm_carveout of those steps
+        if self.device.type == "cuda":
+            self.lora_sm_carveout = usable_sm_carveout(lora_sm_carveout, torch.cuda.get_device_properties(self.device).multi_processor_count)
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran

@@ -642,3 +642,12 @@ def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(monkey
         assert seen == {"shrink": before, "delta": before, "gemm": expected}
         assert get() == before
         assert torch.equal(y, gemm(x)) and d is not None and d.abs().sum() > 0
+
+
+def test_the_sm_carveout_is_at_most_half_the_device():
+    from engine.lora_inputs import usable_sm_carveout
+
+    assert usable_sm_carveout(32, 132) == 32  # an H100 / H200
+    assert usable_sm_carveout(32, 40) == 20  # a T4: 32 would leave 8 SMs to the GEMMs
+    assert usable_sm_carveout(0, 132) == 0
+    assert usable_sm_carveout(5, 1) == 0
