@@ -232,36 +232,53 @@ def register_adapters(
 
 
 class StepTrace:
-    """The in-process engine's steps as its streams see them (--slow-steps). A step's tokens reach the
-    streams when the loop post-processes it, so the gap from the previous post-processing is the
-    inter-token latency of the requests in both. Each gap is recorded with the step it delivered (its
-    rows of one new token, decodes or prompts cached but for their last token; the new tokens of its
-    other rows, prefill chunks; the slot loads issued with it; the rows with an adapter), the time inside post-processing (mostly
-    the wait for the device), the host time of the launches made in the gap (planning, slot loads, the
-    graph launch; under the overlapped schedule the next step goes out before this one's tokens are
-    read; on the CPU the forward itself runs inside the launch), and the garbage collection in the gap.
-    Runs on the loop thread; `take` from any thread."""
+    """The in-process engine's steps as its streams see them (--slow-steps). A loop iteration's tokens
+    reach the streams when it ends (`after_step` runs last in it), so the time from one delivery to the
+    next, where a request got a token in both, is an inter-token gap of that request. Each gap is
+    recorded with the step whose tokens it delivered (its rows of one new token, decodes or prompts
+    cached but for their last token; the new tokens of its other rows, prefill chunks; its rows with an
+    adapter), the time inside post-processing (mostly the wait for the device), the launches made in the
+    gap (their host time: planning, slot loads, the graph launch, and on the CPU the forward itself; and
+    the slot loads they issued; under the overlapped schedule the next step goes out before this one's
+    tokens are read, and delays them), and the garbage collection in it. Runs on the loop thread;
+    `take` from any thread."""
 
     def __init__(self, loop):
         self.gaps: list[dict] = []
-        self._last_end: float | None = None
+        self._last_end: float | None = None  # the latest delivery (None: none since the last take)
+        self._last_uids: frozenset[int] = frozenset()
+        self._delivered: dict | None = None  # this iteration's post-processed step, not yet delivered
         self._launch_ms = self._gc_ms = 0.0
+        self._loads = 0
+        self.totals = {"slot_loads": 0, "prefill_tokens": 0}  # every step's since the last take, gap or not
         self._gc_start: float | None = None
-        real_launch, real_post = loop._launch, loop._post_process
+        real_launch, real_post, real_after = loop._launch, loop._post_process, loop.after_step
 
         def launch(entries, previous=None):
             started = time.perf_counter()
+            launched = None
             try:
-                return real_launch(entries, previous)
+                launched = real_launch(entries, previous)
+                return launched
             finally:
                 self._launch_ms += (time.perf_counter() - started) * 1e3
+                loads = len(launched.plan.loads) if launched is not None else 0
+                self._loads += loads
+                self.totals["slot_loads"] += loads
 
         def post_process(step) -> None:
             started = time.perf_counter()
-            real_post(step)
-            self._record(step.plan, started, time.perf_counter())
+            try:
+                real_post(step)
+            finally:
+                self._add_delivered(step, (time.perf_counter() - started) * 1e3)
 
-        loop._launch, loop._post_process = launch, post_process
+        def after_step() -> None:
+            if real_after is not None:
+                real_after()
+            self._delivery(time.perf_counter())
+
+        loop._launch, loop._post_process, loop.after_step = launch, post_process, after_step
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -271,31 +288,41 @@ class StepTrace:
             self._gc_ms += (time.perf_counter() - self._gc_start) * 1e3
             self._gc_start = None
 
-    def _record(self, plan, started: float, ended: float) -> None:
-        if self._last_end is not None:  # None until the first take
-            prefill = sum(n for n in plan.extend_lens if n > 1)
+    def _add_delivered(self, step, post_ms: float) -> None:
+        plan, d = step.plan, self._delivered
+        if d is None:
+            d = self._delivered = {"uids": set(), "post_process_ms": 0.0, "decode_rows": 0, "prefill_tokens": 0, "lora_rows": 0}
+        d["uids"] |= {e.req.uid for e in step.entries if e.samples}
+        d["post_process_ms"] += post_ms
+        d["decode_rows"] += sum(1 for n in plan.extend_lens if n == 1)
+        d["prefill_tokens"] += sum(n for n in plan.extend_lens if n > 1)
+        self.totals["prefill_tokens"] += sum(n for n in plan.extend_lens if n > 1)
+        d["lora_rows"] += sum(1 for slot in plan.lora_slots or () if slot >= 0)
+
+    def _delivery(self, now: float) -> None:
+        d, self._delivered = self._delivered, None
+        if d is None:  # an iteration that delivered nothing (launches alone): its costs go to the next gap
+            return
+        uids = frozenset(d.pop("uids"))
+        if self._last_end is not None and uids & self._last_uids:
             self.gaps.append({
-                "gap_ms": (ended - self._last_end) * 1e3,
-                "post_process_ms": (ended - started) * 1e3,
-                "launch_host_ms": self._launch_ms,
-                "gc_ms": self._gc_ms,
-                "decode_rows": sum(1 for n in plan.extend_lens if n == 1),
-                "prefill_tokens": prefill,
-                "slot_loads": len(plan.loads),
-                "lora_rows": sum(1 for s in plan.lora_slots or () if s >= 0),
+                "gap_ms": (now - self._last_end) * 1e3, **d, "launch_host_ms": self._launch_ms,
+                "slot_loads": self._loads, "gc_ms": self._gc_ms,
             })  # fmt: skip
-        self._last_end = ended
+        self._last_end, self._last_uids = now, uids
         self._launch_ms = self._gc_ms = 0.0
+        self._loads = 0
 
     def take(self, slowest: int) -> dict:
-        """The gaps since the last take (p50/p99, and the `slowest` longest with their steps); the
-        next gap is measured from now (a scenario's first: from its start to its first tokens)."""
-        gaps, self.gaps, self._last_end = self.gaps, [], time.perf_counter()
-        self._launch_ms = self._gc_ms = 0.0
+        """The gaps since the last take (p50/p99, and the `slowest` longest with their steps); gaps start
+        again at the next delivery."""
+        gaps, self.gaps, self._last_end = self.gaps, [], None
+        totals, self.totals = self.totals, dict.fromkeys(self.totals, 0)
         ordered = sorted(gaps, key=lambda g: g["gap_ms"], reverse=True)
         values = np.array([g["gap_ms"] for g in gaps]) if gaps else None
         return {
             "step_gaps": len(gaps),
+            "traced": totals,
             "step_gap_p50_ms": float(np.percentile(values, 50)) if gaps else None,
             "step_gap_p99_ms": float(np.percentile(values, 99)) if gaps else None,
             "slow_steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()} for g in ordered[:slowest]],

@@ -23,8 +23,8 @@ DEFAULT_LORA_LOAD_AHEAD = 2
 
 # A quarter of an H200's 132 SMs. Llama-3-8B decode steps with rank-16 adapters on every projection
 # (BENCHMARKS.md, tenth session): LoRA/base at batch 64 with 32 adapters 0.75 / 0.77 / 0.76 / 0.79 for a
-# carve-out of 0 / 8 / 16 / 32 SMs, the base GEMMs alone no slower; prefill GEMMs are compute bound and
-# never get one.
+# carve-out of 0 / 8 / 16 / 32 SMs (only 32 beyond the noise), the base GEMMs alone no slower; prefill
+# GEMMs are compute bound and never get one. At most half a device's SMs (usable_sm_carveout).
 DEFAULT_LORA_SM_CARVEOUT = 32
 
 

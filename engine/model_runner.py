@@ -10,6 +10,7 @@ front can plan the next step meanwhile. The last sampled tokens stay on the devi
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -30,6 +31,8 @@ from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.models.blocks import DecoderModel
 from engine.sampling import make_generator, sample
 from engine.step_plan import StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -56,8 +59,11 @@ class ModelRunner:
         # Decode steps compute LoRA deltas on this stream beside their base GEMMs (LoraInputs.side)
         self.lora_side = torch.cuda.Stream(self.device) if lora_pool is not None and self.device.type == "cuda" else None
         self.lora_sm_carveout = lora_sm_carveout  # LoraInputs.sm_carveout of those steps
-        if self.device.type == "cuda":
-            self.lora_sm_carveout = usable_sm_carveout(lora_sm_carveout, torch.cuda.get_device_properties(self.device).multi_processor_count)
+        if self.device.type == "cuda" and lora_pool is not None:
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.lora_sm_carveout = usable_sm_carveout(lora_sm_carveout, num_sms)
+            if self.lora_sm_carveout != lora_sm_carveout:
+                log.warning("--lora-sm-carveout %d is more than half of %d SMs: using %d", lora_sm_carveout, num_sms, self.lora_sm_carveout)
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran

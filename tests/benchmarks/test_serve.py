@@ -63,17 +63,18 @@ def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
         "--target-modules", "v_proj", "q_proj", "--slow-steps", "1000",
     ]  # fmt: skip
     rows = {(r["scenario"], r["pass"]): r for r in serve.main(args)["results"]}
-    for key, row in rows.items():  # --slow-steps 1000: every step's gap, the slowest first
+    for key, row in rows.items():  # --slow-steps 1000: every gap, the slowest first
         gaps = row["slow_steps"]
-        assert len(gaps) == row["step_gaps"] >= 3, key  # 3 tokens a request: at least 3 deliveries
+        assert len(gaps) == row["step_gaps"] >= 2, key  # 3 tokens a request: 2 gaps at least
         assert [g["gap_ms"] for g in gaps] == sorted((g["gap_ms"] for g in gaps), reverse=True), key
         assert all(g["gap_ms"] >= g["post_process_ms"] >= 0 and g["launch_host_ms"] >= 0 for g in gaps), key
+        assert all(g["decode_rows"] >= 1 for g in gaps), key  # a gap ends in a request's next token
         assert row["step_gap_p50_ms"] <= row["step_gap_p99_ms"] <= gaps[0]["gap_ms"], key
-        assert sum(g["slot_loads"] for g in gaps) == row["slot_loads"], key  # every load went with a step
-        prefilled = sum(g["prefill_tokens"] for g in gaps)  # pass 2's prompts hit the prefix cache
+        assert row["traced"]["slot_loads"] == row["slot_loads"], key  # the hooks saw every step's loads
+        prefilled = row["traced"]["prefill_tokens"]  # pass 2's prompts hit the prefix cache
         assert prefilled == 4 * 6 if key[1] == 1 else prefilled < 4 * 6, key  # (the cache is keyed by adapter)
+        assert sum(g["slot_loads"] for g in gaps) <= row["slot_loads"], key
         assert any(g["lora_rows"] for g in gaps) == (key[0] == "2"), key
-    assert set(rows) == {("base", 1), ("base", 2), ("2", 1), ("2", 2)}
     cold, warm = rows[("2", 1)], rows[("2", 2)]
     assert cold["host_cache_misses"] == 2 and cold["slot_loads"] == 2
     assert (warm["host_cache_misses"], warm["host_cache_joined"], warm["slot_loads"]) == (0, 0, 0)
