@@ -29,9 +29,9 @@ in process; its Prometheus /metrics over gRPC), LoRA/base throughput, and engine
 in a row (rows carry "pass"): the first pass fetches its adapters cold from the registry and loads their
 slots, later ones find them in the host cache (and, with enough slots, still loaded): the steady state.
 --target-modules picks the projections the adapters adapt (PEFT's default is q_proj and v_proj; all
-seven by default). --slow-steps N (in-process engine) adds each scenario's N longest gaps between
-engine steps' token deliveries (`StepTrace`): what that step computed, what it loaded, how long the host
-took to launch the next one, and garbage collection inside the gap. JSON to --out.
+seven by default). --slow-steps N (in-process engine) adds each scenario's N longest inter-token gaps
+between the engine's token deliveries (`StepTrace`): what the delivered step computed, the host time and
+slot loads of the launches made in the gap, and garbage collection inside it. JSON to --out.
 """
 
 from __future__ import annotations
