@@ -23,6 +23,9 @@ serves every step of a padded batch size; nothing here reads a device tensor on 
         Programs whose chunk starts at or past L_b return at once (all of them when L_b == 0).
     stage 2, grid (B, H): o[b, h] = sum_s 2^(lse_s - max lse) partial_o_s / sum_s 2^(lse_s - max lse)
         over the chunks that hold positions (s < cdiv(L_b, split_len_b)); zeros when there are none.
+    With one chunk (num_splits == 1: batches whose requests x KV heads fill the GPU twice on their own,
+    e.g. Llama-3-8B at batch 64) stage 1 writes o itself, what stage 2 would compute from its one chunk
+    bit for bit, zeros for L_b == 0, and stage 2 is not launched (a kernel and its gap less a layer).
 
 The partials live in a `DecodeAttentionWorkspace`, allocated once per (batch capacity, heads, head_dim,
 num_splits) and passed to every call so a captured graph keeps reading and writing the same buffers.
@@ -53,8 +56,9 @@ def _decode_attention_split_kernel(
     req_to_token_ptr,  # [max_reqs, >= max_context] int32/int64
     req_rows_ptr,  # [B] int
     seq_lens_ptr,  # [B] int
-    partial_o_ptr,  # [>= B, H, num_splits, D] fp32
-    partial_lse_ptr,  # [>= B, H, num_splits] fp32
+    partial_o_ptr,  # [>= B, H, num_splits, D] fp32 (unused with DIRECT)
+    partial_lse_ptr,  # [>= B, H, num_splits] fp32 (unused with DIRECT)
+    o_ptr,  # [B, H, D]: written here with DIRECT (one chunk), else by the merge
     # sizes
     max_context,
     num_splits,
@@ -67,7 +71,9 @@ def _decode_attention_split_kernel(
     stride_rtr,
     stride_pob, stride_poh, stride_pos,
     stride_lb, stride_lh,
+    stride_ob, stride_oh,
     # meta-parameters
+    DIRECT: tl.constexpr,  # num_splits == 1: the chunk's softmax is the output, no merge
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -83,15 +89,19 @@ def _decode_attention_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if start >= end:
-        return
-
-    # -- the group's query heads: q[b, kv_head*g : kv_head*g + g] as one padded tile ---------------
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < GROUP
     mask_d = offs_d < head_dim
     heads = kv_head * GROUP + offs_h
+    o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if start >= end:
+        if DIRECT:  # L_b == 0 (a graph's padding row): zeros, as the merge writes them
+            zeros = tl.zeros((BLOCK_H, BLOCK_D), dtype=o_ptr.dtype.element_ty)
+            tl.store(o_ptrs, zeros, mask=mask_h[:, None] & mask_d[None, :])
+        return
+
+    # -- the group's query heads: q[b, kv_head*g : kv_head*g + g] as one padded tile ---------------
     q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     if UPCAST_DOT:
@@ -124,7 +134,10 @@ def _decode_attention_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
-    # -- partials of this chunk ---------------------------------------------------------------------
+    # -- the output (one chunk: what the merge computes from it, bit for bit), or this chunk's partials
+    if DIRECT:
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        return
     po_ptrs = (
         partial_o_ptr
         + b.to(tl.int64) * stride_pob
@@ -184,6 +197,11 @@ def _decode_attention_merge_kernel(
     o = tl.sum(weights[:, None] * partial_o, axis=0) / tl.where(total > 0, total, 1.0)  # zeros if unused
     o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _one_pass(num_splits: int) -> bool:
+    """Whether stage 1 writes o itself (one chunk: no merge)."""
+    return num_splits == 1
 
 
 @dataclass
@@ -318,8 +336,9 @@ def decode_attention(
     # -- launch -------------------------------------------------------------------------------------
     config = _config(q, num_heads // num_kv_heads, head_dim)
     po, lse = workspace.partial_o, workspace.partial_lse
+    direct = _one_pass(num_splits)
     _decode_attention_split_kernel[(batch_size, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, po, lse,
+        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, po, lse, out,
         max_context, num_splits, head_dim, scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
@@ -327,9 +346,12 @@ def decode_attention(
         req_to_token.stride(0),
         po.stride(0), po.stride(1), po.stride(2),
         lse.stride(0), lse.stride(1),
-        GROUP=num_heads // num_kv_heads,
+        out.stride(0), out.stride(1),
+        DIRECT=direct, GROUP=num_heads // num_kv_heads,
         **config,
     )  # fmt: skip
+    if direct:
+        return out
     _decode_attention_merge_kernel[(batch_size, num_heads)](
         po, lse, seq_lens, out,
         max_context, num_splits, head_dim,
