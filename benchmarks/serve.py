@@ -248,8 +248,7 @@ class StepTrace:
         self._last_end: float | None = None  # the latest delivery (None: none since the last take)
         self._last_uids: frozenset[int] = frozenset()
         self._delivered: dict | None = None  # this iteration's post-processed step, not yet delivered
-        self._launch_ms = self._gc_ms = 0.0
-        self._loads = 0
+        self._start_gap()
         self.totals = {"slot_loads": 0, "prefill_tokens": 0}  # every step's since the last take, gap or not
         self._gc_start: float | None = None
         real_launch, real_post, real_after = loop._launch, loop._post_process, loop.after_step
@@ -294,9 +293,10 @@ class StepTrace:
             d = self._delivered = {"uids": set(), "post_process_ms": 0.0, "decode_rows": 0, "prefill_tokens": 0, "lora_rows": 0}
         d["uids"] |= {e.req.uid for e in step.entries if e.samples}
         d["post_process_ms"] += post_ms
+        prefill = sum(n for n in plan.extend_lens if n > 1)
         d["decode_rows"] += sum(1 for n in plan.extend_lens if n == 1)
-        d["prefill_tokens"] += sum(n for n in plan.extend_lens if n > 1)
-        self.totals["prefill_tokens"] += sum(n for n in plan.extend_lens if n > 1)
+        d["prefill_tokens"] += prefill
+        self.totals["prefill_tokens"] += prefill
         d["lora_rows"] += sum(1 for slot in plan.lora_slots or () if slot >= 0)
 
     def _delivery(self, now: float) -> None:
@@ -310,6 +310,10 @@ class StepTrace:
                 "slot_loads": self._loads, "gc_ms": self._gc_ms,
             })  # fmt: skip
         self._last_end, self._last_uids = now, uids
+        self._start_gap()
+
+    def _start_gap(self) -> None:
+        """Zero what the next gap accumulates: launch host time, slot loads, collection time."""
         self._launch_ms = self._gc_ms = 0.0
         self._loads = 0
 

@@ -94,16 +94,17 @@ def _decode_attention_split_kernel(
     mask_h = offs_h < GROUP
     mask_d = offs_d < head_dim
     heads = kv_head * GROUP + offs_h
+    mask_hd = mask_h[:, None] & mask_d[None, :]
     o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     if start >= end:
         if DIRECT:  # L_b == 0 (a graph's padding row): zeros, as the merge writes them
             zeros = tl.zeros((BLOCK_H, BLOCK_D), dtype=o_ptr.dtype.element_ty)
-            tl.store(o_ptrs, zeros, mask=mask_h[:, None] & mask_d[None, :])
+            tl.store(o_ptrs, zeros, mask=mask_hd)
         return
 
     # -- the group's query heads: q[b, kv_head*g : kv_head*g + g] as one padded tile ---------------
     q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    q = tl.load(q_ptrs, mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
     if UPCAST_DOT:
         q = q.to(tl.float32)
     slots_row_ptr = req_to_token_ptr + tl.load(req_rows_ptr + b).to(tl.int64) * stride_rtr
@@ -136,7 +137,7 @@ def _decode_attention_split_kernel(
 
     # -- the output (one chunk: what the merge computes from it, bit for bit), or this chunk's partials
     if DIRECT:
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=mask_hd)
         return
     po_ptrs = (
         partial_o_ptr
@@ -145,7 +146,7 @@ def _decode_attention_split_kernel(
         + split * stride_pos
         + offs_d[None, :]
     )
-    tl.store(po_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(po_ptrs, acc / l_i[:, None], mask=mask_hd)
     lse_ptrs = partial_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split
     tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=mask_h)
 

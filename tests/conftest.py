@@ -80,3 +80,22 @@ def s3_bucket(s3_endpoint: str) -> str:
     name = f"test-{uuid.uuid4().hex[:16]}"
     make_s3_client(s3_endpoint).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch: pytest.MonkeyPatch) -> Callable[[object, str], list]:
+    """count(module, name): from now on each launch of Triton kernel `module.name` (kernel[grid](...))
+    appends its grid to the list returned, and still runs."""
+
+    def count(module: object, name: str) -> list:
+        real, grids = getattr(module, name), []
+
+        class Counted:
+            def __getitem__(self, grid):
+                grids.append(grid)
+                return real[grid]
+
+        monkeypatch.setattr(module, name, Counted())
+        return grids
+
+    return count

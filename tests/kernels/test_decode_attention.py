@@ -148,21 +148,13 @@ def test_workspace_reused_and_out_buffer():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_one_chunk_writes_the_output_itself(dtype, monkeypatch):
+def test_one_chunk_writes_the_output_itself(dtype, monkeypatch, kernel_launches):
     """num_splits 1: stage 1 writes o (padding rows zeroed over garbage) and the merge is not launched;
     the result is the two-kernel path's bit for bit (that path forced through `_one_pass`)."""
     import kernels.decode_attention as da
 
     case = make_case(SEQ_LENS, 8, 2, 64, dtype, max_context=128, seed=11)
-    merges = []
-    real_merge = da._decode_attention_merge_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return real_merge[grid]
-
-    monkeypatch.setattr(da, "_decode_attention_merge_kernel", Counted())
+    merges = kernel_launches(da, "_decode_attention_merge_kernel")
     out = torch.full((len(SEQ_LENS), 8, 64), float("nan"), dtype=dtype, device=DEVICE)
     direct = decode_attention(*case, 0.125, max_context=128, num_splits=1, out=out)
     assert merges == []

@@ -205,20 +205,12 @@ def test_silu_mul_expand_replays_any_segmentation_from_one_launch_size():
         assert_close(silu_mul_expand(gate_up, torch.nan_to_num(v), B, meta), silu_mul_ref(expanded), torch.float32, str(seg_lens))
 
 
-def test_silu_mul_expand_launches_its_kernel_once(monkeypatch):
+def test_silu_mul_expand_launches_its_kernel_once(kernel_launches):
     """One launch a call: 32ac0d4 left a second, identical launch behind the first, which gave the same
     output (the kernel leaves gate_up as it was) at twice the time, so only a count shows it."""
     import kernels.silu_mul
 
-    real = kernels.silu_mul._silu_mul_expand_kernel
-    grids = []
-
-    class Counted:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kernels.silu_mul, "_silu_mul_expand_kernel", Counted())
+    grids = kernel_launches(kernels.silu_mul, "_silu_mul_expand_kernel")
     gate_up, v, B, meta = expand_case(torch.float32, [5, 20], [2, 0], 11)
     silu_mul_expand(gate_up, torch.nan_to_num(v), B, meta)
     assert len(grids) == 1
