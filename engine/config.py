@@ -21,11 +21,13 @@ DEFAULT_LORA_DRAIN_WAIT_S = 2.0
 # behind one step's compute, and a burst of new adapters still loads a few steps ahead of admission.
 DEFAULT_LORA_LOAD_AHEAD = 2
 
-# A quarter of an H200's 132 SMs. Llama-3-8B decode steps with rank-16 adapters on every projection
-# (BENCHMARKS.md, tenth session): LoRA/base at batch 64 with 32 adapters 0.75 / 0.77 / 0.76 / 0.79 for a
-# carve-out of 0 / 8 / 16 / 32 SMs (only 32 beyond the noise), the base GEMMs alone no slower; prefill
-# GEMMs are compute bound and never get one. At most half a device's SMs (usable_sm_carveout).
-DEFAULT_LORA_SM_CARVEOUT = 32
+# A bit over a third of an H200's 132 SMs. Llama-3-8B decode steps with rank-16 adapters on every
+# projection, each GEMM enqueued before its side-stream LoRA kernels (BENCHMARKS.md, 2026-12-02), LoRA/base
+# with 8 adapters at batch 32 and 64: 0.85, 0.88 for a carve-out of 40 SMs; 0.87-0.88, 0.87-0.88 for 48;
+# 0.87, 0.82-0.85 for 56; 0.85, 0.86 for 64 (with 32 adapters 48 and 56 are level, 40 and 64 a little
+# behind); the base GEMMs alone no slower. Prefill GEMMs are compute bound and never get one. At most half a
+# device's SMs (usable_sm_carveout).
+DEFAULT_LORA_SM_CARVEOUT = 48
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ def test_lora_sm_carveout_reaches_the_engine_config_from_the_flag_or_its_variabl
     from loramux.shell.settings import engine_config
 
     serve = ["engine", "serve", "--model", "m"]
-    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_sm_carveout == DEFAULT_LORA_SM_CARVEOUT == 32
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_sm_carveout == DEFAULT_LORA_SM_CARVEOUT == 48
     args = cli.build_parser({"LORAMUX_LORA_SM_CARVEOUT": "16"}).parse_args(serve)
     assert engine_config(args, "m", 0).lora_sm_carveout == 16
     args = cli.build_parser({}).parse_args([*serve, "--lora-sm-carveout", "0"])

@@ -605,28 +605,53 @@ def test_sm_carveout_is_set_inside_and_restored_after():
 
 
 def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(monkeypatch):
-    """A decode step's projection with a side stream (LoraInputs.side, CUDA): the base GEMM beside the
-    LoRA kernels leaves `sm_carveout` SMs free; the shrink and expand on the side stream, and steps
-    without a carve-out, run with the setting as it was. Streams are stand-ins (the CPU has none)."""
+    """A decode step's projection with a side stream (LoraInputs.side, CUDA): the base GEMM is enqueued
+    first, on the main stream, under the carve-out (it leaves `sm_carveout` SMs free); the side stream
+    forks from an event recorded before the GEMM (when x is ready), not after it, so its shrink and
+    expand run beside the GEMM with the setting as it was, and main joins the side stream before the
+    delta is handed back. Steps without a carve-out leave the setting alone. Streams are stand-ins (the
+    CPU has none) that log what each is asked to do, in order."""
     import engine.lora_inputs
 
-    class Stream:
-        def wait_stream(self, other) -> None:
-            pass
+    log: list[tuple] = []
 
-    monkeypatch.setattr(engine.lora_inputs.torch.cuda, "current_stream", lambda device=None: Stream())
-    monkeypatch.setattr(engine.lora_inputs.torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def record_event(self):
+            log.append((self.name, "record"))
+            return ("event", len(log))
+
+        def wait_event(self, event) -> None:
+            log.append((self.name, "wait_event", event))
+
+        def wait_stream(self, other) -> None:
+            log.append((self.name, "wait_stream", other.name))
+
+    main = Stream("main")
+    current = [main]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(engine.lora_inputs.torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(engine.lora_inputs.torch.cuda, "stream", on)
     get = torch._C._get_sm_carveout_experimental
     before = get()
     pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
     pool.load(1, packed("all", rank=4))
     meta = SgmvMeta.from_lists([2], [1], pool.ranks, pool.scalings)
-    seen = {}
     shrink, expand, delta = sgmv_ops("ref")
 
     def recorded(name, fn):
         def call(*args, **kwargs):
-            seen[name] = get()
+            log.append((current[-1].name, name, get()))
             return fn(*args, **kwargs)
 
         return call
@@ -634,12 +659,20 @@ def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(monkey
     gemm = torch.nn.Linear(CONFIG.hidden_size, pool.targets["qkv"].out_dim, bias=False)
     x = torch.randn(2, CONFIG.hidden_size)
     for carveout, expected in ((16, 16), (0, before)):
-        seen.clear()
+        log.clear()
+        side = Stream("side")
         lora = LoraInputs(
-            pool, meta, recorded("shrink", shrink), expand, recorded("delta", delta), side=Stream(), sm_carveout=carveout
+            pool, meta, recorded("shrink", shrink), expand, recorded("delta", delta), side=side, sm_carveout=carveout
         )  # fmt: skip
         y, d = lora.project_deferred(recorded("gemm", gemm), "qkv", 0, x)
-        assert seen == {"shrink": before, "delta": before, "gemm": expected}
+        assert log == [
+            ("main", "record"),
+            ("main", "gemm", expected),
+            ("side", "wait_event", ("event", 1)),  # the event from before the GEMM
+            ("side", "shrink", before),
+            ("side", "delta", before),
+            ("main", "wait_stream", "side"),
+        ]
         assert get() == before
         assert torch.equal(y, gemm(x)) and d is not None and d.abs().sum() > 0
 
