@@ -57,7 +57,12 @@ import torch
 from safetensors.torch import save_file
 
 from engine.admission import GenerateInput
-from engine.config import DEFAULT_LORA_LOAD_AHEAD, DEFAULT_LORA_SM_CARVEOUT, EngineConfig
+from engine.config import (
+    DEFAULT_ADAPTER_PREP_THREADS,
+    DEFAULT_LORA_LOAD_AHEAD,
+    DEFAULT_LORA_SM_CARVEOUT,
+    EngineConfig,
+)
 from engine.request import Finished, TokenDelta
 from engine.sampling import SamplingParams
 from engine.server import start_engine
@@ -509,6 +514,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "--registry", config.registry, "--device", config.device,
         "--max-loras-per-batch", str(config.max_loras_per_batch), "--max-lora-rank", str(config.max_lora_rank),
         "--max-host-adapters", str(config.max_host_adapters), "--host-pinned-gb", str(config.host_pinned_gb),
+        "--adapter-prep-threads", str(config.adapter_prep_threads),
         "--max-running-requests", str(config.max_running_requests),
         "--max-batch-tokens", str(config.max_batch_tokens), "--max-context", str(config.max_context),
         "--num-kv-slots", str(config.num_kv_slots),
@@ -646,6 +652,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_target_modules=tuple(args.lora_target_modules),
         max_host_adapters=args.max_host_adapters,
         host_pinned_gb=args.host_pinned_gb,
+        adapter_prep_threads=args.adapter_prep_threads,
         max_running_requests=args.max_running,
         max_batch_tokens=args.max_batch_tokens,
         max_context=max_context,
@@ -686,6 +693,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-host-adapters", type=int, default=64)
     p.add_argument("--host-pinned-gb", type=float, default=0.0, help="the engine's --host-pinned-gb (0 = off)")
+    p.add_argument("--adapter-prep-threads", type=int, default=DEFAULT_ADAPTER_PREP_THREADS, help="the engine's --adapter-prep-threads")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--graph-max-tokens", type=int, default=2048, help="prefill and mixed steps up to N tokens replay graphs (0 = eager)")

@@ -21,6 +21,11 @@ DEFAULT_LORA_DRAIN_WAIT_S = 2.0
 # behind one step's compute, and a burst of new adapters still loads a few steps ahead of admission.
 DEFAULT_LORA_LOAD_AHEAD = 2
 
+# One: fetched adapters are checked and packed one at a time, so the engine loop shares the GIL with one
+# packer at most (BENCHMARKS.md, 2026-12-02: a cold Zipf pass whose adapters packed on asyncio's twenty
+# default threads).
+DEFAULT_ADAPTER_PREP_THREADS = 1
+
 # A bit over a third of an H200's 132 SMs. Llama-3-8B decode steps with rank-16 adapters on every
 # projection, each GEMM enqueued before its side-stream LoRA kernels (BENCHMARKS.md, 2026-12-02), LoRA/base
 # with 8 adapters at batch 32 and 64: 0.85, 0.88 for a carve-out of 40 SMs; 0.87-0.88, 0.87-0.88 for 48;
@@ -71,6 +76,10 @@ class EngineConfig:
     # registry fetches in flight at most; the rest wait their turn in order, so a burst of new adapters
     # arrives one batch after another instead of all at the end of one shared transfer
     max_concurrent_fetches: int = 4
+    # threads that check and pack fetched adapters, at most this many at a time: the check and the packing
+    # run Python and small tensor ops per layer and projection, and every thread doing them competes for
+    # the GIL with the engine loop's launches
+    adapter_prep_threads: int = DEFAULT_ADAPTER_PREP_THREADS
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
     # on CUDA, prefill and mixed steps of up to this many tokens (at most max_batch_tokens) replay graphs
     # captured for padded token counts (engine/step_graphs.py); 0 = off
@@ -95,6 +104,8 @@ class EngineConfig:
             raise ValueError(f"lora_sm_carveout must be 0-1024 SMs, got {self.lora_sm_carveout}")
         if self.max_concurrent_fetches < 1:
             raise ValueError(f"max_concurrent_fetches must be >= 1, got {self.max_concurrent_fetches}")
+        if not 1 <= self.adapter_prep_threads <= 64:
+            raise ValueError(f"adapter_prep_threads must be 1-64, got {self.adapter_prep_threads}")
         if not 0 <= self.host_pinned_gb < float("inf"):
             raise ValueError(f"host_pinned_gb must be a finite number >= 0 (0 = off), got {self.host_pinned_gb}")
         if self.cuda_graph_max_batch < 0 or self.cuda_graph_max_tokens < 0:

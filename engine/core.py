@@ -12,6 +12,7 @@ import os
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,8 +109,17 @@ class EngineCore:
         return self.loop.workers
 
     def close(self) -> None:
-        """Stop the loop and every model worker."""
+        """Stop the loop and every model worker, and the adapter packing threads."""
         self.loop.stop()
+        if "_prep" in self.__dict__:
+            self._prep.shutdown(wait=False, cancel_futures=True)
+
+    @functools.cached_property
+    def _prep(self) -> ThreadPoolExecutor:
+        """The threads that read, check and pack adapters (--adapter-prep-threads), apart from asyncio's
+        default threads: however many adapters arrive at once, only this many pack at a time, so the
+        engine loop's launches wait for the GIL behind that many packers at most."""
+        return ThreadPoolExecutor(self.config.adapter_prep_threads, thread_name_prefix="adapter-prep")
 
     @property
     def base_model_name(self) -> str:
@@ -181,14 +191,15 @@ class EngineCore:
     async def _load(self, record: AdapterRecord) -> PackedAdapter:
         """The one loading path of local and registry adapters: artifact bytes -> checked -> packed -> cached."""
         started = time.monotonic()
+        loop = asyncio.get_running_loop()
         if record.path is not None:
-            data = await asyncio.to_thread(_read_artifact, record.path)
+            data = await loop.run_in_executor(self._prep, _read_artifact, record.path)
         else:
             data = await self.link.fetch(record)
             if self.metrics is not None:
                 self.metrics.adapter_fetch_bytes.inc(len(data))
                 self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
-        packed = await asyncio.to_thread(self._pack, record, data)
+        packed = await loop.run_in_executor(self._prep, self._pack, record, data)
         self.lora.host_cache.put(packed)
         if self.metrics is not None:
             self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)

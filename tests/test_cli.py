@@ -71,6 +71,19 @@ def test_fetch_cap_reaches_the_engine_config_from_the_flag_or_its_variable():
         EngineConfig(model_dir="m", max_concurrent_fetches=0)
 
 
+def test_adapter_prep_threads_reach_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).adapter_prep_threads == 1
+    args = cli.build_parser({"LORAMUX_ADAPTER_PREP_THREADS": "3"}).parse_args(serve)
+    assert engine_config(args, "m", 0).adapter_prep_threads == 3
+    args = cli.build_parser({"LORAMUX_ADAPTER_PREP_THREADS": "3"}).parse_args([*serve, "--adapter-prep-threads", "2"])
+    assert engine_config(args, "m", 0).adapter_prep_threads == 2
+    with pytest.raises(ValueError, match="adapter_prep_threads"):
+        EngineConfig(model_dir="m", adapter_prep_threads=0)
+
+
 def test_host_pinned_memory_reaches_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 
@@ -117,6 +130,7 @@ def test_lora_target_modules_reach_the_engine_config_from_the_flag_or_its_variab
         (["generate", "--max-new-tokens", "99999999999", "x"], "--max-new-tokens"),
         (["engine", "serve", "--model", "m", "--lora-load-ahead", "-1"], "--lora-load-ahead"),
         (["up", "--max-concurrent-fetches", "0"], "--max-concurrent-fetches"),
+        (["engine", "serve", "--model", "m", "--adapter-prep-threads", "0"], "--adapter-prep-threads"),
         (["engine", "serve", "--model", "m", "--lora-sm-carveout", "-1"], "--lora-sm-carveout"),
         (["generate", "--top-p", "0", "x"], "--top-p"),
         (["generate", "--temperature", "-1", "x"], "--temperature"),

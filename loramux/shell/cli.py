@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import grpc
 
 from engine.config import (
+    DEFAULT_ADAPTER_PREP_THREADS,
     DEFAULT_ENGINE_PORT,
     DEFAULT_HTTP_PORT,
     DEFAULT_LORA_DRAIN_WAIT_S,
@@ -280,6 +281,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument(
         "--max-concurrent-fetches", type=_int_in(1, 1024), default=int(env("--max-concurrent-fetches", 4)),
         help="registry fetches of adapters in flight at most; the rest wait their turn in arrival order",
+    )
+    p.add_argument(
+        "--adapter-prep-threads", type=_int_in(1, 64), default=int(env("--adapter-prep-threads", DEFAULT_ADAPTER_PREP_THREADS)),
+        help="threads that check and pack fetched adapters; each one takes the GIL from the engine loop while it"
+        " packs, so more than one only pays when packing, not decoding, is what new adapters wait for",
     )
     p.add_argument(
         "--lora-drain-wait-s", type=float, default=float(env("--lora-drain-wait-s", DEFAULT_LORA_DRAIN_WAIT_S)),

@@ -87,6 +87,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_backend=args.lora_backend,
         registry=registry or getattr(args, "registry", ""),
         max_concurrent_fetches=args.max_concurrent_fetches,
+        adapter_prep_threads=args.adapter_prep_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         disable_custom_all_reduce=args.disable_custom_all_reduce,
         disable_overlap_schedule=args.disable_overlap_schedule,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
+import time
 
 import grpc
 import pytest
@@ -404,6 +406,49 @@ async def test_fetches_beyond_the_cap_wait_their_turn_in_order(tmp_path, tiny_ll
             results = await asyncio.gather(*calls)
             assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
             assert started == names and link.num_fetches == 4 and link.num_fetches_in_flight == 0
+        finally:
+            await channel.close()
+            await engine.stop(grace=0.5)
+
+
+@pytest.mark.parametrize("prep_threads", [1, 2])
+async def test_fetched_adapters_pack_on_the_prep_threads_at_most_that_many_at_a_time(tmp_path, tiny_llama_dir, make_adapter, prep_threads):
+    """Requests for three uncached adapters fetch them side by side (--max-concurrent-fetches 4), and
+    each is checked and packed on one of --adapter-prep-threads threads, never more at a time, not on
+    asyncio's default threads (whose many packers held the engine loop off the GIL), and all are served."""
+    async with running_registry(tmp_path / "registry") as registry:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), port=0, registry=registry.server.address, max_loras_per_batch=3,
+            base_model_name="tiny", adapter_prep_threads=prep_threads,
+        )  # fmt: skip
+        engine = await start_engine(config)
+        channel = grpc.aio.insecure_channel(engine.address)
+        try:
+            stub = epb_grpc.EngineStub(channel)
+            names = [f"prep{i}" for i in range(3)]
+            for i, name in enumerate(names):
+                await registry.register(name, make_adapter(f"link-prep{i}", r=4, lora_alpha=8, seed=90 + i))
+            core, lock = engine.core, threading.Lock()
+            active, most, threads, real_pack = [0], [0], set(), core._pack
+
+            def pack(record, artifact):
+                with lock:
+                    active[0] += 1
+                    most[0] = max(most[0], active[0])
+                    threads.add(threading.current_thread().name)
+                time.sleep(0.3)  # long enough for every fetch to be done and waiting to pack
+                try:
+                    return real_pack(record, artifact)
+                finally:
+                    with lock:
+                        active[0] -= 1
+
+            core._pack = pack
+            results = await asyncio.gather(*(generate(stub, name) for name in names))
+            assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
+            assert most[0] == prep_threads and len(threads) == prep_threads
+            assert all(name.startswith("adapter-prep") for name in threads), threads
+            assert core.link.num_fetches == 3
         finally:
             await channel.close()
             await engine.stop(grace=0.5)
