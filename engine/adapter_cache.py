@@ -6,6 +6,7 @@ are keyed by digest, never by name.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -28,61 +29,73 @@ def pack_adapter(
     zeros, and a target none of whose projections it adapts is left out (PackedAdapter). pin:
     page-locked (async copies to one GPU), in a block of `arena` when one is given and has room (the
     block goes back when the PackedAdapter is collected), else freshly pinned; share: in shared memory,
-    so that tensor-parallel worker processes read this one copy."""
+    so that tensor-parallel worker processes read this one copy.
+
+    The tensors are allocated where they will live (the arena block, pinned or shared memory) and each
+    layer's projection is written into them once: no zero fill beneath the copies, no second copy into
+    pinned memory. Packing runs beside the engine loop's launches (EngineCore's prep thread), so each
+    pass over the adapter's bytes is time the launches may wait for the GIL or a core."""
     rank, num_layers = adapter.rank, adapter.num_layers
-    a, b = {}, {}
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # adapted target -> (A shape, B shape)
     for name, target in targets.items():
         if all(adapter.module_weights(layer, m) is None for layer in range(num_layers) for m in target.modules):
             continue
-        a_t = torch.zeros(num_layers, target.num_stack * rank, target.in_dim, dtype=dtype)
-        b_t = torch.zeros(num_layers, target.out_dim, rank, dtype=dtype)
-        for layer in range(num_layers):
-            for k, module in enumerate(target.modules):
-                weights = adapter.module_weights(layer, module)
-                if weights is None:
-                    continue
-                lora_a, lora_b = weights  # [rank, in], [out, rank]
-                offset, size = target.output_slices[k]
-                a_t[layer, k * rank : (k + 1) * rank] = lora_a
-                b_t[layer, offset : offset + size] = lora_b
-        a[name], b[name] = a_t, b_t
-    packed = (*a.values(), *b.values())
-    block = arena.take(sum(_aligned(t.nbytes) for t in packed)) if arena is not None and pin and not share else None
+        shapes[name] = ((num_layers, target.num_stack * rank, target.in_dim), (num_layers, target.out_dim, rank))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [_aligned(math.prod(shape) * itemsize) for pair in shapes.values() for shape in pair]
+    block = arena.take(sum(sizes)) if arena is not None and pin and not share else None
     if block is None:
-        a, b = ({name: _place(t, pin, share) for name, t in tensors.items()} for tensors in (a, b))
-    else:
-        reads = HostReads()
-        try:
-            a, b = _into_arena(arena, block[0], (a, b))
-            result = PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b, reads=reads)
-        except BaseException:
-            arena.give_back(*block, reads)
-            raise
-        weakref.finalize(result, arena.give_back, *block, reads)
-        return result
-    return PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b)
+        a = {name: _empty(a_shape, dtype, pin, share) for name, (a_shape, _) in shapes.items()}
+        b = {name: _empty(b_shape, dtype, pin, share) for name, (_, b_shape) in shapes.items()}
+        for name in shapes:
+            _fill(adapter, targets[name], a[name], b[name])
+        return PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b)
+    reads = HostReads()
+    try:
+        offset, a, b = block[0], {}, {}
+        for name, (a_shape, b_shape) in shapes.items():
+            for tensors, shape in ((a, a_shape), (b, b_shape)):
+                nbytes = math.prod(shape) * itemsize
+                tensors[name] = arena.view(offset, nbytes, dtype, shape)
+                offset += _aligned(nbytes)
+        for name in shapes:
+            _fill(adapter, targets[name], a[name], b[name])
+        result = PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b, reads=reads)
+    except BaseException:
+        arena.give_back(*block, reads)
+        raise
+    weakref.finalize(result, arena.give_back, *block, reads)
+    return result
+
+
+def _fill(adapter: CanonicalAdapter, target: FusedTarget, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Write every layer's projections of `target` into a [L, stack * rank, in] and b [L, out, rank],
+    zeros where the adapter lacks one; every element is written once (the stacked A rows and the B
+    output slices tile the tensors)."""
+    rank = adapter.rank
+    for layer in range(adapter.num_layers):
+        for k, module in enumerate(target.modules):
+            offset, size = target.output_slices[k]
+            a_rows, b_rows = a[layer, k * rank : (k + 1) * rank], b[layer, offset : offset + size]
+            weights = adapter.module_weights(layer, module)
+            if weights is None:
+                a_rows.zero_()
+                b_rows.zero_()
+            else:
+                a_rows.copy_(weights[0])  # lora_A [rank, in]
+                b_rows.copy_(weights[1])  # lora_B [out, rank]
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
 
 
-def _into_arena(arena: PinnedArena, offset: int, groups: tuple[dict[str, torch.Tensor], ...]) -> list[dict[str, torch.Tensor]]:
-    """Each tensor copied into the arena from `offset` on, one after another (aligned)."""
-    placed = []
-    for tensors in groups:
-        views = {}
-        for name, t in tensors.items():
-            views[name] = arena.view(offset, t.nbytes, t.dtype, tuple(t.shape)).copy_(t)
-            offset += _aligned(t.nbytes)
-        placed.append(views)
-    return placed
-
-
-def _place(t: torch.Tensor, pin: bool, share: bool) -> torch.Tensor:
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, share: bool) -> torch.Tensor:
+    """Uninitialized host memory for a packed tensor: shared (tensor-parallel ranks read it), pinned
+    (one rank copies from it asynchronously) or plain."""
     if share:
-        return t.share_memory_()
-    return t.pin_memory() if pin else t
+        return torch.empty(shape, dtype=dtype).share_memory_()
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
 class HostAdapterCache:

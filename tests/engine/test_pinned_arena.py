@@ -98,7 +98,7 @@ def test_an_adapter_the_arena_cannot_hold_is_pinned_as_before(monkeypatch):
     import engine.adapter_cache as adapter_cache
 
     placed = []
-    monkeypatch.setattr(adapter_cache, "_place", lambda t, pin, share: placed.append(pin) or t)
+    monkeypatch.setattr(adapter_cache, "_empty", lambda shape, dtype, pin, share: placed.append(pin) or torch.empty(shape, dtype=dtype))
     targets = {t.name: t for t in fused_targets(CONFIG)}
     small = PinnedArena(KB, pin=False, granule=KB)
     packed = pack_adapter("d", canonical(4, MODULES), targets, torch.float32, pin=True, arena=small)
@@ -112,12 +112,54 @@ def test_an_adapter_the_arena_cannot_hold_is_pinned_as_before(monkeypatch):
 def test_a_pack_that_fails_in_the_arena_gives_its_block_back(monkeypatch):
     import engine.adapter_cache as adapter_cache
 
-    def broken(arena, offset, groups):
+    def broken(adapter, target, a, b):
         raise MemoryError("copy failed")
 
-    monkeypatch.setattr(adapter_cache, "_into_arena", broken)
+    monkeypatch.setattr(adapter_cache, "_fill", broken)
     targets = {t.name: t for t in fused_targets(CONFIG)}
     big = PinnedArena(64 * KB * KB, pin=False, granule=KB)
     with pytest.raises(MemoryError, match="copy failed"):
         pack_adapter("d", canonical(4, MODULES), targets, torch.float32, pin=True, arena=big)
     assert big.free_bytes == big.capacity and big.num_blocks == 0 and big.num_lent == 1
+
+
+def expected_pack(adapter, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """A target's packed A and B built the plain way: zeros, then each present projection copied in."""
+    r = adapter.rank
+    a = torch.zeros(adapter.num_layers, target.num_stack * r, target.in_dim)
+    b = torch.zeros(adapter.num_layers, target.out_dim, r)
+    for layer in range(adapter.num_layers):
+        for k, module in enumerate(target.modules):
+            weights = adapter.module_weights(layer, module)
+            if weights is not None:
+                offset, size = target.output_slices[k]
+                a[layer, k * r : (k + 1) * r] = weights[0]
+                b[layer, offset : offset + size] = weights[1]
+    return a, b
+
+
+@pytest.mark.parametrize("where", ["arena", "fresh"])
+def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch, where):
+    """Packed tensors are allocated uninitialized (an arena block, fresh pinned or plain memory) and
+    written once: the projections an adapter lacks (k_proj in a q/v adapter's q/k/v stack, v_proj in one
+    layer, the MLP stack's down_proj here) come out as zeros, not as what the memory held before (NaN
+    bytes here), and the rest as the adapter's weights."""
+    import engine.adapter_cache as adapter_cache
+
+    adapter = canonical(4, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), seed=5)
+    del adapter.tensors["layers.1.v_proj.lora_A"], adapter.tensors["layers.1.v_proj.lora_B"]
+    targets = {t.name: t for t in fused_targets(CONFIG)}
+    dirty = PinnedArena(64 * KB * KB, pin=False, granule=KB)
+    dirty.buffer.fill_(0xFF)  # NaN in every float32
+    if where == "fresh":
+        monkeypatch.setattr(
+            adapter_cache, "_empty", lambda shape, dtype, pin, share: torch.full(shape, float("nan"), dtype=dtype)
+        )  # fmt: skip
+    packed = pack_adapter("d", adapter, targets, torch.float32, pin=True, arena=dirty if where == "arena" else None)
+    assert dirty.num_blocks == (1 if where == "arena" else 0)
+    assert set(packed.a) == {"qkv", "o", "gate_up"}  # down_proj: no projection of its target, left out
+    for name, (a, b) in ((n, expected_pack(adapter, targets[n])) for n in packed.a):
+        assert torch.equal(packed.a[name], a) and torch.equal(packed.b[name], b), name
+    qkv = targets["qkv"]
+    assert not packed.a["qkv"][:, 4:8].any() and not packed.b["qkv"][:, qkv.output_slices[1][0] : qkv.output_slices[2][0]].any()
+    assert not packed.a["qkv"][1, 8:12].any() and packed.a["qkv"][0, 8:12].any()
