@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if num_threads:
             watcher = threading.Thread(target=lambda: ([t.join() for t in threads], done.set()))
             watcher.start()
-            while not done.is_set():
+            while True:  # at least one iteration, however soon the packers finish
                 host_ms.append(iteration())
+                if done.is_set():
+                    break
             watcher.join()
         else:
             host_ms = [iteration() for _ in range(200)]

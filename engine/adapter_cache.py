@@ -31,9 +31,9 @@ def pack_adapter(
     block goes back when the PackedAdapter is collected), else freshly pinned; share: in shared memory,
     so that tensor-parallel worker processes read this one copy.
 
-    The tensors are allocated where they will live (the arena block, pinned or shared memory) and each
-    layer's projection is written into them once: no zero fill beneath the copies, no second copy into
-    pinned memory. Packing runs beside the engine loop's launches (EngineCore's prep thread), so each
+    The tensors are allocated where they will live (the arena block, or pinned memory; shared memory is
+    made by moving a fresh tensor there, one copy of uninitialized bytes) and each layer's projection is
+    written into them once: no zero fill beneath the copies, no second copy into pinned memory. Packing runs beside the engine loop's launches (EngineCore's prep thread), so each
     pass over the adapter's bytes is time the launches may wait for the GIL or a core."""
     rank, num_layers = adapter.rank, adapter.num_layers
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # adapted target -> (A shape, B shape)

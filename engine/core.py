@@ -25,7 +25,7 @@ from engine.adapters import AdapterRecord, LocalAdapters, check_within, read_can
 from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
-from engine.errors import FailedPrecondition, NotFound
+from engine.errors import FailedPrecondition, NotFound, Unavailable
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
 from engine.lora_pool import PackedAdapter, fused_targets, served_modules
@@ -65,6 +65,7 @@ class EngineCore:
     refs: dict[str, str] = field(default_factory=dict)  # digest -> "name@version" of adapters seen
     metrics: EngineMetrics | None = None
     _loading: dict[str, asyncio.Task] = field(default_factory=dict)  # digest -> load in progress
+    _closed: bool = False  # close() ran: no more adapter loads
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineCore:
@@ -109,7 +110,9 @@ class EngineCore:
         return self.loop.workers
 
     def close(self) -> None:
-        """Stop the loop and every model worker, and the adapter packing threads."""
+        """Stop the loop and every model worker, and the adapter packing threads (a pack not yet started
+        is dropped: its callers get UNAVAILABLE)."""
+        self._closed = True
         self.loop.stop()
         if "_prep" in self.__dict__:
             self._prep.shutdown(wait=False, cancel_futures=True)
@@ -191,19 +194,35 @@ class EngineCore:
     async def _load(self, record: AdapterRecord) -> PackedAdapter:
         """The one loading path of local and registry adapters: artifact bytes -> checked -> packed -> cached."""
         started = time.monotonic()
-        loop = asyncio.get_running_loop()
         if record.path is not None:
-            data = await loop.run_in_executor(self._prep, _read_artifact, record.path)
+            data = await self._on_prep_thread(_read_artifact, record.path)
         else:
             data = await self.link.fetch(record)
             if self.metrics is not None:
                 self.metrics.adapter_fetch_bytes.inc(len(data))
                 self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
-        packed = await loop.run_in_executor(self._prep, self._pack, record, data)
+        packed = await self._on_prep_thread(self._pack, record, data)
         self.lora.host_cache.put(packed)
         if self.metrics is not None:
             self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)
         return packed
+
+    async def _on_prep_thread(self, fn, *args):
+        """fn(*args) on a packing thread; UNAVAILABLE once the engine is closing (also for a call that
+        close() dropped before it started)."""
+        stopping = Unavailable("the engine is stopping: adapters are no longer loaded")
+        if self._closed:
+            raise stopping
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+        except RuntimeError:  # the executor was shut down between the check and the submit
+            if self._closed:
+                raise stopping from None
+            raise
+        except asyncio.CancelledError:
+            if self._closed and not _current_task_cancelling():
+                raise stopping from None
+            raise
 
     def _pack(self, record: AdapterRecord, artifact: memoryview) -> PackedAdapter:
         digest = record.digest
@@ -274,6 +293,12 @@ class EngineCore:
             deadline=deadline,
             tenant=tenant,
         )
+
+
+def _current_task_cancelling() -> bool:
+    """Whether the running task itself was asked to cancel (not just an awaited future it holds)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _read_artifact(path: Path) -> memoryview:

@@ -127,7 +127,7 @@ class EngineServer:
         try:
             self.admission.is_open = False
             await self.host.set_serving(False)
-            await asyncio.to_thread(self.core.loop.stop)
+            await asyncio.to_thread(self.core.close)  # the loop, the model workers, the packing threads
             await (self.host.stop() if grace is None else self.host.stop(grace))
             if self.http is not None:
                 await self.http.stop()

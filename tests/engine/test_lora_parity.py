@@ -17,7 +17,7 @@ from engine.adapters import LocalAdapters
 from engine.attention import RefBackend
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.errors import FailedPrecondition
+from engine.errors import FailedPrecondition, Unavailable
 from engine.forward_inputs import AttentionInputs, KVBuffers
 from engine.lora_inputs import LoraInputs, sgmv_ops
 from engine.request import Finished, TokenDelta
@@ -328,6 +328,19 @@ def test_slots_for_some_targets_serve_the_adapters_within_them(tiny_llama_dir, a
         asyncio.run(core.on_registry_event("PINNED", record))  # a registry's pin of it: a warning, not a failure
     assert f"cannot pin {record.ref}" in caplog.text and re.search(message, caplog.text)
     assert core.lora.slots.slot_of(record.digest) is None
+
+
+def test_a_closed_engine_loads_no_more_adapters(tiny_llama_dir, adapter_dirs, tmp_path):
+    """After close() (the server's stop), an adapter not yet in the host cache is refused UNAVAILABLE,
+    and no packing thread is started for it; one packed before stays served from the cache."""
+    core = make_core(tiny_llama_dir, {"attn": adapter_dirs["attn"], "mlp": adapter_dirs["mlp"]}, tmp_path, max_loras_per_batch=2)
+    before = asyncio.run(core.prepare(core.adapters.resolve("attn")))
+    core.close()
+    assert "_prep" in core.__dict__ and core._prep._shutdown
+    with pytest.raises(Unavailable, match="the engine is stopping"):
+        asyncio.run(core.prepare(core.adapters.resolve("mlp")))
+    assert core.lora.host_cache.get(core.adapters.resolve("mlp").digest) is None
+    assert asyncio.run(core.prepare(core.adapters.resolve("attn"))) is before
 
 
 def test_a_local_adapter_beyond_the_target_modules_is_refused_at_start(tiny_llama_dir, adapter_dirs, tmp_path):

@@ -428,19 +428,23 @@ async def test_fetched_adapters_pack_on_the_prep_threads_at_most_that_many_at_a_
             names = [f"prep{i}" for i in range(3)]
             for i, name in enumerate(names):
                 await registry.register(name, make_adapter(f"link-prep{i}", r=4, lora_alpha=8, seed=90 + i))
-            core, lock = engine.core, threading.Lock()
+            core, changed = engine.core, threading.Condition()
             active, most, threads, real_pack = [0], [0], set(), core._pack
 
             def pack(record, artifact):
-                with lock:
+                with changed:
                     active[0] += 1
                     most[0] = max(most[0], active[0])
                     threads.add(threading.current_thread().name)
-                time.sleep(0.3)  # long enough for every fetch to be done and waiting to pack
+                    changed.notify_all()
+                    # hold until the threads allowed are all packing (or a third one slipped in), so the
+                    # count does not depend on how the fetches happen to interleave
+                    changed.wait_for(lambda: active[0] >= prep_threads, timeout=HANG_S)
+                time.sleep(0.1)  # time for a pack beyond the limit to start, were there no limit
                 try:
                     return real_pack(record, artifact)
                 finally:
-                    with lock:
+                    with changed:
                         active[0] -= 1
 
             core._pack = pack
