@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ops", type=int, default=300, help="small tensor ops a loop iteration")
     parser.add_argument("--wait-ms", type=float, default=5.0, help="the iteration's GIL-free wait (a device step)")
     args = parser.parse_args(argv)
-    config = json.loads(json.dumps(CONFIGS[args.shape]))
+    config = CONFIGS[args.shape]
     shape = ModelShape.from_config(config)
     targets = {t.name: t for t in fused_targets(ModelConfig.from_hf(config), ())}
     served = frozenset(args.targets)
@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         work: queue.Queue = queue.Queue()
         for i in range(args.packs if num_threads else 0):
             work.put(data[i % len(data)])
-        done = threading.Event()
         packed: list[int] = []  # bytes of each adapter packed (list.append is atomic)
 
         def packer() -> None:
@@ -106,13 +105,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             t.start()
         host_ms: list[float] = []
         if num_threads:
-            watcher = threading.Thread(target=lambda: ([t.join() for t in threads], done.set()))
-            watcher.start()
             while True:  # at least one iteration, however soon the packers finish
                 host_ms.append(iteration())
-                if done.is_set():
+                if not any(t.is_alive() for t in threads):
                     break
-            watcher.join()
         else:
             host_ms = [iteration() for _ in range(200)]
         elapsed = time.perf_counter() - started

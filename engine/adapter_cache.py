@@ -33,8 +33,9 @@ def pack_adapter(
 
     The tensors are allocated where they will live (the arena block, or pinned memory; shared memory is
     made by moving a fresh tensor there, one copy of uninitialized bytes) and each layer's projection is
-    written into them once: no zero fill beneath the copies, no second copy into pinned memory. Packing runs beside the engine loop's launches (EngineCore's prep thread), so each
-    pass over the adapter's bytes is time the launches may wait for the GIL or a core."""
+    written into them once: no zero fill beneath the copies, no second copy into pinned memory. Packing
+    runs beside the engine loop's launches (EngineCore's prep thread), so each pass over the adapter's
+    bytes is time the launches may wait for the GIL or a core."""
     rank, num_layers = adapter.rank, adapter.num_layers
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # adapted target -> (A shape, B shape)
     for name, target in targets.items():
@@ -42,29 +43,28 @@ def pack_adapter(
             continue
         shapes[name] = ((num_layers, target.num_stack * rank, target.in_dim), (num_layers, target.out_dim, rank))
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [_aligned(math.prod(shape) * itemsize) for pair in shapes.values() for shape in pair]
-    block = arena.take(sum(sizes)) if arena is not None and pin and not share else None
-    if block is None:
-        a = {name: _empty(a_shape, dtype, pin, share) for name, (a_shape, _) in shapes.items()}
-        b = {name: _empty(b_shape, dtype, pin, share) for name, (_, b_shape) in shapes.items()}
-        for name in shapes:
-            _fill(adapter, targets[name], a[name], b[name])
-        return PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b)
+    nbytes = {shape: math.prod(shape) * itemsize for pair in shapes.values() for shape in pair}
+    total = sum(_aligned(nbytes[shape]) for pair in shapes.values() for shape in pair)
+    block = arena.take(total) if arena is not None and pin and not share else None
     reads = HostReads()
     try:
-        offset, a, b = block[0], {}, {}
+        a, b = {}, {}
+        offset = block[0] if block is not None else 0
         for name, (a_shape, b_shape) in shapes.items():
             for tensors, shape in ((a, a_shape), (b, b_shape)):
-                nbytes = math.prod(shape) * itemsize
-                tensors[name] = arena.view(offset, nbytes, dtype, shape)
-                offset += _aligned(nbytes)
-        for name in shapes:
+                if block is None:
+                    tensors[name] = _empty(shape, dtype, pin, share)
+                else:
+                    tensors[name] = arena.view(offset, nbytes[shape], dtype, shape)
+                    offset += _aligned(nbytes[shape])
             _fill(adapter, targets[name], a[name], b[name])
         result = PackedAdapter(digest=digest, rank=rank, scaling=adapter.scaling, a=a, b=b, reads=reads)
     except BaseException:
-        arena.give_back(*block, reads)
+        if block is not None:
+            arena.give_back(*block, reads)
         raise
-    weakref.finalize(result, arena.give_back, *block, reads)
+    if block is not None:
+        weakref.finalize(result, arena.give_back, *block, reads)
     return result
 
 
