@@ -2,15 +2,17 @@
 
 The engine checks and packs each fetched adapter (engine/core.py `_pack`: read_canonical_within, then
 pack_adapter) on --adapter-prep-threads threads while its loop thread plans and launches steps. Both
-need the GIL. This times a stand-in loop thread, whose iteration is the Python and small tensor ops of
-planning and launching a step followed by a wait with the GIL released (the device running the step),
-alone and while P threads pack the same number of real canonical artifacts (Llama-3-8B shape,
-rank 16):
+need the GIL. This times a stand-in loop thread, whose iteration is the pure Python of planning a step
+(holding the GIL throughout), the small tensor ops of launching it, then a wait with the GIL released
+(the device running the step), alone and while P threads pack the same number of real canonical
+artifacts (Llama-3-8B shape, rank 16):
 
     PYTHONPATH=. python benchmarks/adapter_prep.py --threads 1 4 20 --targets q_proj v_proj
 
 One JSON line per case: the loop iteration's host time (the iteration less its wait) median / p99 /
-max in ms, the iterations that ran, and the adapters packed per second.
+max in ms, the iterations that ran, the adapters packed per second and each pack's time (median / max
+ms). Each torch call a packer makes lets go of the GIL; taking it back while the loop holds it waits up
+to a switch interval, so the pack times show how many such calls packing makes.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--distinct", type=int, default=4, help="distinct artifacts (each packed several times)")
     parser.add_argument("--packs", type=int, default=40, help="adapters packed per case")
     parser.add_argument("--ops", type=int, default=300, help="small tensor ops a loop iteration")
+    parser.add_argument("--python-ms", type=float, default=2.0, help="pure Python a loop iteration (GIL held)")
     parser.add_argument("--wait-ms", type=float, default=5.0, help="the iteration's GIL-free wait (a device step)")
     args = parser.parse_args(argv)
     config = CONFIGS[args.shape]
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     def iteration() -> float:
         """One stand-in step: host work, then the wait; returns the host part in ms."""
         started = time.perf_counter()
+        while time.perf_counter() - started < args.python_ms / 1e3:
+            pass
         for i in range(args.ops):
             t = torch.tensor(ids[: 1 + i % 64])
             small[: t.numel()].copy_(t)
@@ -79,17 +84,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         time.sleep(args.wait_ms / 1e3)  # the GIL is free while the device runs the step
         return host * 1e3
 
-    def pack(artifact: memoryview) -> int:
-        """Pack one artifact; returns the packed bytes."""
+    def pack(artifact: memoryview) -> tuple[int, float]:
+        """Pack one artifact; returns the packed bytes and the time it took (ms)."""
+        started = time.perf_counter()
         adapter = read_canonical_within(artifact, shape, args.rank, "bench", served)
         packed = pack_adapter("d", adapter, targets, torch.bfloat16, pin=False)
-        return sum(t.nbytes for t in (*packed.a.values(), *packed.b.values()))
+        nbytes = sum(t.nbytes for t in (*packed.a.values(), *packed.b.values()))
+        return nbytes, (time.perf_counter() - started) * 1e3
 
     def case(num_threads: int) -> dict:
         work: queue.Queue = queue.Queue()
         for i in range(args.packs if num_threads else 0):
             work.put(data[i % len(data)])
-        packed: list[int] = []  # bytes of each adapter packed (list.append is atomic)
+        packed: list[tuple[int, float]] = []  # (bytes, ms) of each adapter packed (list.append is atomic)
 
         def packer() -> None:
             while True:
@@ -114,7 +121,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         elapsed = time.perf_counter() - started
         return {
             "shape": args.shape, "pack_threads": num_threads, "targets": args.targets, "packs": len(packed),
-            "packed_mb": sum(packed) / 1e6 / max(1, len(packed)),
+            "packed_mb": sum(n for n, _ in packed) / 1e6 / max(1, len(packed)),
+            "pack_ms_median": statistics.median(ms for _, ms in packed) if packed else None,
+            "pack_ms_max": max((ms for _, ms in packed), default=None),
             "packs_per_s": len(packed) / elapsed if num_threads else None, "iterations": len(host_ms),
             "loop_host_ms_median": statistics.median(host_ms), "loop_host_ms_p99": float(np.percentile(host_ms, 99)),
             "loop_host_ms_max": max(host_ms),

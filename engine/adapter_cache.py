@@ -17,6 +17,7 @@ import torch
 from engine.lora_pool import FusedTarget, PackedAdapter
 from engine.pinned_arena import HostReads, PinnedArena
 from loraformat.peft_compile import CanonicalAdapter
+from loraformat.safetensors_io import TensorViews
 
 ARENA_ALIGN = 256  # bytes between a packed adapter's tensors in an arena block
 
@@ -39,7 +40,7 @@ def pack_adapter(
     rank, num_layers = adapter.rank, adapter.num_layers
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # adapted target -> (A shape, B shape)
     for name, target in targets.items():
-        if all(adapter.module_weights(layer, m) is None for layer in range(num_layers) for m in target.modules):
+        if not any(adapter.adapts(layer, m) for layer in range(num_layers) for m in target.modules):
             continue
         shapes[name] = ((num_layers, target.num_stack * rank, target.in_dim), (num_layers, target.out_dim, rank))
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -71,19 +72,64 @@ def pack_adapter(
 def _fill(adapter: CanonicalAdapter, target: FusedTarget, a: torch.Tensor, b: torch.Tensor) -> None:
     """Write every layer's projections of `target` into a [L, stack * rank, in] and b [L, out, rank],
     zeros where the adapter lacks one; every element is written once (the stacked A rows and the B
-    output slices tile the tensors)."""
+    output slices tile the tensors, layer by layer and projection by projection in order).
+
+    A handful of torch calls whatever the adapter's size: each torch call lets go of the GIL and must
+    take it back, and while the engine loop or the event loop holds it that wait lasts up to a switch
+    interval (5 ms). A copy (or a zero fill) per layer and projection, about 200 calls for a q/v
+    adapter of a 32-layer model, made packing beside a busy loop take hundreds of milliseconds.
+    Indexing keeps the GIL, so the pieces are gathered by slicing: the artifact's bytes when it is a
+    read artifact of the packed dtype (one `torch.cat` per tensor, no view per artifact tensor), else
+    its tensors (one `torch._foreach_copy_` and one `torch._foreach_zero_`)."""
     rank = adapter.rank
+    present = [[adapter.adapts(layer, m) for m in target.modules] for layer in range(adapter.num_layers)]
+    views = adapter.tensors
+    if isinstance(views, TensorViews) and all(
+        views.info(_name(layer, m, part)).torch_dtype == a.dtype
+        for layer in range(adapter.num_layers) for k, m in enumerate(target.modules) if present[layer][k] for part in "AB"
+    ):  # fmt: skip
+        _gather_bytes(views, adapter, target, present, a, b)
+        return
+    dst, src, zeros = [], [], []
     for layer in range(adapter.num_layers):
         for k, module in enumerate(target.modules):
             offset, size = target.output_slices[k]
             a_rows, b_rows = a[layer, k * rank : (k + 1) * rank], b[layer, offset : offset + size]
-            weights = adapter.module_weights(layer, module)
-            if weights is None:
-                a_rows.zero_()
-                b_rows.zero_()
+            if present[layer][k]:
+                dst += (a_rows, b_rows)
+                src += adapter.module_weights(layer, module)  # lora_A [rank, in], lora_B [out, rank]
             else:
-                a_rows.copy_(weights[0])  # lora_A [rank, in]
-                b_rows.copy_(weights[1])  # lora_B [out, rank]
+                zeros += (a_rows, b_rows)
+    if dst:
+        torch._foreach_copy_(dst, src)
+    if zeros:
+        torch._foreach_zero_(zeros)
+
+
+def _gather_bytes(
+    views: TensorViews, adapter: CanonicalAdapter, target: FusedTarget, present: list[list[bool]], a: torch.Tensor, b: torch.Tensor
+) -> None:
+    """_fill from the artifact's bytes: each packed tensor is the concatenation, layer by layer and
+    projection by projection, of the projections' lora_A (lora_B) bytes or zeros where one is missing."""
+    rank, itemsize = adapter.rank, a.element_size()
+    if [offset for offset, _ in target.output_slices] != [sum(n for _, n in target.output_slices[:k]) for k in range(target.num_stack)]:
+        raise ValueError(f"target {target.name}: its output slices do not tile its output in order")
+    sizes = {"A": [rank * target.in_dim * itemsize] * target.num_stack, "B": [n * rank * itemsize for _, n in target.output_slices]}
+    zeros = torch.zeros(max(max(sizes["A"]), max(sizes["B"])), dtype=torch.uint8) if not all(map(all, present)) else None
+    for part, packed in (("A", a), ("B", b)):
+        pieces = []
+        for layer in range(adapter.num_layers):
+            for k, module in enumerate(target.modules):
+                nbytes = sizes[part][k]
+                piece = views.raw_bytes(_name(layer, module, part)) if present[layer][k] else zeros[:nbytes]
+                if piece.numel() != nbytes:
+                    raise ValueError(f"{_name(layer, module, part)}: {piece.numel()} bytes where target {target.name} holds {nbytes}")
+                pieces.append(piece)
+        torch.cat(pieces, out=packed.view(torch.uint8).view(-1))
+
+
+def _name(layer: int, module: str, part: str) -> str:
+    return f"layers.{layer}.{module}.lora_{part}"
 
 
 def _aligned(nbytes: int) -> int:

@@ -21,10 +21,11 @@ DEFAULT_LORA_DRAIN_WAIT_S = 2.0
 # behind one step's compute, and a burst of new adapters still loads a few steps ahead of admission.
 DEFAULT_LORA_LOAD_AHEAD = 2
 
-# One: fetched adapters are checked and packed one at a time, so the engine loop shares the GIL with one
-# packer at most (BENCHMARKS.md, 2026-12-02: a cold Zipf pass whose adapters packed on asyncio's twenty
-# default threads).
-DEFAULT_ADAPTER_PREP_THREADS = 1
+# Four, as many as the fetches that run at once (--max-concurrent-fetches). A cold Zipf pass over 1000
+# q/v adapters, Llama-3-8B on an H200, ran at 0.09-0.11 of base with one packing thread, 0.60 with four
+# and 0.50 with twenty (BENCHMARKS.md, 2026-12-02): one thread starves while the engine loop, short of
+# adapters, runs steps of few rows back to back; twenty take the GIL from the loop's launches.
+DEFAULT_ADAPTER_PREP_THREADS = 4
 
 # A bit over a third of an H200's 132 SMs. Llama-3-8B decode steps with rank-16 adapters on every
 # projection, each GEMM enqueued before its side-stream LoRA kernels (BENCHMARKS.md, 2026-12-02), LoRA/base

@@ -18,7 +18,7 @@ import contextlib
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -352,8 +352,13 @@ class CanonicalAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...]
     metadata: dict[str, str]
-    # layers.{i}.{module}.lora_A: [rank, in_dim]; layers.{i}.{module}.lora_B: [out_dim, rank]
-    tensors: dict[str, torch.Tensor]
+    # layers.{i}.{module}.lora_A: [rank, in_dim]; layers.{i}.{module}.lora_B: [out_dim, rank]; a read
+    # artifact's are TensorViews (views made on first lookup, bytes without one)
+    tensors: Mapping[str, torch.Tensor]
+
+    def adapts(self, layer: int, module: str) -> bool:
+        """Whether the adapter changes this projection (no tensor view is made)."""
+        return f"layers.{layer}.{module}.lora_A" in self.tensors
 
     def module_weights(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A, B) of one projection, or None when the adapter leaves it unchanged."""
@@ -372,7 +377,7 @@ def read_canonical(
     else:
         sf = SafetensorsFile.open(source, limits)
     fields = _canonical_fields(sf.label, sf.metadata)
-    adapter = CanonicalAdapter(**fields, metadata=dict(sf.metadata), tensors=sf.tensors())
+    adapter = CanonicalAdapter(**fields, metadata=dict(sf.metadata), tensors=sf.views())
     _check_canonical_tensors(sf, adapter, shape)
     return adapter
 

@@ -124,6 +124,10 @@ class SafetensorsFile:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: self.tensor(name) for name in self.names}
 
+    def views(self) -> TensorViews:
+        """name -> tensor view, each made when first looked up (TensorViews)."""
+        return TensorViews(self)
+
     def close(self) -> None:
         # Never mmap.close(): torch.frombuffer keeps a reference to the mmap object but no buffer
         # export, so unmapping under a live view would crash. The views own the mapping; it goes
@@ -135,6 +139,52 @@ class SafetensorsFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TensorViews(Mapping[str, torch.Tensor]):
+    """A SafetensorsFile's tensors by name, each view made on first lookup and kept, plus each tensor's
+    bytes as a slice of one uint8 view of the data region (`raw`).
+
+    Making a view is two torch calls, and each torch call lets go of the GIL and must take it back: a
+    reader beside busy threads (the engine's packing threads beside its loop) waits up to a switch
+    interval for each. Slicing the raw view is indexing, which keeps the GIL, so a reader that wants
+    bytes (engine/adapter_cache.py pack_adapter) makes no view per tensor at all. Lookups from several
+    threads may each make a view of one name; both are views of the same bytes."""
+
+    def __init__(self, sf: SafetensorsFile):
+        self._sf = sf
+        self._views: dict[str, torch.Tensor] = {}
+        self._raw: torch.Tensor | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        view = self._views.get(name)
+        if view is None:
+            if name not in self._sf.infos:
+                raise KeyError(name)
+            view = self._views[name] = self._sf.tensor(name)
+        return view
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._sf.infos
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sf.names)
+
+    def __len__(self) -> int:
+        return len(self._sf.infos)
+
+    def info(self, name: str) -> TensorInfo:
+        return self._sf.infos[name]
+
+    def raw_bytes(self, name: str) -> torch.Tensor:
+        """The tensor's bytes: a 1-D uint8 slice of the data region (no copy)."""
+        info = self._sf.infos[name]
+        if self._raw is None:
+            if self._sf._buffer is None:
+                raise ValueError(f"{self._sf.label}: read after close()")
+            self._raw = torch.frombuffer(self._sf._buffer, dtype=torch.uint8)
+        start = self._sf._data_start
+        return self._raw[start + info.start : start + info.end]
 
 
 def load_safetensors(

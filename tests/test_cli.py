@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_ADAPTER_PREP_THREADS, EngineConfig
 from loramux.shell import cli
 from loramux.shell.commands import human_bytes, printable
 
@@ -75,7 +75,7 @@ def test_adapter_prep_threads_reach_the_engine_config_from_the_flag_or_its_varia
     from loramux.shell.settings import engine_config
 
     serve = ["engine", "serve", "--model", "m"]
-    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).adapter_prep_threads == 1
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).adapter_prep_threads == DEFAULT_ADAPTER_PREP_THREADS == 4
     args = cli.build_parser({"LORAMUX_ADAPTER_PREP_THREADS": "3"}).parse_args(serve)
     assert engine_config(args, "m", 0).adapter_prep_threads == 3
     args = cli.build_parser({"LORAMUX_ADAPTER_PREP_THREADS": "3"}).parse_args([*serve, "--adapter-prep-threads", "2"])

@@ -10,4 +10,5 @@ def test_adapter_prep_benchmark_smoke():
     assert rows[0]["packs"] == 0 and rows[0]["iterations"] == 200
     for row in rows[1:]:
         assert row["packs"] == 6 and row["packs_per_s"] > 0 and row["iterations"] >= 1
+        assert row["pack_ms_max"] >= row["pack_ms_median"] > 0
         assert row["packed_mb"] > 0 and row["loop_host_ms_max"] >= row["loop_host_ms_median"] > 0

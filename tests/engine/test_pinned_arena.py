@@ -5,6 +5,7 @@ merged when freed, a block lent again only after the copy that reads it, and pac
 from __future__ import annotations
 
 import gc
+import io
 import threading
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 from engine.adapter_cache import pack_adapter
 from engine.lora_pool import fused_targets
 from engine.pinned_arena import HostReads, PinnedArena
+from loraformat.peft_compile import FORMAT, FORMAT_VERSION, CanonicalAdapter, read_canonical
+from loraformat.safetensors_io import TensorViews, write_safetensors
 from tests.engine.test_lora_slots import CONFIG, MODULES, canonical
 
 KB = 1024
@@ -138,16 +141,40 @@ def expected_pack(adapter, target) -> tuple[torch.Tensor, torch.Tensor]:
     return a, b
 
 
-@pytest.mark.parametrize("where", ["arena", "fresh"])
-def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch, where):
+def as_artifact(adapter: CanonicalAdapter, dtype: torch.dtype) -> CanonicalAdapter:
+    """The adapter written as a canonical artifact with tensors of `dtype` and read back from its bytes,
+    as the engine reads a fetched one (tensors: TensorViews over the bytes)."""
+    metadata = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "base_model": adapter.base_model,
+        "num_layers": str(adapter.num_layers), "rank": str(adapter.rank), "alpha": str(adapter.alpha),
+        "scaling": str(adapter.scaling), "use_rslora": "false", "target_modules": ",".join(adapter.target_modules),
+    }  # fmt: skip
+    out = io.BytesIO()
+    write_safetensors(out, {name: t.to(dtype) for name, t in adapter.tensors.items()}, metadata)
+    read = read_canonical(memoryview(bytearray(out.getvalue())))
+    assert isinstance(read.tensors, TensorViews)
+    return read
+
+
+@pytest.mark.parametrize(
+    "where,source", [("arena", "tensors"), ("fresh", "tensors"), ("arena", "bytes"), ("fresh", "bytes"), ("fresh", "views")]
+)
+def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch, where, source):
     """Packed tensors are allocated uninitialized (an arena block, fresh pinned or plain memory) and
     written once: the projections an adapter lacks (k_proj in a q/v adapter's q/k/v stack, v_proj in one
     layer, the MLP stack's down_proj here) come out as zeros, not as what the memory held before (NaN
-    bytes here), and the rest as the adapter's weights."""
+    bytes here), and the rest as the adapter's weights. Three sources: tensors in memory (copied
+    tensor by tensor), an artifact of the packed dtype (its bytes gathered, no view made of its
+    tensors) and one of another dtype (bf16 here: its tensors viewed and converted)."""
     import engine.adapter_cache as adapter_cache
 
     adapter = canonical(4, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), seed=5)
     del adapter.tensors["layers.1.v_proj.lora_A"], adapter.tensors["layers.1.v_proj.lora_B"]
+    views: list[str] = []  # the artifact tensors packing made a view of
+    if source != "tensors":
+        adapter = as_artifact(adapter, torch.float32 if source == "bytes" else torch.bfloat16)
+        sf = adapter.tensors._sf
+        monkeypatch.setattr(sf, "tensor", lambda name, make=sf.tensor: views.append(name) or make(name))
     targets = {t.name: t for t in fused_targets(CONFIG)}
     dirty = PinnedArena(64 * KB * KB, pin=False, granule=KB)
     dirty.buffer.fill_(0xFF)  # NaN in every float32
@@ -156,6 +183,7 @@ def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch
             adapter_cache, "_empty", lambda shape, dtype, pin, share: torch.full(shape, float("nan"), dtype=dtype)
         )  # fmt: skip
     packed = pack_adapter("d", adapter, targets, torch.float32, pin=True, arena=dirty if where == "arena" else None)
+    assert len(views) == {"tensors": 0, "bytes": 0, "views": len(adapter.tensors)}[source]
     assert dirty.num_blocks == (1 if where == "arena" else 0)
     assert set(packed.a) == {"qkv", "o", "gate_up"}  # down_proj: no projection of its target, left out
     for name, (a, b) in ((n, expected_pack(adapter, targets[n])) for n in packed.a):

@@ -118,6 +118,32 @@ def test_reader_from_buffer_matches_file(tmp_path: Path):
     assert torch.equal(sf.tensor("b.weight"), sample_tensors()["b.weight"])
 
 
+def test_views_are_made_on_first_lookup_and_bytes_need_none(tmp_path: Path):
+    """TensorViews: a mapping of the file's tensors that makes each view when first looked up (and
+    keeps it), and hands out a tensor's bytes as a slice of the data region without making its view."""
+    tensors = sample_tensors()
+    write_safetensors(tmp_path / "x", tensors, {})
+    sf = SafetensorsFile.from_buffer(bytearray((tmp_path / "x").read_bytes()), "artifact")
+    made: list[str] = []
+    make = sf.tensor
+    sf.tensor = lambda name: made.append(name) or make(name)
+    views = sf.views()
+    assert sorted(views) == sorted(tensors) and len(views) == len(tensors)
+    assert "a.weight" in views and "nope" not in views and views.get("nope") is None
+    for name, tensor in tensors.items():
+        raw = views.raw_bytes(name)
+        assert raw.dtype == torch.uint8 and bytes(raw.numpy()) == tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        assert views.info(name).torch_dtype == tensor.dtype
+    assert made == []  # bytes and metadata: no view made
+    assert torch.equal(views["b.weight"], tensors["b.weight"]) and views["b.weight"] is views["b.weight"]
+    assert made == ["b.weight"]
+    with pytest.raises(KeyError):
+        views["nope"]
+    sf.close()
+    with pytest.raises(ValueError, match="after close"):
+        sf.views().raw_bytes("a.weight")
+
+
 # ---- reader: rejections ----
 
 ONE = {"t": f32_entry([2], 0)}
