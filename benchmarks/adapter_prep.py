@@ -12,7 +12,8 @@ artifacts (Llama-3-8B shape, rank 16):
 One JSON line per case: the loop iteration's host time (the iteration less its wait) median / p99 /
 max in ms, the iterations that ran, the adapters packed per second and each pack's time (median / max
 ms). Each torch call a packer makes lets go of the GIL; taking it back while the loop holds it waits up
-to a switch interval, so the pack times show how many such calls packing makes.
+to a switch interval, so the pack times show how many such calls packing makes. `--torch-threads` above
+the core count shows what torch's OpenMP copies cost where the cores are busy.
 """
 
 from __future__ import annotations
@@ -61,8 +62,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--packs", type=int, default=40, help="adapters packed per case")
     parser.add_argument("--ops", type=int, default=300, help="small tensor ops a loop iteration")
     parser.add_argument("--python-ms", type=float, default=2.0, help="pure Python a loop iteration (GIL held)")
+    parser.add_argument(
+        "--torch-threads", type=int, default=0,
+        help="torch's CPU threads (0: its default, one a core); more than the cores stand in for a host whose cores are busy",
+    )  # fmt: skip
     parser.add_argument("--wait-ms", type=float, default=5.0, help="the iteration's GIL-free wait (a device step)")
     args = parser.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     config = CONFIGS[args.shape]
     shape = ModelShape.from_config(config)
     targets = {t.name: t for t in fused_targets(ModelConfig.from_hf(config), ())}
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             host_ms = [iteration() for _ in range(200)]
         elapsed = time.perf_counter() - started
         return {
-            "shape": args.shape, "pack_threads": num_threads, "targets": args.targets, "packs": len(packed),
+            "shape": args.shape, "pack_threads": num_threads, "torch_threads": torch.get_num_threads(), "targets": args.targets, "packs": len(packed),
             "packed_mb": sum(n for n, _ in packed) / 1e6 / max(1, len(packed)),
             "pack_ms_median": statistics.median(ms for _, ms in packed) if packed else None,
             "pack_ms_max": max((ms for _, ms in packed), default=None),

@@ -12,6 +12,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.lora_pool import FusedTarget, PackedAdapter
@@ -43,7 +44,7 @@ def pack_adapter(
         if not any(adapter.adapts(layer, m) for layer in range(num_layers) for m in target.modules):
             continue
         shapes[name] = ((num_layers, target.num_stack * rank, target.in_dim), (num_layers, target.out_dim, rank))
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = {shape: math.prod(shape) * itemsize for pair in shapes.values() for shape in pair}
     total = sum(_aligned(nbytes[shape]) for pair in shapes.values() for shape in pair)
     block = arena.take(total) if arena is not None and pin and not share else None
@@ -74,21 +75,17 @@ def _fill(adapter: CanonicalAdapter, target: FusedTarget, a: torch.Tensor, b: to
     zeros where the adapter lacks one; every element is written once (the stacked A rows and the B
     output slices tile the tensors, layer by layer and projection by projection in order).
 
-    A handful of torch calls whatever the adapter's size: each torch call lets go of the GIL and must
-    take it back, and while the engine loop or the event loop holds it that wait lasts up to a switch
-    interval (5 ms). A copy (or a zero fill) per layer and projection, about 200 calls for a q/v
-    adapter of a 32-layer model, made packing beside a busy loop take hundreds of milliseconds.
-    Indexing keeps the GIL, so the pieces are gathered by slicing: the artifact's bytes when it is a
-    read artifact of the packed dtype (one `torch.cat` per tensor, no view per artifact tensor), else
-    its tensors (one `torch._foreach_copy_` and one `torch._foreach_zero_`)."""
+    Packing runs on the prep threads beside the engine loop, so it makes a handful of calls whatever the
+    adapter's size. Each torch call lets go of the GIL and must take it back, a wait of up to a switch
+    interval (5 ms) while the loop holds it; and a CPU copy of over 32768 elements runs as an OpenMP
+    region over torch's threads (one a core), which stalls whenever a core is busy elsewhere (the loop's
+    device waits, the event loop, the fetches). A copy per layer and projection, about 200 for a q/v
+    adapter of a 32-layer model, was both. A read artifact whose tensors share one dtype is gathered from
+    its bytes (_gather_bytes); other adapters (tensors in memory, mixed dtypes) copy their tensors in one
+    `torch._foreach_copy_` and zero the rest in one `torch._foreach_zero_`."""
     rank = adapter.rank
     present = [[adapter.adapts(layer, m) for m in target.modules] for layer in range(adapter.num_layers)]
-    views = adapter.tensors
-    if isinstance(views, TensorViews) and all(
-        views.info(_name(layer, m, part)).torch_dtype == a.dtype
-        for layer in range(adapter.num_layers) for k, m in enumerate(target.modules) if present[layer][k] for part in "AB"
-    ):  # fmt: skip
-        _gather_bytes(views, adapter, target, present, a, b)
+    if isinstance(adapter.tensors, TensorViews) and _gather_bytes(adapter.tensors, adapter, target, present, a, b):
         return
     dst, src, zeros = [], [], []
     for layer in range(adapter.num_layers):
@@ -106,26 +103,56 @@ def _fill(adapter: CanonicalAdapter, target: FusedTarget, a: torch.Tensor, b: to
         torch._foreach_zero_(zeros)
 
 
+MIN_GATHER_ROW = 256  # bytes; a finer grain gathers through index arrays as large as the adapter
+
+
 def _gather_bytes(
     views: TensorViews, adapter: CanonicalAdapter, target: FusedTarget, present: list[list[bool]], a: torch.Tensor, b: torch.Tensor
-) -> None:
-    """_fill from the artifact's bytes: each packed tensor is the concatenation, layer by layer and
-    projection by projection, of the projections' lora_A (lora_B) bytes or zeros where one is missing."""
-    rank, itemsize = adapter.rank, a.element_size()
+) -> bool:
+    """_fill from the artifact's bytes, in numpy: each packed tensor is the concatenation, layer by layer
+    and projection by projection, of the projections' lora_A (lora_B) bytes, zeros where one is missing.
+    One `np.take` of whole rows (R bytes, the largest size that divides every piece and offset) copies
+    them on this thread with the GIL let go once, and one assignment zeroes the missing pieces. An
+    artifact of another dtype than the packed tensors is gathered into a staging buffer that one torch
+    copy converts. False (nothing written) when the tensors are of several dtypes or the pieces only
+    line up on rows under MIN_GATHER_ROW bytes."""
+    dtypes = {views.info(_name(layer, m, part)).torch_dtype
+              for layer in range(adapter.num_layers) for k, m in enumerate(target.modules) if present[layer][k] for part in "AB"}  # fmt: skip
+    if len(dtypes) != 1:
+        return False
+    (dtype,) = dtypes
     if [offset for offset, _ in target.output_slices] != [sum(n for _, n in target.output_slices[:k]) for k in range(target.num_stack)]:
         raise ValueError(f"target {target.name}: its output slices do not tile its output in order")
-    sizes = {"A": [rank * target.in_dim * itemsize] * target.num_stack, "B": [n * rank * itemsize for _, n in target.output_slices]}
-    zeros = torch.zeros(max(max(sizes["A"]), max(sizes["B"])), dtype=torch.uint8) if not all(map(all, present)) else None
+    itemsize, rank = dtype.itemsize, adapter.rank
+    pieces = {"A": [], "B": []}  # part -> [(source start or -1 for zeros, bytes)] in packed order
+    for layer in range(adapter.num_layers):
+        for k, module in enumerate(target.modules):
+            for part, numel in (("A", rank * target.in_dim), ("B", target.output_slices[k][1] * rank)):
+                nbytes, start = numel * itemsize, -1
+                if present[layer][k]:
+                    info = views.info(_name(layer, module, part))
+                    if info.end - info.start != nbytes:
+                        raise ValueError(f"{info.name}: {info.end - info.start} bytes where target {target.name} holds {nbytes}")
+                    start = info.start
+                pieces[part].append((start, nbytes))
+    row = math.gcd(*(n for part in pieces.values() for start, n in part), *(start for part in pieces.values() for start, _ in part if start > 0))
+    if row < MIN_GATHER_ROW:
+        return False
+    region = views.data_region()
+    rows = region[: len(region) // row * row].reshape(-1, row)
     for part, packed in (("A", a), ("B", b)):
-        pieces = []
-        for layer in range(adapter.num_layers):
-            for k, module in enumerate(target.modules):
-                nbytes = sizes[part][k]
-                piece = views.raw_bytes(_name(layer, module, part)) if present[layer][k] else zeros[:nbytes]
-                if piece.numel() != nbytes:
-                    raise ValueError(f"{_name(layer, module, part)}: {piece.numel()} bytes where target {target.name} holds {nbytes}")
-                pieces.append(piece)
-        torch.cat(pieces, out=packed.view(torch.uint8).view(-1))
+        out = packed if packed.dtype == dtype else torch.empty(packed.shape, dtype=dtype)
+        out_rows = out.view(torch.uint8).numpy().reshape(-1, row)
+        starts = np.array([max(start, 0) // row for start, _ in pieces[part]])
+        counts = np.array([n // row for _, n in pieces[part]])
+        first = np.cumsum(counts) - counts  # each piece's first row in the packed tensor
+        np.take(rows, np.arange(len(out_rows)) + np.repeat(starts - first, counts), axis=0, out=out_rows, mode="clip")
+        missing = np.array([start < 0 for start, _ in pieces[part]])
+        if missing.any():
+            out_rows[np.repeat(missing, counts)] = 0
+        if out is not packed:
+            packed.copy_(out)
+    return True
 
 
 def _name(layer: int, module: str, part: str) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 from loraformat import bounded_json
@@ -124,6 +125,12 @@ class SafetensorsFile:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: self.tensor(name) for name in self.names}
 
+    def data_region(self) -> np.ndarray:
+        """The bytes after the header, uint8, a view of the buffer (no copy)."""
+        if self._buffer is None:
+            raise ValueError(f"{self.label}: read after close()")
+        return np.frombuffer(self._buffer, np.uint8, offset=self._data_start)
+
     def views(self) -> TensorViews:
         """name -> tensor view, each made when first looked up (TensorViews)."""
         return TensorViews(self)
@@ -142,19 +149,19 @@ class SafetensorsFile:
 
 
 class TensorViews(Mapping[str, torch.Tensor]):
-    """A SafetensorsFile's tensors by name, each view made on first lookup and kept, plus each tensor's
-    bytes as a slice of one uint8 view of the data region (`raw`).
+    """A SafetensorsFile's tensors by name, each view made on first lookup and kept, plus the data
+    region's bytes as one numpy array (`data_region`; each tensor's bytes lie at its info's [start,
+    end)).
 
     Making a view is two torch calls, and each torch call lets go of the GIL and must take it back: a
     reader beside busy threads (the engine's packing threads beside its loop) waits up to a switch
-    interval for each. Slicing the raw view is indexing, which keeps the GIL, so a reader that wants
-    bytes (engine/adapter_cache.py pack_adapter) makes no view per tensor at all. Lookups from several
-    threads may each make a view of one name; both are views of the same bytes."""
+    interval for each. A reader that wants bytes (engine/adapter_cache.py pack_adapter) reads them from
+    the region and makes no view at all. Lookups from several threads may each make a view of one
+    name; both are views of the same bytes."""
 
     def __init__(self, sf: SafetensorsFile):
         self._sf = sf
         self._views: dict[str, torch.Tensor] = {}
-        self._raw: torch.Tensor | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         view = self._views.get(name)
@@ -176,15 +183,9 @@ class TensorViews(Mapping[str, torch.Tensor]):
     def info(self, name: str) -> TensorInfo:
         return self._sf.infos[name]
 
-    def raw_bytes(self, name: str) -> torch.Tensor:
-        """The tensor's bytes: a 1-D uint8 slice of the data region (no copy)."""
-        info = self._sf.infos[name]
-        if self._raw is None:
-            if self._sf._buffer is None:
-                raise ValueError(f"{self._sf.label}: read after close()")
-            self._raw = torch.frombuffer(self._sf._buffer, dtype=torch.uint8)
-        start = self._sf._data_start
-        return self._raw[start + info.start : start + info.end]
+    def data_region(self) -> np.ndarray:
+        """The data region's bytes, uint8, without a copy (numpy: no torch call)."""
+        return self._sf.data_region()
 
 
 def load_safetensors(

@@ -141,40 +141,51 @@ def expected_pack(adapter, target) -> tuple[torch.Tensor, torch.Tensor]:
     return a, b
 
 
-def as_artifact(adapter: CanonicalAdapter, dtype: torch.dtype) -> CanonicalAdapter:
-    """The adapter written as a canonical artifact with tensors of `dtype` and read back from its bytes,
-    as the engine reads a fetched one (tensors: TensorViews over the bytes)."""
+def as_artifact(adapter: CanonicalAdapter, dtype_a: torch.dtype, dtype_b: torch.dtype) -> CanonicalAdapter:
+    """The adapter written as a canonical artifact (lora_A tensors of `dtype_a`, lora_B of `dtype_b`)
+    and read back from its bytes, as the engine reads a fetched one (tensors: TensorViews)."""
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "base_model": adapter.base_model,
         "num_layers": str(adapter.num_layers), "rank": str(adapter.rank), "alpha": str(adapter.alpha),
         "scaling": str(adapter.scaling), "use_rslora": "false", "target_modules": ",".join(adapter.target_modules),
     }  # fmt: skip
     out = io.BytesIO()
-    write_safetensors(out, {name: t.to(dtype) for name, t in adapter.tensors.items()}, metadata)
+    tensors = {name: t.to(dtype_a if name.endswith("A") else dtype_b) for name, t in adapter.tensors.items()}
+    write_safetensors(out, tensors, metadata)
     read = read_canonical(memoryview(bytearray(out.getvalue())))
     assert isinstance(read.tensors, TensorViews)
     return read
 
 
+SOURCES = {  # how the adapter reaches pack_adapter: (artifact dtypes of A, B; its pieces' smallest common row)
+    "tensors": None,  # in memory: copied tensor by tensor
+    "bytes": ((torch.float32, torch.float32), 256),  # the packed dtype: gathered from its bytes
+    "convert": ((torch.bfloat16, torch.bfloat16), 64),  # another dtype: gathered, then converted
+    "mixed": ((torch.float32, torch.bfloat16), 64),  # two dtypes: its tensors viewed and copied
+    "fine": ((torch.float32, torch.float32), 1 << 20),  # rows too fine to gather: viewed and copied
+}
+
+
 @pytest.mark.parametrize(
-    "where,source", [("arena", "tensors"), ("fresh", "tensors"), ("arena", "bytes"), ("fresh", "bytes"), ("fresh", "views")]
+    "where,source", [("arena", "tensors"), ("fresh", "tensors"), ("arena", "bytes"), *(("fresh", s) for s in SOURCES if s != "tensors")]
 )
 def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch, where, source):
     """Packed tensors are allocated uninitialized (an arena block, fresh pinned or plain memory) and
     written once: the projections an adapter lacks (k_proj in a q/v adapter's q/k/v stack, v_proj in one
     layer, the MLP stack's down_proj here) come out as zeros, not as what the memory held before (NaN
-    bytes here), and the rest as the adapter's weights. Three sources: tensors in memory (copied
-    tensor by tensor), an artifact of the packed dtype (its bytes gathered, no view made of its
-    tensors) and one of another dtype (bf16 here: its tensors viewed and converted)."""
+    bytes here), and the rest as the adapter's weights, from each source (SOURCES). An artifact gathered
+    from its bytes has no view made of its tensors."""
     import engine.adapter_cache as adapter_cache
 
     adapter = canonical(4, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), seed=5)
     del adapter.tensors["layers.1.v_proj.lora_A"], adapter.tensors["layers.1.v_proj.lora_B"]
     views: list[str] = []  # the artifact tensors packing made a view of
-    if source != "tensors":
-        adapter = as_artifact(adapter, torch.float32 if source == "bytes" else torch.bfloat16)
+    if SOURCES[source] is not None:
+        dtypes, min_row = SOURCES[source]
+        adapter = as_artifact(adapter, *dtypes)
         sf = adapter.tensors._sf
         monkeypatch.setattr(sf, "tensor", lambda name, make=sf.tensor: views.append(name) or make(name))
+        monkeypatch.setattr(adapter_cache, "MIN_GATHER_ROW", min_row)
     targets = {t.name: t for t in fused_targets(CONFIG)}
     dirty = PinnedArena(64 * KB * KB, pin=False, granule=KB)
     dirty.buffer.fill_(0xFF)  # NaN in every float32
@@ -183,7 +194,7 @@ def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch
             adapter_cache, "_empty", lambda shape, dtype, pin, share: torch.full(shape, float("nan"), dtype=dtype)
         )  # fmt: skip
     packed = pack_adapter("d", adapter, targets, torch.float32, pin=True, arena=dirty if where == "arena" else None)
-    assert len(views) == {"tensors": 0, "bytes": 0, "views": len(adapter.tensors)}[source]
+    assert len(views) == (len(adapter.tensors) if source in ("mixed", "fine") else 0)
     assert dirty.num_blocks == (1 if where == "arena" else 0)
     assert set(packed.a) == {"qkv", "o", "gate_up"}  # down_proj: no projection of its target, left out
     for name, (a, b) in ((n, expected_pack(adapter, targets[n])) for n in packed.a):

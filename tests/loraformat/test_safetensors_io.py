@@ -120,7 +120,8 @@ def test_reader_from_buffer_matches_file(tmp_path: Path):
 
 def test_views_are_made_on_first_lookup_and_bytes_need_none(tmp_path: Path):
     """TensorViews: a mapping of the file's tensors that makes each view when first looked up (and
-    keeps it), and hands out a tensor's bytes as a slice of the data region without making its view."""
+    keeps it), and hands out the data region's bytes, where each tensor's lie at its info's range,
+    without making a view."""
     tensors = sample_tensors()
     write_safetensors(tmp_path / "x", tensors, {})
     sf = SafetensorsFile.from_buffer(bytearray((tmp_path / "x").read_bytes()), "artifact")
@@ -130,10 +131,11 @@ def test_views_are_made_on_first_lookup_and_bytes_need_none(tmp_path: Path):
     views = sf.views()
     assert sorted(views) == sorted(tensors) and len(views) == len(tensors)
     assert "a.weight" in views and "nope" not in views and views.get("nope") is None
+    region = views.data_region()
     for name, tensor in tensors.items():
-        raw = views.raw_bytes(name)
-        assert raw.dtype == torch.uint8 and bytes(raw.numpy()) == tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), name
-        assert views.info(name).torch_dtype == tensor.dtype
+        info = views.info(name)
+        assert region[info.start : info.end].tobytes() == tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        assert info.torch_dtype == tensor.dtype
     assert made == []  # bytes and metadata: no view made
     assert torch.equal(views["b.weight"], tensors["b.weight"]) and views["b.weight"] is views["b.weight"]
     assert made == ["b.weight"]
@@ -141,7 +143,7 @@ def test_views_are_made_on_first_lookup_and_bytes_need_none(tmp_path: Path):
         views["nope"]
     sf.close()
     with pytest.raises(ValueError, match="after close"):
-        sf.views().raw_bytes("a.weight")
+        sf.views().data_region()
 
 
 # ---- reader: rejections ----
