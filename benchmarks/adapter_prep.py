@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--distinct", type=int, default=4, help="distinct artifacts (each packed several times)")
     parser.add_argument("--packs", type=int, default=40, help="adapters packed per case")
     parser.add_argument("--ops", type=int, default=300, help="small tensor ops a loop iteration")
-    parser.add_argument("--python-ms", type=float, default=2.0, help="pure Python a loop iteration (GIL held)")
+    parser.add_argument("--python-ms", type=float, default=0.0, help="pure Python a loop iteration (GIL held; 0: none, as before 2026-12-02)")
     parser.add_argument(
         "--torch-threads", type=int, default=0,
         help="torch's CPU threads (0: its default, one a core); more than the cores stand in for a host whose cores are busy",

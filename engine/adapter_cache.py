@@ -140,12 +140,16 @@ def _gather_bytes(
         return False
     region = views.data_region()
     rows = region[: len(region) // row * row].reshape(-1, row)
+    if any(start + n > rows.size for part in pieces.values() for start, n in part if start >= 0):
+        raise ValueError(f"target {target.name}: a piece of the artifact lies past its data region")
     for part, packed in (("A", a), ("B", b)):
         out = packed if packed.dtype == dtype else torch.empty(packed.shape, dtype=dtype)
         out_rows = out.view(torch.uint8).numpy().reshape(-1, row)
         starts = np.array([max(start, 0) // row for start, _ in pieces[part]])
         counts = np.array([n // row for _, n in pieces[part]])
         first = np.cumsum(counts) - counts  # each piece's first row in the packed tensor
+        # Present pieces lie within `rows` (checked above). A missing piece's rows start at row 0 and may
+        # run past the end, which "clip" (no buffered copy of `out`, unlike "raise") caps; they are zeroed.
         np.take(rows, np.arange(len(out_rows)) + np.repeat(starts - first, counts), axis=0, out=out_rows, mode="clip")
         missing = np.array([start < 0 for start, _ in pieces[part]])
         if missing.any():

@@ -7,13 +7,15 @@ from __future__ import annotations
 import gc
 import io
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine.adapter_cache import pack_adapter
-from engine.lora_pool import fused_targets
+from engine.lora_pool import FusedTarget, fused_targets
 from engine.pinned_arena import HostReads, PinnedArena
+from loraformat.architectures import Split
 from loraformat.peft_compile import FORMAT, FORMAT_VERSION, CanonicalAdapter, read_canonical
 from loraformat.safetensors_io import TensorViews, write_safetensors
 from tests.engine.test_lora_slots import CONFIG, MODULES, canonical
@@ -141,35 +143,45 @@ def expected_pack(adapter, target) -> tuple[torch.Tensor, torch.Tensor]:
     return a, b
 
 
-def as_artifact(adapter: CanonicalAdapter, dtype_a: torch.dtype, dtype_b: torch.dtype) -> CanonicalAdapter:
+def as_artifact(adapter: CanonicalAdapter, dtype_a: torch.dtype, dtype_b: torch.dtype, path: Path | None = None) -> CanonicalAdapter:
     """The adapter written as a canonical artifact (lora_A tensors of `dtype_a`, lora_B of `dtype_b`)
-    and read back from its bytes, as the engine reads a fetched one (tensors: TensorViews)."""
+    and read back as the engine reads one (tensors: TensorViews): from its bytes in memory, as fetched,
+    or from a file at `path` (memory-mapped), as a local adapter."""
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "base_model": adapter.base_model,
         "num_layers": str(adapter.num_layers), "rank": str(adapter.rank), "alpha": str(adapter.alpha),
         "scaling": str(adapter.scaling), "use_rslora": "false", "target_modules": ",".join(adapter.target_modules),
     }  # fmt: skip
-    out = io.BytesIO()
     tensors = {name: t.to(dtype_a if name.endswith("A") else dtype_b) for name, t in adapter.tensors.items()}
-    write_safetensors(out, tensors, metadata)
-    read = read_canonical(memoryview(bytearray(out.getvalue())))
+    if path is not None:
+        write_safetensors(path, tensors, metadata)
+        read = read_canonical(path)
+    else:
+        out = io.BytesIO()
+        write_safetensors(out, tensors, metadata)
+        read = read_canonical(memoryview(bytearray(out.getvalue())))
     assert isinstance(read.tensors, TensorViews)
     return read
 
 
-SOURCES = {  # how the adapter reaches pack_adapter: (artifact dtypes of A, B; its pieces' smallest common row)
-    "tensors": None,  # in memory: copied tensor by tensor
-    "bytes": ((torch.float32, torch.float32), 256),  # the packed dtype: gathered from its bytes
-    "convert": ((torch.bfloat16, torch.bfloat16), 64),  # another dtype: gathered, then converted
-    "mixed": ((torch.float32, torch.bfloat16), 64),  # two dtypes: its tensors viewed and copied
-    "fine": ((torch.float32, torch.float32), 1 << 20),  # rows too fine to gather: viewed and copied
+F32, BF16 = torch.float32, torch.bfloat16
+SOURCES = {  # how the adapter reaches pack_adapter: artifact dtypes of A and B, its pieces' smallest common
+    # row, the packed dtype; None: in memory, copied tensor by tensor
+    "tensors": None,
+    "bytes": ((F32, F32), 256, F32),  # the packed dtype: gathered from its bytes
+    "file": ((F32, F32), 256, F32),  # the same from a memory-mapped file
+    "to-f32": ((BF16, BF16), 64, F32),  # another dtype: gathered, then converted
+    "to-bf16": ((F32, F32), 256, BF16),  # PEFT's fp32 adapters into a bf16 engine
+    "mixed": ((F32, BF16), 64, F32),  # two dtypes: its tensors viewed and copied
+    "fine": ((F32, F32), 1 << 20, F32),  # rows too fine to gather: viewed and copied
 }
 
 
 @pytest.mark.parametrize(
-    "where,source", [("arena", "tensors"), ("fresh", "tensors"), ("arena", "bytes"), *(("fresh", s) for s in SOURCES if s != "tensors")]
+    "where,source",
+    [("arena", "tensors"), ("fresh", "tensors"), ("arena", "bytes"), ("arena", "to-bf16"), *(("fresh", s) for s in SOURCES if s != "tensors")],
 )
-def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch, where, source):
+def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch, tmp_path, where, source):
     """Packed tensors are allocated uninitialized (an arena block, fresh pinned or plain memory) and
     written once: the projections an adapter lacks (k_proj in a q/v adapter's q/k/v stack, v_proj in one
     layer, the MLP stack's down_proj here) come out as zeros, not as what the memory held before (NaN
@@ -180,25 +192,56 @@ def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch
     adapter = canonical(4, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), seed=5)
     del adapter.tensors["layers.1.v_proj.lora_A"], adapter.tensors["layers.1.v_proj.lora_B"]
     views: list[str] = []  # the artifact tensors packing made a view of
+    dtype = F32
     if SOURCES[source] is not None:
-        dtypes, min_row = SOURCES[source]
-        adapter = as_artifact(adapter, *dtypes)
+        dtypes, min_row, dtype = SOURCES[source]
+        adapter = as_artifact(adapter, *dtypes, path=tmp_path / "artifact" if source == "file" else None)
         sf = adapter.tensors._sf
         monkeypatch.setattr(sf, "tensor", lambda name, make=sf.tensor: views.append(name) or make(name))
         monkeypatch.setattr(adapter_cache, "MIN_GATHER_ROW", min_row)
     targets = {t.name: t for t in fused_targets(CONFIG)}
     dirty = PinnedArena(64 * KB * KB, pin=False, granule=KB)
-    dirty.buffer.fill_(0xFF)  # NaN in every float32
+    dirty.buffer.fill_(0xFF)  # NaN in every float32 and bfloat16
     if where == "fresh":
         monkeypatch.setattr(
             adapter_cache, "_empty", lambda shape, dtype, pin, share: torch.full(shape, float("nan"), dtype=dtype)
         )  # fmt: skip
-    packed = pack_adapter("d", adapter, targets, torch.float32, pin=True, arena=dirty if where == "arena" else None)
+    packed = pack_adapter("d", adapter, targets, dtype, pin=True, arena=dirty if where == "arena" else None)
     assert len(views) == (len(adapter.tensors) if source in ("mixed", "fine") else 0)
     assert dirty.num_blocks == (1 if where == "arena" else 0)
     assert set(packed.a) == {"qkv", "o", "gate_up"}  # down_proj: no projection of its target, left out
     for name, (a, b) in ((n, expected_pack(adapter, targets[n])) for n in packed.a):
-        assert torch.equal(packed.a[name], a) and torch.equal(packed.b[name], b), name
+        assert packed.a[name].dtype == packed.b[name].dtype == dtype
+        assert torch.equal(packed.a[name], a.to(dtype)) and torch.equal(packed.b[name], b.to(dtype)), name
     qkv = targets["qkv"]
     assert not packed.a["qkv"][:, 4:8].any() and not packed.b["qkv"][:, qkv.output_slices[1][0] : qkv.output_slices[2][0]].any()
     assert not packed.a["qkv"][1, 8:12].any() and packed.a["qkv"][0, 8:12].any()
+
+
+def test_a_gather_whose_zeros_outweigh_the_artifact_zeroes_them_all(monkeypatch):
+    """Missing pieces' rows are taken from anywhere (capped at the data region's end) and then zeroed:
+    an artifact of one projection in one layer (k_proj of layer 0, rank 1) packs into a q/k stack of
+    three layers three times its size, zeros everywhere but there."""
+    import engine.adapter_cache as adapter_cache
+
+    monkeypatch.setattr(adapter_cache, "MIN_GATHER_ROW", 1)
+    gen = torch.Generator().manual_seed(3)
+    k_a, k_b = torch.randn(1, 64, generator=gen), torch.randn(64, 1, generator=gen)
+    tensors = {"layers.0.k_proj.lora_A": k_a, "layers.0.k_proj.lora_B": k_b}
+    adapter = as_artifact(CanonicalAdapter("tiny", 3, 1, 1.0, 1.0, False, ("k_proj",), {}, tensors), F32, F32)
+    target = FusedTarget("qk", ("q_proj", "k_proj"), 64, ((0, 64), (64, 64)), Split.COLUMN)
+    packed = pack_adapter("d", adapter, {"qk": target}, F32, pin=False)
+    a, b = packed.a["qk"], packed.b["qk"]
+    assert a.shape == (3, 2, 64) and b.shape == (3, 128, 1)
+    assert torch.equal(a[0, 1:], k_a) and torch.equal(b[0, 64:], k_b)
+    a[0, 1:], b[0, 64:] = 0, 0
+    assert not a.any() and not b.any()
+
+
+def test_an_artifact_piece_of_the_wrong_size_is_refused_by_name():
+    """An artifact read without the model's shape whose tensor does not fit its target's width."""
+    tensors = {"layers.0.q_proj.lora_A": torch.ones(2, 32), "layers.0.q_proj.lora_B": torch.ones(64, 2)}
+    adapter = as_artifact(CanonicalAdapter("tiny", 1, 2, 2.0, 1.0, False, ("q_proj",), {}, tensors), F32, F32)
+    target = FusedTarget("qk", ("q_proj", "k_proj"), 64, ((0, 64), (64, 64)), Split.COLUMN)
+    with pytest.raises(ValueError, match=r"layers\.0\.q_proj\.lora_A: 256 bytes where target qk holds 512"):
+        pack_adapter("d", adapter, {"qk": target}, F32, pin=False)
