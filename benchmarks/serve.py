@@ -376,6 +376,21 @@ class InProcessClient:
         """--slow-steps: the scenario's step gaps (StepTrace.take); {} without."""
         return self.trace.take(self.slow_steps) if self.trace is not None else {}
 
+    def load_report(self) -> dict:
+        """The adapter loads into the host cache since the last call (EngineCore.load_timings): how many,
+        and each stage's p50 / p99 / max in ms (getting the bytes, waiting for a packing thread,
+        checking and packing); {} when none."""
+        timings = list(self.core.load_timings)
+        self.core.load_timings.clear()
+        if not timings:
+            return {}
+        row: dict = {"loads_timed": len(timings)}
+        for stage in ("fetch", "pack_wait", "pack"):
+            ms = np.array([getattr(t, stage) for t in timings]) * 1e3
+            row |= {f"load_{stage}_ms_p50": float(np.percentile(ms, 50)), f"load_{stage}_ms_p99": float(np.percentile(ms, 99)),
+                    f"load_{stage}_ms_max": float(ms.max())}  # fmt: skip
+        return row
+
     async def close(self) -> None:
         if self.trace is not None:
             gc.callbacks.remove(self.trace._on_gc)
@@ -472,7 +487,8 @@ async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
     prompts, arrivals = workload.prompts(), workload.arrivals()
     before = await client.counters()
     if isinstance(client, InProcessClient):
-        client.step_report()  # the gaps of this scenario alone
+        client.step_report()  # the gaps and loads of this scenario alone
+        client.load_report()
     start = time.perf_counter()
     traces = await asyncio.gather(*(
         timed_stream(client, start, arrivals[i], prompts[i], scenario.adapters[i], workload.output_len)
@@ -484,7 +500,7 @@ async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
     row |= {key: after[key] - before.get(key, 0) for key in after}
     row["num_distinct_adapters"] = len({a for a in scenario.adapters if a})
     if isinstance(client, InProcessClient):
-        row |= client.step_report()
+        row |= client.step_report() | client.load_report()
     return row
 
 

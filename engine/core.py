@@ -4,6 +4,7 @@ and turns validated inputs into Requests."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import itertools
 import json
@@ -15,6 +16,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +53,20 @@ class InvalidPrompt(ValueError):
     """A prompt the engine refuses (INVALID_ARGUMENT); the message names the field."""
 
 
+@dataclass(frozen=True)
+class LoadTiming:
+    """Where one adapter load into the host cache spent its time, in seconds: getting the bytes (a
+    registry fetch, its wait for a fetch turn included, or a local read), waiting for a packing thread,
+    and checking and packing on it."""
+
+    fetch: float
+    pack_wait: float
+    pack: float
+
+
+MAX_LOAD_TIMINGS = 4096  # the newest loads EngineCore.load_timings keeps
+
+
 @dataclass
 class EngineCore:
     config: EngineConfig
@@ -65,6 +81,8 @@ class EngineCore:
     refs: dict[str, str] = field(default_factory=dict)  # digest -> "name@version" of adapters seen
     metrics: EngineMetrics | None = None
     _loading: dict[str, asyncio.Task] = field(default_factory=dict)  # digest -> load in progress
+    # the newest loads' LoadTiming, oldest first (benchmarks/serve.py reads them)
+    load_timings: collections.deque[LoadTiming] = field(default_factory=lambda: collections.deque(maxlen=MAX_LOAD_TIMINGS))
     _closed: bool = False  # close() ran: no more adapter loads
 
     @classmethod
@@ -193,28 +211,39 @@ class EngineCore:
 
     async def _load(self, record: AdapterRecord) -> PackedAdapter:
         """The one loading path of local and registry adapters: artifact bytes -> checked -> packed -> cached."""
-        started = time.monotonic()
+        started = time.perf_counter()
         if record.path is not None:
-            data = await self._on_prep_thread(_read_artifact, record.path)
+            data, _, _ = await self._on_prep_thread(_read_artifact, record.path)
         else:
             data = await self.link.fetch(record)
             if self.metrics is not None:
                 self.metrics.adapter_fetch_bytes.inc(len(data))
-                self.metrics.adapter_fetch_latency.observe(time.monotonic() - started)
-        packed = await self._on_prep_thread(self._pack, record, data)
+                self.metrics.adapter_fetch_latency.observe(time.perf_counter() - started)
+        fetched = time.perf_counter()
+        packed, wait_s, pack_s = await self._on_prep_thread(self._pack, record, data)
         self.lora.host_cache.put(packed)
+        self.load_timings.append(LoadTiming(fetched - started, wait_s, pack_s))
         if self.metrics is not None:
-            self.metrics.lora_load_latency.labels("cpu").observe(time.monotonic() - started)
+            self.metrics.lora_load_latency.labels("cpu").observe(time.perf_counter() - started)
+            self.metrics.adapter_prep_latency.labels("wait").observe(wait_s)
+            self.metrics.adapter_prep_latency.labels("run").observe(pack_s)
         return packed
 
-    async def _on_prep_thread(self, fn, *args):
-        """fn(*args) on a packing thread; UNAVAILABLE once the engine is closing (also for a call that
-        close() dropped before it started)."""
+    async def _on_prep_thread(self, fn, *args) -> tuple[Any, float, float]:
+        """fn(*args) on a packing thread -> (its result, seconds it waited for the thread, seconds it ran);
+        UNAVAILABLE once the engine is closing (also for a call that close() dropped before it started)."""
         stopping = Unavailable("the engine is stopping: adapters are no longer loaded")
         if self._closed:
             raise stopping
+        submitted = time.perf_counter()
+
+        def timed():
+            started = time.perf_counter()
+            result = fn(*args)
+            return result, started - submitted, time.perf_counter() - started
+
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._prep, timed)
         except RuntimeError:  # the executor was shut down between the check and the submit
             if self._closed:
                 raise stopping from None

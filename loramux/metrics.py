@@ -147,6 +147,10 @@ class EngineMetrics:
             "loramux_engine_lora_load_seconds", "Loading one adapter: into the host cache (cpu: fetch, check, pack) or into a GPU slot (gpu).",
             ("location",), buckets=LORA_LOAD_BUCKETS, registry=self.registry,
         )
+        self.adapter_prep_latency = Histogram(
+            "loramux_engine_adapter_prep_seconds", "Checking and packing one fetched adapter on a packing thread (--adapter-prep-threads): waiting for a thread (wait) and running on it (run).",
+            ("stage",), buckets=LORA_LOAD_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self._resident: set[str] = set()
 
     def set_residency(self, adapters: Sequence[AdapterResidence]) -> None:

@@ -46,6 +46,7 @@ ENGINE_FAMILIES = {
     "loramux_engine_lora_adapter_pinned": "gauge",
     "loramux_engine_lora_adapter_rank": "gauge",
     "loramux_engine_lora_load_seconds": "histogram",
+    "loramux_engine_adapter_prep_seconds": "histogram",
     # the model-server protocol, with vLLM's names (tests/test_model_server_metrics.py reads them)
     "vllm:num_requests_waiting": "gauge",
     "vllm:num_requests_running": "gauge",

@@ -78,6 +78,10 @@ def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
     cold, warm = rows[("2", 1)], rows[("2", 2)]
     assert cold["host_cache_misses"] == 2 and cold["slot_loads"] == 2
     assert (warm["host_cache_misses"], warm["host_cache_joined"], warm["slot_loads"]) == (0, 0, 0)
+    assert cold["loads_timed"] == 2 and "loads_timed" not in warm  # the two fetches, each timed by stage
+    for stage in ("fetch", "pack_wait", "pack"):
+        assert 0 <= cold[f"load_{stage}_ms_p50"] <= cold[f"load_{stage}_ms_p99"] <= cold[f"load_{stage}_ms_max"], stage
+    assert cold["load_fetch_ms_max"] > 0 and cold["load_pack_ms_max"] > 0
     assert warm["host_cache_hits"] == 4 and warm["output_tokens"] == 12
     assert warm["lora_vs_base"] == warm["output_tok_s"] / rows[("base", 2)]["output_tok_s"]
     config = json.loads((tmp_path / "work" / "adapters" / "bench-qv-1" / "adapter_config.json").read_text())

@@ -453,6 +453,11 @@ async def test_fetched_adapters_pack_on_the_prep_threads_at_most_that_many_at_a_
             assert most[0] == prep_threads and len(threads) == prep_threads
             assert all(name.startswith("adapter-prep") for name in threads), threads
             assert core.link.num_fetches == 3
+            # each load's stages are timed (LoadTiming); packing held each thread for its 0.1 s sleep
+            timings = list(core.load_timings)
+            assert len(timings) == 3 and all(t.fetch > 0 and t.pack_wait >= 0 and t.pack >= 0.1 for t in timings), timings
+            runs = core.metrics.registry.get_sample_value("loramux_engine_adapter_prep_seconds_count", {"stage": "run"})
+            assert runs == 3 and core.metrics.registry.get_sample_value("loramux_engine_adapter_prep_seconds_sum", {"stage": "run"}) >= 0.3
         finally:
             await channel.close()
             await engine.stop(grace=0.5)
