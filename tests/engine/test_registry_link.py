@@ -4,6 +4,7 @@ are fetched and sha256-checked, and registry events (new versions, deletes, pins
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
@@ -367,48 +368,53 @@ async def _connected(engine) -> bool:
     return engine.core.link.is_connected
 
 
-async def test_fetches_beyond_the_cap_wait_their_turn_in_order(tmp_path, tiny_llama_dir, make_adapter):
-    """With --max-concurrent-fetches 2, requests for four uncached adapters start two fetches; each
-    finished fetch lets the longest-waiting one start, and every request is served."""
+@contextlib.asynccontextmanager
+async def engine_with_adapters(tmp_path, model_dir, make_adapter, prefix: str, count: int, seed: int, **config):
+    """A registry, an engine on it (EngineConfig fields in `config`) and then `count` rank-4 adapters
+    registered as {prefix}0.. (seeds from `seed` on); yields (engine, its stub, the adapter names)."""
     async with running_registry(tmp_path / "registry") as registry:
-        config = EngineConfig(
-            model_dir=str(tiny_llama_dir), port=0, registry=registry.server.address, max_loras_per_batch=2,
-            base_model_name="tiny", max_concurrent_fetches=2,
-        )
-        engine = await start_engine(config)
+        engine = await start_engine(EngineConfig(
+            model_dir=str(model_dir), port=0, registry=registry.server.address, base_model_name="tiny", **config
+        ))  # fmt: skip
         channel = grpc.aio.insecure_channel(engine.address)
         try:
-            stub = epb_grpc.EngineStub(channel)
-            names = [f"turn{i}" for i in range(4)]
+            names = [f"{prefix}{i}" for i in range(count)]
             for i, name in enumerate(names):
-                await registry.register(name, make_adapter(f"link-turn{i}", r=4, lora_alpha=8, seed=70 + i))
-            link = engine.core.link
-            started, gates, real_fetch = [], {name: asyncio.Event() for name in names}, link._fetch_once
-
-            async def gated(record):
-                started.append(record.name)
-                await gates[record.name].wait()
-                return await real_fetch(record)
-
-            link._fetch_once = gated
-            calls = []
-            for name in names:  # one at a time, so the order they asked in is known
-                calls.append(asyncio.ensure_future(generate(stub, name)))
-                await wait_for(functools.partial(_fetching, engine, len(calls)))
-            await wait_for(lambda: _started(started, 2))
-            await asyncio.sleep(0.2)  # time for a third fetch to start, were there no cap
-            assert started == names[:2] and link.num_fetches_in_flight == 2
-            gates["turn1"].set()
-            await wait_for(lambda: _started(started, 3))
-            assert started == names[:3] and link.num_fetches_in_flight == 2
-            for gate in gates.values():
-                gate.set()
-            results = await asyncio.gather(*calls)
-            assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
-            assert started == names and link.num_fetches == 4 and link.num_fetches_in_flight == 0
+                await registry.register(name, make_adapter(f"link-{prefix}{i}", r=4, lora_alpha=8, seed=seed + i))
+            yield engine, epb_grpc.EngineStub(channel), names
         finally:
             await channel.close()
             await engine.stop(grace=0.5)
+
+
+async def test_fetches_beyond_the_cap_wait_their_turn_in_order(tmp_path, tiny_llama_dir, make_adapter):
+    """With --max-concurrent-fetches 2, requests for four uncached adapters start two fetches; each
+    finished fetch lets the longest-waiting one start, and every request is served."""
+    async with engine_with_adapters(tmp_path, tiny_llama_dir, make_adapter, "turn", 4, 70, max_loras_per_batch=2, max_concurrent_fetches=2) as (engine, stub, names):
+        link = engine.core.link
+        started, gates, real_fetch = [], {name: asyncio.Event() for name in names}, link._fetch_once
+
+        async def gated(record):
+            started.append(record.name)
+            await gates[record.name].wait()
+            return await real_fetch(record)
+
+        link._fetch_once = gated
+        calls = []
+        for name in names:  # one at a time, so the order they asked in is known
+            calls.append(asyncio.ensure_future(generate(stub, name)))
+            await wait_for(functools.partial(_fetching, engine, len(calls)))
+        await wait_for(lambda: _started(started, 2))
+        await asyncio.sleep(0.2)  # time for a third fetch to start, were there no cap
+        assert started == names[:2] and link.num_fetches_in_flight == 2
+        gates["turn1"].set()
+        await wait_for(lambda: _started(started, 3))
+        assert started == names[:3] and link.num_fetches_in_flight == 2
+        for gate in gates.values():
+            gate.set()
+        results = await asyncio.gather(*calls)
+        assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
+        assert started == names and link.num_fetches == 4 and link.num_fetches_in_flight == 0
 
 
 @pytest.mark.parametrize("prep_threads", [1, 2])
@@ -416,51 +422,37 @@ async def test_fetched_adapters_pack_on_the_prep_threads_at_most_that_many_at_a_
     """Requests for three uncached adapters fetch them side by side (--max-concurrent-fetches 4), and
     each is checked and packed on one of --adapter-prep-threads threads, never more at a time, not on
     asyncio's default threads (whose many packers held the engine loop off the GIL), and all are served."""
-    async with running_registry(tmp_path / "registry") as registry:
-        config = EngineConfig(
-            model_dir=str(tiny_llama_dir), port=0, registry=registry.server.address, max_loras_per_batch=3,
-            base_model_name="tiny", adapter_prep_threads=prep_threads,
-        )  # fmt: skip
-        engine = await start_engine(config)
-        channel = grpc.aio.insecure_channel(engine.address)
-        try:
-            stub = epb_grpc.EngineStub(channel)
-            names = [f"prep{i}" for i in range(3)]
-            for i, name in enumerate(names):
-                await registry.register(name, make_adapter(f"link-prep{i}", r=4, lora_alpha=8, seed=90 + i))
-            core, changed = engine.core, threading.Condition()
-            active, most, threads, real_pack = [0], [0], set(), core._pack
+    async with engine_with_adapters(tmp_path, tiny_llama_dir, make_adapter, "prep", 3, 90, max_loras_per_batch=3, adapter_prep_threads=prep_threads) as (engine, stub, names):
+        core, changed = engine.core, threading.Condition()
+        active, most, threads, real_pack = [0], [0], set(), core._pack
 
-            def pack(record, artifact):
+        def pack(record, artifact):
+            with changed:
+                active[0] += 1
+                most[0] = max(most[0], active[0])
+                threads.add(threading.current_thread().name)
+                changed.notify_all()
+                # hold until the threads allowed are all packing (or a third one slipped in), so the
+                # count does not depend on how the fetches happen to interleave
+                changed.wait_for(lambda: active[0] >= prep_threads, timeout=HANG_S)
+            time.sleep(0.1)  # time for a pack beyond the limit to start, were there no limit
+            try:
+                return real_pack(record, artifact)
+            finally:
                 with changed:
-                    active[0] += 1
-                    most[0] = max(most[0], active[0])
-                    threads.add(threading.current_thread().name)
-                    changed.notify_all()
-                    # hold until the threads allowed are all packing (or a third one slipped in), so the
-                    # count does not depend on how the fetches happen to interleave
-                    changed.wait_for(lambda: active[0] >= prep_threads, timeout=HANG_S)
-                time.sleep(0.1)  # time for a pack beyond the limit to start, were there no limit
-                try:
-                    return real_pack(record, artifact)
-                finally:
-                    with changed:
-                        active[0] -= 1
+                    active[0] -= 1
 
-            core._pack = pack
-            results = await asyncio.gather(*(generate(stub, name) for name in names))
-            assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
-            assert most[0] == prep_threads and len(threads) == prep_threads
-            assert all(name.startswith("adapter-prep") for name in threads), threads
-            assert core.link.num_fetches == 3
-            # each load's stages are timed (LoadTiming); packing held each thread for its 0.1 s sleep
-            timings = list(core.load_timings)
-            assert len(timings) == 3 and all(t.fetch > 0 and t.pack_wait >= 0 and t.pack >= 0.1 for t in timings), timings
-            runs = core.metrics.registry.get_sample_value("loramux_engine_adapter_prep_seconds_count", {"stage": "run"})
-            assert runs == 3 and core.metrics.registry.get_sample_value("loramux_engine_adapter_prep_seconds_sum", {"stage": "run"}) >= 0.3
-        finally:
-            await channel.close()
-            await engine.stop(grace=0.5)
+        core._pack = pack
+        results = await asyncio.gather(*(generate(stub, name) for name in names))
+        assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
+        assert most[0] == prep_threads and len(threads) == prep_threads
+        assert all(name.startswith("adapter-prep") for name in threads), threads
+        assert core.link.num_fetches == 3
+        # each load's stages are timed (LoadTiming); packing held each thread for its 0.1 s sleep
+        timings = list(core.load_timings)
+        assert len(timings) == 3 and all(t.fetch > 0 and t.pack_wait >= 0 and t.pack >= 0.1 for t in timings), timings
+        runs = core.metrics.registry.get_sample_value("loramux_engine_adapter_prep_seconds_count", {"stage": "run"})
+        assert runs == 3 and core.metrics.registry.get_sample_value("loramux_engine_adapter_prep_seconds_sum", {"stage": "run"}) >= 0.3
 
 
 async def _fetching(engine, n: int) -> bool:
