@@ -284,8 +284,8 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     )
     p.add_argument(
         "--adapter-prep-threads", type=_int_in(1, 64), default=int(env("--adapter-prep-threads", DEFAULT_ADAPTER_PREP_THREADS)),
-        help="threads that check and pack fetched adapters; each one takes the GIL from the engine loop while it"
-        " packs, so more than one only pays when packing, not decoding, is what new adapters wait for",
+        help="threads that check and pack fetched adapters; one alone falls behind a burst of new adapters,"
+        " and each one takes the GIL from the engine loop while it packs",
     )
     p.add_argument(
         "--lora-drain-wait-s", type=float, default=float(env("--lora-drain-wait-s", DEFAULT_LORA_DRAIN_WAIT_S)),
