@@ -116,25 +116,25 @@ def _gather_bytes(
     artifact of another dtype than the packed tensors is gathered into a staging buffer that one torch
     copy converts. False (nothing written) when the tensors are of several dtypes or the pieces only
     line up on rows under MIN_GATHER_ROW bytes."""
-    dtypes = {views.info(_name(layer, m, part)).torch_dtype
-              for layer in range(adapter.num_layers) for k, m in enumerate(target.modules) if present[layer][k] for part in "AB"}  # fmt: skip
+    rank = adapter.rank
+    infos = {part: [] for part in "AB"}  # part -> [(TensorInfo or None for zeros, elements)] in packed order
+    for layer in range(adapter.num_layers):
+        for k, module in enumerate(target.modules):
+            for part, numel in (("A", rank * target.in_dim), ("B", target.output_slices[k][1] * rank)):
+                infos[part].append((views.info(_name(layer, module, part)) if present[layer][k] else None, numel))
+    dtypes = {info.torch_dtype for part in infos.values() for info, _ in part if info is not None}
     if len(dtypes) != 1:
         return False
     (dtype,) = dtypes
     if [offset for offset, _ in target.output_slices] != [sum(n for _, n in target.output_slices[:k]) for k in range(target.num_stack)]:
         raise ValueError(f"target {target.name}: its output slices do not tile its output in order")
-    itemsize, rank = dtype.itemsize, adapter.rank
-    pieces = {"A": [], "B": []}  # part -> [(source start or -1 for zeros, bytes)] in packed order
-    for layer in range(adapter.num_layers):
-        for k, module in enumerate(target.modules):
-            for part, numel in (("A", rank * target.in_dim), ("B", target.output_slices[k][1] * rank)):
-                nbytes, start = numel * itemsize, -1
-                if present[layer][k]:
-                    info = views.info(_name(layer, module, part))
-                    if info.end - info.start != nbytes:
-                        raise ValueError(f"{info.name}: {info.end - info.start} bytes where target {target.name} holds {nbytes}")
-                    start = info.start
-                pieces[part].append((start, nbytes))
+    pieces = {part: [] for part in "AB"}  # part -> [(source start or -1 for zeros, bytes)] in packed order
+    for part, part_infos in infos.items():
+        for info, numel in part_infos:
+            nbytes = numel * dtype.itemsize
+            if info is not None and info.end - info.start != nbytes:
+                raise ValueError(f"{info.name}: {info.end - info.start} bytes where target {target.name} holds {nbytes}")
+            pieces[part].append((-1 if info is None else info.start, nbytes))
     row = math.gcd(*(n for part in pieces.values() for start, n in part), *(start for part in pieces.values() for start, _ in part if start > 0))
     if row < MIN_GATHER_ROW:
         return False
