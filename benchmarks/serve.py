@@ -332,8 +332,9 @@ class StepTrace:
         return {
             "step_gaps": len(gaps),
             "traced": totals,
-            "step_gap_p50_ms": float(np.percentile(values, 50)) if gaps else None,
-            "step_gap_p99_ms": float(np.percentile(values, 99)) if gaps else None,
+            # rounded like the slow steps, so p99 never reads above the slowest gap it is taken from
+            "step_gap_p50_ms": round(float(np.percentile(values, 50)), 3) if gaps else None,
+            "step_gap_p99_ms": round(float(np.percentile(values, 99)), 3) if gaps else None,
             "slow_steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()} for g in ordered[:slowest]],
         }
 
