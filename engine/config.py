@@ -68,6 +68,9 @@ class EngineConfig:
     # (LoraInputs.sm_carveout): cuBLAS's decode GEMMs are weight-read bound, so they lose little, and the
     # LoRA kernels no longer wait for whole SMs; 0 = the GEMMs take every SM
     lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT
+    # a directory of tuned decode-LoRA tile files (kernels/tuned.py; benchmarks/tune_decode_lora.py writes
+    # them); "" = the package's kernels/configs
+    kernel_configs: str = ""
     lora_eviction_policy: str = "lru"  # or "fifo"
     lora_load_ahead: int = DEFAULT_LORA_LOAD_AHEAD  # queued requests' adapters loaded a step ahead; 0 = off
     lora_drain_wait_s: float = DEFAULT_LORA_DRAIN_WAIT_S  # starvation drain threshold (DESIGN 7); 0 = off
@@ -103,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"lora_load_ahead must be >= 0, got {self.lora_load_ahead}")
         if not 0 <= self.lora_sm_carveout <= 1024:
             raise ValueError(f"lora_sm_carveout must be 0-1024 SMs, got {self.lora_sm_carveout}")
+        if self.kernel_configs and not Path(self.kernel_configs).is_dir():
+            raise ValueError(f"kernel_configs {self.kernel_configs!r} is not a directory")
         if self.max_concurrent_fetches < 1:
             raise ValueError(f"max_concurrent_fetches must be >= 1, got {self.max_concurrent_fetches}")
         if not 1 <= self.adapter_prep_threads <= 64:

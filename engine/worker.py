@@ -44,6 +44,7 @@ from engine.model_runner import ModelRunner, SampledTokens
 from engine.parallel import SINGLE, TensorParallel
 from engine.step_plan import StepPlan
 from engine.weights import load_model, random_model
+from kernels import tuned
 
 log = logging.getLogger(__name__)
 CPU_KV_SLOTS = 16384
@@ -100,6 +101,9 @@ class ModelWorker:
             torch.backends.cuda.preferred_blas_library("cublaslt")
             if not config.disable_custom_all_reduce:
                 tp = tp.with_peer_all_reduce(device)
+        # the decode LoRA kernels' tuned tiles (kernels/tuned.py): a bad file fails the start, not a step
+        tuned.use_dir(config.kernel_configs or None)
+        tuned.device_tiles(device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
         if spec.random_config is not None:
             model_config = spec.random_config

@@ -51,13 +51,15 @@ import triton.language as tl
 
 from kernels.sgmv import MAX_STACK, check_expand_args, sgmv_expand, sgmv_shrink, shrink_output
 from kernels.sgmv_ref import SgmvMeta
+from kernels.tuned import ExpandTile, ShrinkTile, device_tiles
 
 DECODE_MAX_SEG_LEN = 64  # a decode step's merged run of one adapter's requests (engine/lora_inputs.py)
 DECODE_MAX_TOKENS = 512  # the split workspace is [splits, T, stack * R] fp32: bounded for prefill-sized T
 MAX_DECODE_SEGMENTS = 4096  # seg_indptr is read in one vector load
 ROWS = 16  # rows of a segment per tensor-core tile (tl.dot's least M)
 BLOCK_R = 16
-BLOCK_K = 128
+BLOCK_K = 128  # built-in tiles, where kernels/tuned.py has none for the device and shape
+BLOCK_N = 128
 PROGRAMS_PER_SM = 2  # measured on an H200: 2 beats 4, 8 and 16 in all but one case (BENCHMARKS.md)
 
 
@@ -208,16 +210,29 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the interpreter: enough to exercise several splits on small test shapes
 
 
-def decode_config(in_dim: int, num_stack: int, device: torch.device, num_programs: int = 0) -> dict:
-    """The shrink's program count per stacked target (num_programs, or about PROGRAMS_PER_SM per SM in
-    all when 0) and the most splits any segment can get (the partial workspace's depth).
+def decode_config(
+    in_dim: int, num_stack: int, device: torch.device, num_programs: int = 0, *, max_rank: int = 0, num_tokens: int = 0,
+    tile: ShrinkTile | None = None,
+) -> dict:  # fmt: skip
+    """The shrink's launch: its program count per stacked target, its BLOCK_K and warps, and the most
+    splits any segment can get (the partial workspace's depth). `tile` when given; else the device's
+    tuned tile for this shape and token count (kernels/tuned.py), if any; else about PROGRAMS_PER_SM
+    programs per SM in all, BLOCK_K and 4 warps. A nonzero num_programs overrides the tile's count.
 
-    Example (H200, 132 SMs; q/k/v, in_dim 4096, so 88 programs a target): 32 segments of one row get
-    2 splits of 2048 columns; 4 segments of 16 rows (a single adapter at batch 64) get 22 splits of
-    256 columns (two 128-wide tiles), 16 of which hold columns.
+    Example (H200, 132 SMs, no tuned file; q/k/v, in_dim 4096, so 88 programs a target): 32 segments of
+    one row get 2 splits of 2048 columns; 4 segments of 16 rows (a single adapter at batch 64) get 22
+    splits of 256 columns (two 128-wide tiles), 16 of which hold columns.
     """
-    num_programs = num_programs or max(1, PROGRAMS_PER_SM * _num_sms(device) // num_stack)
-    return {"num_programs": num_programs, "max_splits": min(num_programs, triton.cdiv(in_dim, BLOCK_K))}
+    tile = tile or device_tiles(device).shrink(in_dim, num_stack, max_rank, num_tokens)
+    if tile is None:
+        tile = ShrinkTile(max(1, PROGRAMS_PER_SM * _num_sms(device) // num_stack), BLOCK_K, 4)
+    num_programs = num_programs or tile.num_programs
+    return {
+        "num_programs": num_programs,
+        "block_k": tile.block_k,
+        "num_warps": tile.num_warps,
+        "max_splits": min(num_programs, triton.cdiv(in_dim, tile.block_k)),
+    }
 
 
 def sgmv_shrink_decode(
@@ -228,6 +243,7 @@ def sgmv_shrink_decode(
     num_stack: int,
     out: torch.Tensor | None = None,  # [T, num_stack * R], x.dtype
     num_programs: int = 0,  # 0: decode_config's (tests pass others to force splits)
+    tile: ShrinkTile | None = None,  # None: the device's tuned tile or the built-in one (decode_config)
 ) -> torch.Tensor:  # v [T, num_stack * R], x.dtype; entries outside the LoRA rows/ranks left as they were
     """v[seg, k*R : k*R + r] = x[seg] @ A[w, k*R : k*R + r, :]^T, split over in_dim; see the module doc."""
     out = shrink_output(x, A, meta, num_stack, out)
@@ -236,7 +252,7 @@ def sgmv_shrink_decode(
         return out
     if meta.num_segments > MAX_DECODE_SEGMENTS:
         raise ValueError(f"{meta.num_segments} segments exceed the decode kernel's {MAX_DECODE_SEGMENTS}")
-    config = decode_config(in_dim, num_stack, x.device, num_programs)
+    config = decode_config(in_dim, num_stack, x.device, num_programs, max_rank=max_rank, num_tokens=num_tokens, tile=tile)
     partial = torch.empty(config["max_splits"], num_tokens, A.shape[1], dtype=torch.float32, device=x.device)
     block_g = triton.next_power_of_2(meta.num_segments)
     _shrink_split_kernel[(config["num_programs"], num_stack)](
@@ -245,10 +261,10 @@ def sgmv_shrink_decode(
         x.stride(0), x.stride(1),
         A.stride(0), A.stride(1), A.stride(2),
         partial.stride(0), partial.stride(1), partial.stride(2),
-        ROWS=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BLOCK_G=block_g,
+        ROWS=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=config["block_k"], BLOCK_G=block_g,
         INPUT_PRECISION="ieee",  # only fp32 operands look at it: exact fp32, no TF32
         UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,  # the interpreter's bf16 dot
-        num_warps=4,
+        num_warps=config["num_warps"],
     )  # fmt: skip
     max_splits = config["max_splits"]
     _shrink_reduce_kernel[(num_tokens, num_stack)](
@@ -256,7 +272,7 @@ def sgmv_shrink_decode(
         in_dim, max_rank, meta.num_segments, config["num_programs"],
         partial.stride(0), partial.stride(1), partial.stride(2),
         out.stride(0), out.stride(1),
-        BLOCK_K=BLOCK_K, BLOCK_G=block_g,
+        BLOCK_K=config["block_k"], BLOCK_G=block_g,
         BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_RR=max(triton.next_power_of_2(max_rank), 16),
         num_warps=1 if max_splits * max_rank <= 1024 else 4,
     )  # fmt: skip
@@ -369,7 +385,7 @@ def sgmv_expand_decode(
     y: torch.Tensor,  # [T, out_dim], updated in place
     *,
     output_slices: tuple[tuple[int, int], ...],  # ((offset, size), ...) one per stacked target
-    block_n: int = 0,  # 0: chosen from the widest slice
+    tile: ExpandTile | None = None,  # None: the device's tuned tile for this shape, else BLOCK_N and 4 warps
     overwrite: bool = False,  # y[rows of the segments, slices] = the delta (0 for rank-0 segments)
 ) -> None:
     """y[seg, o_k : o_k + n_k] += scaling[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T, one
@@ -381,16 +397,18 @@ def sgmv_expand_decode(
     widest = max(size for _, size in output_slices)
     if widest == 0:
         return
-    block_n = block_n or 128
+    num_stack = len(output_slices)
+    tile = tile or device_tiles(v.device).expand(widest, num_stack, max_rank, v.shape[0]) or ExpandTile(BLOCK_N, 4)
     slices = [x for pair in output_slices for x in pair] + [0, 0] * (MAX_STACK - len(output_slices))
-    _expand_decode_kernel[(meta.num_segments, triton.cdiv(widest, block_n), len(output_slices))](
+    _expand_decode_kernel[(meta.num_segments, triton.cdiv(widest, tile.block_n), num_stack)](
         v, B, y, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
         max_rank, *slices,
         v.stride(0), v.stride(1),
         B.stride(0), B.stride(1), B.stride(2),
         y.stride(0), y.stride(1),
-        ROWS=ROWS, BLOCK_N=block_n, BLOCK_R=max(triton.next_power_of_2(max_rank), 16), OVERWRITE=overwrite,
-        INPUT_PRECISION="ieee", UPCAST_DOT=v.device.type == "cpu" and v.dtype == torch.bfloat16, num_warps=4,
+        ROWS=ROWS, BLOCK_N=tile.block_n, BLOCK_R=max(triton.next_power_of_2(max_rank), 16), OVERWRITE=overwrite,
+        INPUT_PRECISION="ieee", UPCAST_DOT=v.device.type == "cpu" and v.dtype == torch.bfloat16,
+        num_warps=tile.num_warps,
     )  # fmt: skip
 
 

@@ -111,6 +111,19 @@ def test_lora_sm_carveout_reaches_the_engine_config_from_the_flag_or_its_variabl
         EngineConfig(model_dir="m", lora_sm_carveout=-1)
 
 
+def test_kernel_configs_reach_the_engine_config_from_the_flag_or_its_variable(tmp_path):
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).kernel_configs == ""
+    args = cli.build_parser({"LORAMUX_KERNEL_CONFIGS": str(tmp_path)}).parse_args(serve)
+    assert engine_config(args, "m", 0).kernel_configs == str(tmp_path)
+    args = cli.build_parser({}).parse_args(["up", "--kernel-configs", str(tmp_path)])
+    assert args.kernel_configs == str(tmp_path)
+    with pytest.raises(ValueError, match=r"kernel_configs .*missing.* is not a directory"):
+        EngineConfig(model_dir="m", kernel_configs=str(tmp_path / "missing"))
+
+
 def test_lora_target_modules_reach_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

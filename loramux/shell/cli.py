@@ -279,6 +279,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="on cuda, SMs a decode step's base GEMMs leave free for the LoRA kernels beside them (0 = none)",
     )
     p.add_argument(
+        "--kernel-configs", metavar="DIR", default=env("--kernel-configs", ""),
+        help="a directory of tuned tile files for the decode LoRA kernels, one per GPU model"
+        " (benchmarks/tune_decode_lora.py writes them; default: the ones loramux ships)",
+    )
+    p.add_argument(
         "--max-concurrent-fetches", type=_int_in(1, 1024), default=int(env("--max-concurrent-fetches", 4)),
         help="registry fetches of adapters in flight at most; the rest wait their turn in arrival order",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import os
 import pickle
 import signal
@@ -31,7 +32,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.server import start_engine
 from engine.step_plan import LoadSlot, SampleRow
 from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
-from engine.worker import WorkerSpec, start_workers
+from engine.worker import ModelWorker, WorkerSpec, start_workers
 from loramux.engine_client import generate_request
 from loramux.v1 import engine_pb2_grpc as pb_grpc
 
@@ -90,6 +91,24 @@ def test_nothing_below_the_plan_reads_a_request():
         tree = ast.parse((ROOT / path).read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert not imported & {"engine.request", "engine.scheduler", "engine.request_kv", "engine.core"}, path
+
+
+def test_a_bad_tuned_tile_file_fails_the_worker_build_and_a_good_one_is_used(tiny_llama_dir, tmp_path):
+    """--kernel-configs: the worker reads the decode LoRA kernels' tiles for its device at its build, so
+    a malformed file stops the start with the file's name instead of failing a step later."""
+    from kernels import tuned
+
+    (tmp_path / "cpu.json").write_text(json.dumps({"entries": [{"kernel": "expand"}]}))
+    config = EngineConfig(model_dir=str(tiny_llama_dir), device="cpu", max_running_requests=4, num_kv_slots=256, kernel_configs=str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match=r"cpu\.json: entry 0: .*out_dim"):
+            ModelWorker.build(WorkerSpec(config, 128))
+        entry = {"kernel": "expand", "out_dim": 64, "num_stack": 1, "max_rank": 16, "tokens": 8, "config": {"block_n": 32, "num_warps": 2}}
+        (tmp_path / "cpu.json").write_text(json.dumps({"entries": [entry]}))
+        ModelWorker.build(WorkerSpec(config, 128))
+        assert tuned.device_tiles(torch.device("cpu")).expand(64, 1, 16, 8) == tuned.ExpandTile(32, 2)
+    finally:
+        tuned.use_dir(None)
 
 
 def test_worker_executes_a_pickled_plan_as_the_engine_does(tiny_llama_dir, tokenizer):

@@ -37,6 +37,7 @@ from kernels.sgmv_decode import (  # noqa: E402
     sgmv_shrink_decode,
 )
 from kernels.sgmv_ref import SgmvMeta  # noqa: E402
+from kernels.tuned import ExpandTile  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 MAX_RANK = 64
@@ -242,7 +243,7 @@ def test_decode_expand_matches_fp64(popularity, dtype, output_slices, out_dim):
 def test_decode_expand_batch_sizes_and_column_blocks(batch, block_n):
     """Column blocks that do and do not divide the widths; one segment alone; a graph-sized batch."""
     seg_lens, slots, ranks = decode_batch("uniform", batch, num_adapters=min(batch, 8), seed=batch)
-    expand = functools.partial(sgmv_expand_decode, block_n=block_n)
+    expand = functools.partial(sgmv_expand_decode, tile=ExpandTile(block_n, 4))
     check_expand(expand, torch.bfloat16, seg_lens, slots, ranks, ((0, 200), (200, 72), (272, 72)), 344, seed=batch)
 
 

@@ -1,0 +1,82 @@
+"""benchmarks/tune_decode_lora.py on the CPU (Triton's interpreter, the tiny shape, a few candidates):
+it writes a file the engine's parser takes, with the tiles it printed, one expand entry for the two
+targets whose expands are alike, and a later run keeps the entries it does not replace."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+
+from benchmarks.tune_decode_lora import main, write
+from kernels import tuned
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke run; the GPU tunes for real")
+
+
+def test_tuner_writes_a_file_the_kernels_use(tmp_path):
+    args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "2", "--adapters", "2"]
+    path, entries = main(
+        [
+            *args,
+            "--quick",
+            "--reps",
+            "1",
+            "--max-rank",
+            "16",
+            "--targets",
+            "o",
+            "down",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert path == tmp_path / "cpu.json"
+    doc = json.loads(path.read_text())
+    assert doc["device"] == "cpu" and doc["made_by"] == "benchmarks/tune_decode_lora.py"
+    # o (in 64) and down (in 176) shrink apart; both expand 64 wide from one stacked target: one entry
+    assert [(e["kernel"], e["target"]) for e in doc["entries"]] == [
+        ("shrink", "o"),
+        ("expand", "o"),
+        ("shrink", "down"),
+    ]
+    assert doc["entries"] == entries
+    tiles = tuned.parse(doc, str(path))
+    for entry in entries:
+        assert set(entry["builtin_us"]) == set(entry["chosen_us"]) == {"2"}  # one grouping: 2 adapters
+        if entry["kernel"] == "shrink":
+            assert dataclasses.asdict(tiles.shrink(entry["in_dim"], 1, 16, 2)) == entry["config"]
+        else:
+            assert dataclasses.asdict(tiles.expand(entry["out_dim"], 1, 16, 2)) == entry["config"]
+
+
+def test_a_later_run_replaces_its_own_entries_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "cpu.json"
+
+    def entry(tokens, block_n):
+        return {
+            "kernel": "expand",
+            "out_dim": 64,
+            "num_stack": 1,
+            "max_rank": 16,
+            "tokens": tokens,
+            "config": {"block_n": block_n, "num_warps": 4},
+        }
+
+    write(path, "cpu", [entry(1, 32), entry(8, 32)])
+    write(path, "cpu", [entry(8, 64), entry(16, 128)])
+    tiles = tuned.load_file(path)
+    assert [tiles.expand(64, 1, 16, t).block_n for t in (1, 8, 16)] == [32, 64, 128]
+    with pytest.raises(ValueError, match="block_n"):
+        write(path, "cpu", [entry(4, 100)])
+    assert len(tuned.load_file(path)) == 3 and [p.name for p in tmp_path.iterdir()] == [
+        "cpu.json"
+    ]  # left as it was

@@ -1,0 +1,204 @@
+"""Tuned decode LoRA tiles (kernels/tuned.py): the file format and its refusals, the lookup by shape and
+token count, and the decode kernels launching with a file's tiles and still computing the fp64 result.
+
+Without CUDA the kernels run in Triton's CPU interpreter, whose device is named "cpu": a `cpu.json` in
+the directory `use_dir` names gives the CPU tiles the way `NVIDIA_H200.json` gives an H200 its own.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+
+from kernels import sgmv_decode, tuned
+from kernels.tuned import ExpandTile, ShrinkTile
+from tests.kernels.test_sgmv_decode import DEVICE, check_expand, check_shrink, decode_batch, merged
+
+
+def shrink_entry(tokens, num_programs, block_k=128, num_warps=4, in_dim=520, num_stack=2, max_rank=64):
+    config = {"num_programs": num_programs, "block_k": block_k, "num_warps": num_warps}
+    return {
+        "kernel": "shrink",
+        "in_dim": in_dim,
+        "num_stack": num_stack,
+        "max_rank": max_rank,
+        "tokens": tokens,
+        "config": config,
+    }
+
+
+def expand_entry(tokens, block_n, num_warps=4, out_dim=70, num_stack=2, max_rank=64):
+    config = {"block_n": block_n, "num_warps": num_warps}
+    return {
+        "kernel": "expand",
+        "out_dim": out_dim,
+        "num_stack": num_stack,
+        "max_rank": max_rank,
+        "tokens": tokens,
+        "config": config,
+    }
+
+
+@pytest.fixture
+def tuned_dir(tmp_path):
+    """A directory the kernels look tuned files up in for the test; the package's own again after."""
+    tuned.use_dir(tmp_path)
+    yield tmp_path
+    tuned.use_dir(None)
+
+
+def write_tiles(directory, entries, device=DEVICE):
+    name = tuned.device_name(torch.device(device))
+    (directory / tuned.device_file_name(name)).write_text(json.dumps({"device": name, "entries": entries}))
+
+
+def test_device_file_names():
+    assert tuned.device_file_name("NVIDIA H200") == "NVIDIA_H200.json"
+    assert tuned.device_file_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
+    assert tuned.device_file_name("cpu") == "cpu.json"
+
+
+def test_lookup_takes_the_least_tuned_token_count_at_or_above_the_step():
+    tiles = tuned.parse(
+        {"entries": [shrink_entry(64, 6), shrink_entry(8, 3), shrink_entry(16, 4), expand_entry(32, 64)]}, "t"
+    )
+    assert len(tiles) == 4
+    pick = {t: tiles.shrink(520, 2, 64, t).num_programs for t in (1, 8, 9, 16, 17, 64, 65, 512)}
+    assert pick == {1: 3, 8: 3, 9: 4, 16: 4, 17: 6, 64: 6, 65: 6, 512: 6}
+    assert tiles.expand(70, 2, 64, 1) == tiles.expand(70, 2, 64, 100) == ExpandTile(64, 4)
+    # another shape, stack or capacity has no entry: the kernels keep their built-in tile
+    assert tiles.shrink(520, 1, 64, 8) is None and tiles.shrink(4096, 2, 64, 8) is None
+    assert tiles.shrink(520, 2, 16, 8) is None and tiles.expand(70, 2, 16, 8) is None
+
+
+BAD = [
+    ([], "expected an object"),
+    ({"entries": {}}, "expected an object"),
+    ({"entries": [7]}, "entry 0: not an object"),
+    ({"entries": [{**shrink_entry(8, 3), "kernel": "gemm"}]}, "unknown kernel 'gemm'"),
+    ({"entries": [shrink_entry(8, 0)]}, "'num_programs' must be a positive integer"),
+    ({"entries": [shrink_entry(8, True)]}, "'num_programs' must be a positive integer"),
+    ({"entries": [shrink_entry(8, 3, block_k=96)]}, "'block_k' must be one of"),
+    ({"entries": [shrink_entry(8, 3, num_warps=3)]}, "'num_warps' must be one of"),
+    ({"entries": [expand_entry(8, 100)]}, "'block_n' must be one of"),
+    ({"entries": [expand_entry(-1, 64)]}, "'tokens' must be a positive integer"),
+    ({"entries": [{k: v for k, v in shrink_entry(8, 3).items() if k != "in_dim"}]}, "'in_dim'"),
+    ({"entries": [{**shrink_entry(8, 3), "config": [1]}]}, "'config' is not an object"),
+    ({"entries": [shrink_entry(8, 3), expand_entry(8, 64), shrink_entry(8, 4)]}, "entry 2: a second entry"),
+]
+
+
+@pytest.mark.parametrize("doc, message", BAD, ids=[m for _, m in BAD])
+def test_a_bad_file_is_refused_whole_with_its_name_and_entry(doc, message):
+    with pytest.raises(ValueError, match=r"^tiles\.json: ") as info:
+        tuned.parse(doc, "tiles.json")
+    assert message in str(info.value)
+
+
+def test_files_are_read_from_the_directory_given_and_again_after_a_change(tuned_dir):
+    device = torch.device("cpu")
+    assert len(tuned.device_tiles(device)) == 0  # no file for this device: built-in tiles
+    write_tiles(tuned_dir, [shrink_entry(8, 3)], "cpu")
+    tuned.use_dir(tuned_dir)
+    assert tuned.device_tiles(device).shrink(520, 2, 64, 4) == ShrinkTile(3, 128, 4)
+    (tuned_dir / "cpu.json").write_text("{not json")
+    tuned.use_dir(tuned_dir)
+    with pytest.raises(ValueError, match=r"cpu\.json: not JSON"):
+        tuned.device_tiles(device)
+    tuned.use_dir(None)
+    assert tuned.config_dir() == tuned.DEFAULT_DIR and not (tuned.DEFAULT_DIR / "cpu.json").exists()
+    assert len(tuned.device_tiles(device)) == 0
+
+
+def test_decode_config_takes_the_tuned_tile_and_a_forced_program_count_over_it(tuned_dir):
+    device = torch.device(DEVICE)
+    builtin = sgmv_decode.decode_config(520, 2, device, max_rank=64, num_tokens=8)
+    assert (builtin["block_k"], builtin["num_warps"]) == (sgmv_decode.BLOCK_K, 4)
+    write_tiles(tuned_dir, [shrink_entry(8, 3, block_k=32, num_warps=2)])
+    tuned.use_dir(tuned_dir)
+    config = sgmv_decode.decode_config(520, 2, device, max_rank=64, num_tokens=8)
+    assert config == {"num_programs": 3, "block_k": 32, "num_warps": 2, "max_splits": 3}
+    forced = sgmv_decode.decode_config(520, 2, device, 40, max_rank=64, num_tokens=8)
+    assert forced == {"num_programs": 40, "block_k": 32, "num_warps": 2, "max_splits": 17}  # cdiv(520, 32)
+    tile = ShrinkTile(5, 256, 8)
+    assert sgmv_decode.decode_config(520, 2, device, max_rank=64, num_tokens=8, tile=tile)["max_splits"] == 3
+
+
+class Spy:
+    """A Triton kernel whose launches (grid, meta-parameters) are recorded, then run."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize(
+    "batch, num_programs, block_k, num_warps", [(5, 3, 32, 2), (40, 6, 256, 8), (100, 6, 256, 8)]
+)
+def test_the_shrink_launches_with_the_tuned_tile_and_matches_fp64(
+    tuned_dir, monkeypatch, batch, num_programs, block_k, num_warps
+):
+    write_tiles(
+        tuned_dir,
+        [shrink_entry(8, 3, block_k=32, num_warps=2), shrink_entry(64, 6, block_k=256, num_warps=8)],
+    )
+    tuned.use_dir(tuned_dir)
+    split, reduce = Spy(sgmv_decode._shrink_split_kernel), Spy(sgmv_decode._shrink_reduce_kernel)
+    monkeypatch.setattr(sgmv_decode, "_shrink_split_kernel", split)
+    monkeypatch.setattr(sgmv_decode, "_shrink_reduce_kernel", reduce)
+    seg_lens, slots, ranks = decode_batch("zipf", batch, num_adapters=4, seed=batch)
+    assert (
+        check_shrink(
+            sgmv_decode.sgmv_shrink_decode,
+            torch.bfloat16,
+            520,
+            2,
+            *merged(seg_lens, slots),
+            ranks,
+            seed=batch,
+        )
+        > 0
+    )
+    [(grid, kwargs)] = split.launches
+    assert grid == (num_programs, 2) and kwargs["BLOCK_K"] == block_k and kwargs["num_warps"] == num_warps
+    [(_, reduce_kwargs)] = reduce.launches
+    assert reduce_kwargs["BLOCK_K"] == block_k  # the reduce finds the splits the split kernel wrote
+
+
+def test_the_expand_and_the_delta_launch_with_the_tuned_tile_and_match_fp64(tuned_dir, monkeypatch):
+    write_tiles(tuned_dir, [expand_entry(32, 16, num_warps=1)])
+    tuned.use_dir(tuned_dir)
+    spy = Spy(sgmv_decode._expand_decode_kernel)
+    monkeypatch.setattr(sgmv_decode, "_expand_decode_kernel", spy)
+    seg_lens, slots, ranks = decode_batch("uniform", 20, num_adapters=5, seed=1)
+    meta = check_expand(
+        sgmv_decode.sgmv_expand_decode, torch.float32, seg_lens, slots, ranks, ((0, 70), (70, 70)), 140
+    )
+    [(grid, kwargs)] = spy.launches
+    assert (
+        grid == (meta.num_segments, 5, 2) and kwargs["BLOCK_N"] == 16 and kwargs["num_warps"] == 1
+    )  # cdiv(70, 16)
+    # the decode delta (what a decode step's side stream runs) takes the same tile
+    v = torch.randn(20, 2 * 64, device=DEVICE)
+    B = torch.randn(len(ranks), 140, 64, device=DEVICE)
+    delta = sgmv_decode.sgmv_delta_auto(v, B, meta, output_slices=((0, 70), (70, 70)))
+    assert spy.launches[-1][1]["BLOCK_N"] == 16
+    want = torch.zeros_like(delta)
+    sgmv_decode.sgmv_expand_decode(
+        v, B, meta, want, output_slices=((0, 70), (70, 70)), tile=ExpandTile(128, 4)
+    )
+    torch.testing.assert_close(delta, want, rtol=1e-4, atol=1e-4)
