@@ -144,30 +144,7 @@ class Projection:
 
     def time_us(self, meta: SgmvMeta, shrink: ShrinkTile, expand: ExpandTile, reps: int) -> float:
         """Median microseconds a projection."""
-        if self.device.type != "cuda":
-            samples = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                self.run(meta, shrink, expand)
-                samples.append((time.perf_counter() - start) * 1e6)
-            return statistics.median(samples)
-        self.run(meta, shrink, expand)  # compiles outside the capture
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_CALLS):
-                self.run(meta, shrink, expand)
-        graph.replay()
-        samples = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
-        del graph
-        return statistics.median(samples)
+        return median_us(lambda: self.run(meta, shrink, expand), self.device, reps)
 
     def agrees(self, shrink: ShrinkTile, expand: ExpandTile, reference: dict[int, torch.Tensor]) -> bool:
         """Each grouping's delta within bf16 rounding of the built-in tiles' (splits sum in another order)."""
@@ -179,21 +156,35 @@ class Projection:
 
     def gemm_us(self, reps: int) -> float:
         """The base GEMM alone (every SM), for the LoRA's share of the projection."""
-        if self.device.type != "cuda":
-            return 0.0
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_CALLS):
-                self.x @ self.w.t()
+        return median_us(lambda: self.x @ self.w.t(), self.device, reps)
+
+
+def median_us(fn, device: torch.device, reps: int) -> float:
+    """Median microseconds a call of `fn`: on CUDA GRAPH_CALLS calls captured in a graph (after one call
+    outside it, which compiles and sets up cuBLAS), replayed `reps` times; elsewhere timed one by one."""
+    if device.type != "cuda":
         samples = []
         for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e6)
         return statistics.median(samples)
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
+    return statistics.median(samples)
 
 
 def choose(proj: Projection, candidates: list, pair, reps: int) -> tuple[object, dict]:
