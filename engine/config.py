@@ -68,7 +68,7 @@ class EngineConfig:
     # (LoraInputs.sm_carveout): cuBLAS's decode GEMMs are weight-read bound, so they lose little, and the
     # LoRA kernels no longer wait for whole SMs; 0 = the GEMMs take every SM
     lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT
-    # a directory of tuned decode-LoRA tile files (kernels/tuned.py; benchmarks/tune_decode_lora.py writes
+    # a directory of tuned LoRA-kernel tile files (kernels/tuned.py; benchmarks/tune_lora_tiles.py writes
     # them); "" = the package's kernels/configs
     kernel_configs: str = ""
     lora_eviction_policy: str = "lru"  # or "fifo"

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.sgmv_ref import SgmvMeta
+from kernels.tuned import SgmvTile, device_tiles
 
 MAX_STACK = 3  # q/k/v; the slice table below is passed as scalars so launching needs no device tensor
 # Segments a program scans at once when it looks up its row block: fixed, so steps with other segment
@@ -158,7 +159,9 @@ def block_m_for(max_seg_len: int) -> int:
     return 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
 
 
-def _shrink_config(max_seg_len: int, max_rank: int) -> dict:
+def _shrink_config(max_seg_len: int, max_rank: int, tile: SgmvTile | None = None) -> dict:
+    if tile is not None:
+        return _tile_config(tile, max_seg_len)
     return {
         "BLOCK_M": block_m_for(max_seg_len),
         "BLOCK_N": min(max(triton.next_power_of_2(max_rank), 16), 64),
@@ -168,13 +171,28 @@ def _shrink_config(max_seg_len: int, max_rank: int) -> dict:
     }
 
 
-def _expand_config(max_seg_len: int, max_rank: int) -> dict:
+def _expand_config(max_seg_len: int, max_rank: int, tile: SgmvTile | None = None) -> dict:
+    if tile is not None:
+        return _tile_config(tile, max_seg_len)
     return {
         "BLOCK_M": block_m_for(max_seg_len),
         "BLOCK_N": 128,
         "BLOCK_K": min(max(triton.next_power_of_2(max_rank), 16), 64),
         "num_warps": 4,
         "num_stages": 2,
+    }
+
+
+def _tile_config(tile: SgmvTile, max_seg_len: int) -> dict:
+    """A tuned tile's launch; its rows a program only where the step's segments are that long (a
+    captured graph's max_seg_len is its token count), else as many as they are."""
+    block_m = tile.block_m if max_seg_len >= tile.block_m else block_m_for(max_seg_len)
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": tile.block_n,
+        "BLOCK_K": tile.block_k,
+        "num_warps": tile.num_warps,
+        "num_stages": tile.num_stages,
     }
 
 
@@ -248,12 +266,14 @@ def sgmv_shrink(
     *,
     num_stack: int,
     out: torch.Tensor | None = None,  # [T, num_stack * R], x.dtype
+    tile: SgmvTile | None = None,  # None: the device's tuned tile (kernels/tuned.py), else the built-in one
 ) -> torch.Tensor:  # v [T, num_stack * R], x.dtype; entries outside the LoRA rows/ranks left as they were
     """v[seg, k*R : k*R + r] = x[seg] @ A[w, k*R : k*R + r, :]^T for every target k < num_stack."""
     out = shrink_output(x, A, meta, num_stack, out)
     max_rank = A.shape[1] // num_stack
     slices = tuple((k * max_rank, max_rank) for k in range(num_stack))
-    config = _shrink_config(meta.max_seg_len, max_rank)
+    tile = tile or device_tiles(x.device).lookup("sgmv_shrink", x.shape[1], num_stack, max_rank, x.shape[0])
+    config = _shrink_config(meta.max_seg_len, max_rank, tile)
     _launch(x, A, out, meta, is_shrink=True, K=x.shape[1], max_rank=max_rank, slices=slices, config=config)
     return out
 
@@ -265,11 +285,14 @@ def sgmv_expand(
     y: torch.Tensor,  # [T, out_dim], updated in place
     *,
     output_slices: tuple[tuple[int, int], ...],  # ((offset, size), ...) one per stacked target
+    tile: SgmvTile | None = None,  # None: the device's tuned tile (kernels/tuned.py), else the built-in one
 ) -> None:
     """y[seg, o_k : o_k + n_k] += scalings[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T."""
     check_expand_args(v, B, meta, y, output_slices)
     max_rank = B.shape[2]
-    config = _expand_config(meta.max_seg_len, max_rank)
+    widest = max((size for _, size in output_slices), default=0)
+    tile = tile or device_tiles(v.device).lookup("sgmv_expand", widest, len(output_slices), max_rank, v.shape[0])
+    config = _expand_config(meta.max_seg_len, max_rank, tile)
     _launch(
         v, B, y, meta, is_shrink=False, K=0, max_rank=max_rank, slices=tuple(output_slices), config=config
     )

@@ -223,7 +223,7 @@ def decode_config(
     one row get 2 splits of 2048 columns; 4 segments of 16 rows (a single adapter at batch 64) get 22
     splits of 256 columns (two 128-wide tiles), 16 of which hold columns.
     """
-    tile = tile or device_tiles(device).shrink(in_dim, num_stack, max_rank, num_tokens)
+    tile = tile or device_tiles(device).lookup("shrink", in_dim, num_stack, max_rank, num_tokens)
     if tile is None:
         tile = ShrinkTile(max(1, PROGRAMS_PER_SM * _num_sms(device) // num_stack), BLOCK_K, 4)
     num_programs = num_programs or tile.num_programs
@@ -398,7 +398,7 @@ def sgmv_expand_decode(
     if widest == 0:
         return
     num_stack = len(output_slices)
-    tile = tile or device_tiles(v.device).expand(widest, num_stack, max_rank, v.shape[0]) or ExpandTile(BLOCK_N, 4)
+    tile = tile or device_tiles(v.device).lookup("expand", widest, num_stack, max_rank, v.shape[0]) or ExpandTile(BLOCK_N, 4)
     slices = [x for pair in output_slices for x in pair] + [0, 0] * (MAX_STACK - len(output_slices))
     _expand_decode_kernel[(meta.num_segments, triton.cdiv(widest, tile.block_n), num_stack)](
         v, B, y, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,

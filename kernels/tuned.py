@@ -1,11 +1,13 @@
-"""Tile configurations of the decode LoRA kernels, tuned per device and shape and kept in JSON files.
+"""Tile configurations of the LoRA kernels, tuned per device and shape and kept in JSON files.
 
-`benchmarks/tune_decode_lora.py` times candidate configurations on a GPU (beside the base GEMM, as the
-engine runs them) and writes the fastest to `kernels/configs/<device>.json`, the device named as
-`torch.cuda.get_device_name` names it with every run of other characters made one `_` ("NVIDIA H200" ->
-`NVIDIA_H200.json`). The kernels (kernels/sgmv_decode.py) look their launch up here by host ints only
-(the shape and the step's token count), so a captured CUDA graph keeps the configuration it was captured
-with; with no file for the device, or no entry for the shape, they keep their built-in configuration.
+`benchmarks/tune_lora_tiles.py` times candidate tiles on a GPU the way the engine runs them (a decode
+step's kernels beside the base GEMM, a prefill step's in line) and writes the fastest to
+`kernels/configs/<device>.json`, the device named as `torch.cuda.get_device_name` names it with every
+run of other characters made one `_` ("NVIDIA H200" -> `NVIDIA_H200.json`). The kernels look their
+launch up here by host ints only (the shape and the step's token count), so a captured CUDA graph keeps
+the tile it was captured with; with no file for the device, or no entry for the shape, they keep their
+built-in tiles. The kernels: "shrink" and "expand" of decode-sized steps (kernels/sgmv_decode.py),
+"sgmv_shrink" and "sgmv_expand" of prefill-sized ones (kernels/sgmv.py).
 
 A file, one entry per kernel, shape and token count (`tokens`: the step's rows; a step of T rows takes
 the entry of the least tuned count >= T, or of the largest when T is past them all):
@@ -14,7 +16,9 @@ the entry of the least tuned count >= T, or of the largest when T is past them a
         {"kernel": "shrink", "in_dim": 4096, "num_stack": 3, "max_rank": 16, "tokens": 32,
          "config": {"num_programs": 88, "block_k": 128, "num_warps": 4}},
         {"kernel": "expand", "out_dim": 4096, "num_stack": 3, "max_rank": 16, "tokens": 32,
-         "config": {"block_n": 128, "num_warps": 4}}]}
+         "config": {"block_n": 128, "num_warps": 4}},
+        {"kernel": "sgmv_shrink", "in_dim": 14336, "num_stack": 1, "max_rank": 64, "tokens": 2048,
+         "config": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}}]}
 
 `out_dim` of an expand is its widest output slice (the fused target's widest projection). Other keys of
 an entry (the tuner's timings) are kept for people and ignored here.
@@ -32,44 +36,72 @@ from pathlib import Path
 import torch
 
 DEFAULT_DIR = Path(__file__).parent / "configs"
-BLOCK_K_CHOICES = (32, 64, 128, 256)
+BLOCK_M_CHOICES = (16, 32, 64, 128)
 BLOCK_N_CHOICES = (16, 32, 64, 128, 256)
+BLOCK_K_CHOICES = (16, 32, 64, 128, 256)
 NUM_WARPS_CHOICES = (1, 2, 4, 8)
+NUM_STAGES_CHOICES = (1, 2, 3, 4, 5)
 
 
 @dataclass(frozen=True)
-class ShrinkTile:
+class ShrinkTile:  # the decode shrink (kernels/sgmv_decode.py)
     num_programs: int  # programs per stacked target that share the step's segments' splits
     block_k: int  # input columns a tensor-core dot covers
     num_warps: int
 
 
 @dataclass(frozen=True)
-class ExpandTile:
+class ExpandTile:  # the decode expand (kernels/sgmv_decode.py)
     block_n: int  # output columns a program covers
     num_warps: int
 
 
-_SHAPE_KEYS = {"shrink": ("in_dim", "num_stack", "max_rank"), "expand": ("out_dim", "num_stack", "max_rank")}
+@dataclass(frozen=True)
+class SgmvTile:  # the shrink and expand of prefill-sized steps (kernels/sgmv.py)
+    block_m: int  # a segment's rows a program covers (fewer where segments are shorter)
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# kernel -> (its shape's keys, its tile, each tile field's allowed values; None: any positive integer)
+KINDS: dict[str, tuple[tuple[str, ...], type, dict[str, tuple[int, ...] | None]]] = {
+    "shrink": (
+        ("in_dim", "num_stack", "max_rank"),
+        ShrinkTile,
+        {"num_programs": None, "block_k": BLOCK_K_CHOICES, "num_warps": NUM_WARPS_CHOICES},
+    ),
+    "expand": (
+        ("out_dim", "num_stack", "max_rank"),
+        ExpandTile,
+        {"block_n": BLOCK_N_CHOICES, "num_warps": NUM_WARPS_CHOICES},
+    ),
+}
+_SGMV_FIELDS = {
+    "block_m": BLOCK_M_CHOICES,
+    "block_n": BLOCK_N_CHOICES,
+    "block_k": BLOCK_K_CHOICES,
+    "num_warps": NUM_WARPS_CHOICES,
+    "num_stages": NUM_STAGES_CHOICES,
+}
+KINDS["sgmv_shrink"] = (("in_dim", "num_stack", "max_rank"), SgmvTile, _SGMV_FIELDS)
+KINDS["sgmv_expand"] = (("out_dim", "num_stack", "max_rank"), SgmvTile, _SGMV_FIELDS)
 
 
 class TunedTiles:
     """A device's tuned entries: (kernel, shape) -> token counts ascending and their tiles."""
 
-    def __init__(self, entries: dict[tuple, list[tuple[int, ShrinkTile | ExpandTile]]]):
+    def __init__(self, entries: dict[tuple, list[tuple[int, object]]]):
         self._entries = {key: sorted(rows, key=lambda row: row[0]) for key, rows in entries.items()}
 
     def __len__(self) -> int:
         return sum(len(rows) for rows in self._entries.values())
 
-    def shrink(self, in_dim: int, num_stack: int, max_rank: int, num_tokens: int) -> ShrinkTile | None:
-        return self._pick(("shrink", in_dim, num_stack, max_rank), num_tokens)
-
-    def expand(self, out_dim: int, num_stack: int, max_rank: int, num_tokens: int) -> ExpandTile | None:
-        return self._pick(("expand", out_dim, num_stack, max_rank), num_tokens)
-
-    def _pick(self, key: tuple, num_tokens: int):
-        rows = self._entries.get(key)
+    def lookup(self, kernel: str, dim: int, num_stack: int, max_rank: int, num_tokens: int):
+        """The tile of `kernel` (a key of KINDS) at this shape (dim: its in_dim, or its widest output
+        slice for an expand) for a step of num_tokens rows; None where none was tuned."""
+        rows = self._entries.get((kernel, dim, num_stack, max_rank))
         if not rows:
             return None
         i = bisect.bisect_left([tokens for tokens, _ in rows], num_tokens)
@@ -101,28 +133,20 @@ def parse(doc: object, source: str) -> TunedTiles:
     return TunedTiles(entries)
 
 
-def _entry(entry: dict) -> tuple[tuple, int, ShrinkTile | ExpandTile]:
+def _entry(entry: dict) -> tuple[tuple, int, object]:
     if not isinstance(entry, dict):
         raise TypeError("not an object")
     kernel = entry["kernel"]
-    if kernel not in _SHAPE_KEYS:
-        raise ValueError(f"unknown kernel {kernel!r} (expected one of {sorted(_SHAPE_KEYS)})")
-    key = (kernel, *(_positive(entry, name) for name in _SHAPE_KEYS[kernel]))
+    if kernel not in KINDS:
+        raise ValueError(f"unknown kernel {kernel!r} (expected one of {sorted(KINDS)})")
+    shape_keys, tile_class, fields = KINDS[kernel]
+    key = (kernel, *(_positive(entry, name) for name in shape_keys))
     tokens = _positive(entry, "tokens")
     config = entry["config"]
     if not isinstance(config, dict):
         raise TypeError("'config' is not an object")
-    if kernel == "shrink":
-        tile = ShrinkTile(
-            _positive(config, "num_programs"),
-            _choice(config, "block_k", BLOCK_K_CHOICES),
-            _choice(config, "num_warps", NUM_WARPS_CHOICES),
-        )
-    else:
-        tile = ExpandTile(
-            _choice(config, "block_n", BLOCK_N_CHOICES), _choice(config, "num_warps", NUM_WARPS_CHOICES)
-        )
-    return key, tokens, tile
+    values = {name: _positive(config, name) if choices is None else _choice(config, name, choices) for name, choices in fields.items()}
+    return key, tokens, tile_class(**values)
 
 
 def _positive(obj: dict, name: str) -> int:

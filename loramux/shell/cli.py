@@ -280,8 +280,8 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     )
     p.add_argument(
         "--kernel-configs", metavar="DIR", default=env("--kernel-configs", ""),
-        help="a directory of tuned tile files for the decode LoRA kernels, one per GPU model"
-        " (benchmarks/tune_decode_lora.py writes them; default: the ones loramux ships)",
+        help="a directory of tuned tile files for the LoRA kernels, one per GPU model"
+        " (benchmarks/tune_lora_tiles.py writes them; default: the ones loramux ships)",
     )
     p.add_argument(
         "--max-concurrent-fetches", type=_int_in(1, 1024), default=int(env("--max-concurrent-fetches", 4)),

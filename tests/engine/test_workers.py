@@ -106,7 +106,7 @@ def test_a_bad_tuned_tile_file_fails_the_worker_build_and_a_good_one_is_used(tin
         entry = {"kernel": "expand", "out_dim": 64, "num_stack": 1, "max_rank": 16, "tokens": 8, "config": {"block_n": 32, "num_warps": 2}}
         (tmp_path / "cpu.json").write_text(json.dumps({"entries": [entry]}))
         ModelWorker.build(WorkerSpec(config, 128))
-        assert tuned.device_tiles(torch.device("cpu")).expand(64, 1, 16, 8) == tuned.ExpandTile(32, 2)
+        assert tuned.device_tiles(torch.device("cpu")).lookup("expand", 64, 1, 16, 8) == tuned.ExpandTile(32, 2)
     finally:
         tuned.use_dir(None)
 

@@ -71,12 +71,12 @@ def test_lookup_takes_the_least_tuned_token_count_at_or_above_the_step():
         {"entries": [shrink_entry(64, 6), shrink_entry(8, 3), shrink_entry(16, 4), expand_entry(32, 64)]}, "t"
     )
     assert len(tiles) == 4
-    pick = {t: tiles.shrink(520, 2, 64, t).num_programs for t in (1, 8, 9, 16, 17, 64, 65, 512)}
+    pick = {t: tiles.lookup("shrink", 520, 2, 64, t).num_programs for t in (1, 8, 9, 16, 17, 64, 65, 512)}
     assert pick == {1: 3, 8: 3, 9: 4, 16: 4, 17: 6, 64: 6, 65: 6, 512: 6}
-    assert tiles.expand(70, 2, 64, 1) == tiles.expand(70, 2, 64, 100) == ExpandTile(64, 4)
+    assert tiles.lookup("expand", 70, 2, 64, 1) == tiles.lookup("expand", 70, 2, 64, 100) == ExpandTile(64, 4)
     # another shape, stack or capacity has no entry: the kernels keep their built-in tile
-    assert tiles.shrink(520, 1, 64, 8) is None and tiles.shrink(4096, 2, 64, 8) is None
-    assert tiles.shrink(520, 2, 16, 8) is None and tiles.expand(70, 2, 16, 8) is None
+    assert tiles.lookup("shrink", 520, 1, 64, 8) is None and tiles.lookup("shrink", 4096, 2, 64, 8) is None
+    assert tiles.lookup("shrink", 520, 2, 16, 8) is None and tiles.lookup("expand", 70, 2, 16, 8) is None
 
 
 BAD = [
@@ -89,6 +89,7 @@ BAD = [
     ({"entries": [shrink_entry(8, 3, block_k=96)]}, "'block_k' must be one of"),
     ({"entries": [shrink_entry(8, 3, num_warps=3)]}, "'num_warps' must be one of"),
     ({"entries": [expand_entry(8, 100)]}, "'block_n' must be one of"),
+    ({"entries": [{**expand_entry(8, 64), "kernel": "sgmv_expand"}]}, "'block_m'"),
     ({"entries": [expand_entry(-1, 64)]}, "'tokens' must be a positive integer"),
     ({"entries": [{k: v for k, v in shrink_entry(8, 3).items() if k != "in_dim"}]}, "'in_dim'"),
     ({"entries": [{**shrink_entry(8, 3), "config": [1]}]}, "'config' is not an object"),
@@ -108,7 +109,7 @@ def test_files_are_read_from_the_directory_given_and_again_after_a_change(tuned_
     assert len(tuned.device_tiles(device)) == 0  # no file for this device: built-in tiles
     write_tiles(tuned_dir, [shrink_entry(8, 3)], "cpu")
     tuned.use_dir(tuned_dir)
-    assert tuned.device_tiles(device).shrink(520, 2, 64, 4) == ShrinkTile(3, 128, 4)
+    assert tuned.device_tiles(device).lookup("shrink", 520, 2, 64, 4) == ShrinkTile(3, 128, 4)
     (tuned_dir / "cpu.json").write_text("{not json")
     tuned.use_dir(tuned_dir)
     with pytest.raises(ValueError, match=r"cpu\.json: not JSON"):
@@ -202,3 +203,33 @@ def test_the_expand_and_the_delta_launch_with_the_tuned_tile_and_match_fp64(tune
         v, B, meta, want, output_slices=((0, 70), (70, 70)), tile=ExpandTile(128, 4)
     )
     torch.testing.assert_close(delta, want, rtol=1e-4, atol=1e-4)
+
+
+def sgmv_entry(kernel, dim, tokens, block_m, block_n, block_k, num_warps=4, num_stages=2):
+    config = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}
+    key = "in_dim" if kernel == "sgmv_shrink" else "out_dim"
+    return {"kernel": kernel, key: dim, "num_stack": 3, "max_rank": 128, "tokens": tokens, "config": config}
+
+
+@pytest.mark.parametrize("shrink_block_m, launched_m", [(32, 32), (128, 64)], ids=["tile_rows", "segments_shorter"])
+def test_prefill_kernels_launch_with_the_tuned_tile_and_match_fp64(tuned_dir, monkeypatch, shrink_block_m, launched_m):
+    """kernels/sgmv.py's shrink and expand (prefill-sized steps) take the tuned tile of their shape; a
+    tile's rows apply where the step's longest segment (33 rows here) has them, else the built-in rows."""
+    from kernels import sgmv
+    from tests.kernels.test_sgmv import run_case
+
+    write_tiles(tuned_dir, [
+        sgmv_entry("sgmv_shrink", 64, 64, shrink_block_m, 16, 32, num_warps=2, num_stages=2),
+        sgmv_entry("sgmv_expand", 64, 64, 16, 32, 16, num_warps=8, num_stages=3),
+    ])  # fmt: skip
+    tuned.use_dir(tuned_dir)
+    spy = Spy(sgmv._sgmv_kernel)
+    monkeypatch.setattr(sgmv, "_sgmv_kernel", spy)
+    delta = run_case("triton", torch.bfloat16, "qkv", "skewed", num_reqs=6, num_tokens=40)
+    assert delta.abs().max() > 0.1
+    [(_, shrink), (_, expand)] = spy.launches
+    assert shrink["IS_SHRINK"] and not expand["IS_SHRINK"]
+    tile = {k: shrink[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    assert tile == {"BLOCK_M": launched_m, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 2}
+    tile = {k: expand[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    assert tile == {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 8, "num_stages": 3}

@@ -1,4 +1,4 @@
-"""benchmarks/tune_decode_lora.py on the CPU (Triton's interpreter, the tiny shape, a few candidates):
+"""benchmarks/tune_lora_tiles.py on the CPU (Triton's interpreter, the tiny shape, a few candidates):
 it writes a file the engine's parser takes, with the tiles it printed, one expand entry for the two
 targets whose expands are alike, and a later run keeps the entries it does not replace."""
 
@@ -16,46 +16,30 @@ import pytest
 
 pytest.importorskip("triton")
 
-from benchmarks.tune_decode_lora import main, write
+from benchmarks.tune_lora_tiles import main, write
 from kernels import tuned
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke run; the GPU tunes for real")
 
 
 def test_tuner_writes_a_file_the_kernels_use(tmp_path):
-    args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "2", "--adapters", "2"]
-    path, entries = main(
-        [
-            *args,
-            "--quick",
-            "--reps",
-            "1",
-            "--max-rank",
-            "16",
-            "--targets",
-            "o",
-            "down",
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--reps", "1", "--max-rank", "16"]
+    args += ["--tokens", "2", "--adapters", "2", "--prefill-tokens", "40", "--prefill-segments", "2"]
+    path, entries = main([*args, "--targets", "o", "down", "--out", str(tmp_path)])
     assert path == tmp_path / "cpu.json"
     doc = json.loads(path.read_text())
-    assert doc["device"] == "cpu" and doc["made_by"] == "benchmarks/tune_decode_lora.py"
+    assert doc["device"] == "cpu" and doc["made_by"] == "benchmarks/tune_lora_tiles.py"
     # o (in 64) and down (in 176) shrink apart; both expand 64 wide from one stacked target: one entry
-    assert [(e["kernel"], e["target"]) for e in doc["entries"]] == [
-        ("shrink", "o"),
-        ("expand", "o"),
-        ("shrink", "down"),
-    ]
+    assert [(e["kernel"], e["target"], e["tokens"]) for e in doc["entries"]] == [
+        ("shrink", "o", 2), ("expand", "o", 2), ("sgmv_shrink", "o", 40), ("sgmv_expand", "o", 40),
+        ("shrink", "down", 2), ("sgmv_shrink", "down", 40),
+    ]  # fmt: skip
     assert doc["entries"] == entries
     tiles = tuned.parse(doc, str(path))
     for entry in entries:
-        assert set(entry["builtin_us"]) == set(entry["chosen_us"]) == {"2"}  # one grouping: 2 adapters
-        if entry["kernel"] == "shrink":
-            assert dataclasses.asdict(tiles.shrink(entry["in_dim"], 1, 16, 2)) == entry["config"]
-        else:
-            assert dataclasses.asdict(tiles.expand(entry["out_dim"], 1, 16, 2)) == entry["config"]
+        assert set(entry["builtin_us"]) == set(entry["chosen_us"]) == {"2"}  # one grouping: 2 adapters or segments
+        dim = entry.get("in_dim", entry.get("out_dim"))
+        assert dataclasses.asdict(tiles.lookup(entry["kernel"], dim, 1, 16, entry["tokens"])) == entry["config"]
 
 
 def test_a_later_run_replaces_its_own_entries_and_keeps_the_rest(tmp_path):
@@ -74,7 +58,7 @@ def test_a_later_run_replaces_its_own_entries_and_keeps_the_rest(tmp_path):
     write(path, "cpu", [entry(1, 32), entry(8, 32)])
     write(path, "cpu", [entry(8, 64), entry(16, 128)])
     tiles = tuned.load_file(path)
-    assert [tiles.expand(64, 1, 16, t).block_n for t in (1, 8, 16)] == [32, 64, 128]
+    assert [tiles.lookup("expand", 64, 1, 16, t).block_n for t in (1, 8, 16)] == [32, 64, 128]
     with pytest.raises(ValueError, match="block_n"):
         write(path, "cpu", [entry(4, 100)])
     assert len(tuned.load_file(path)) == 3 and [p.name for p in tmp_path.iterdir()] == [
