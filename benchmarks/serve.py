@@ -66,6 +66,7 @@ from engine.config import (
 from engine.request import Finished, TokenDelta
 from engine.sampling import SamplingParams
 from engine.server import start_engine
+from kernels import tuned
 from loramux.demo_model import LLAMA3_8B_CONFIG, write_llama_checkpoint
 from loramux.engine_client import generate_request
 from loramux.registry_client import RegistryClient
@@ -540,6 +541,8 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "--lora-sm-carveout", str(config.lora_sm_carveout),
         "--lora-target-modules", *config.lora_target_modules,
     ]  # fmt: skip
+    if config.kernel_configs:
+        args += ["--kernel-configs", config.kernel_configs]
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
     process = await asyncio.to_thread(Service, args, "engine", 900.0, ("metrics",))
@@ -655,6 +658,7 @@ def environment(device: str) -> dict:
         "commit": commit.stdout.strip() or None,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         **{name: version(name) for name in ("torch", "triton", "transformers", "peft")},
+        "lora_tiles": tuned.describe(torch.device(device)),  # kernels/tuned.py: the tuned file, or built-in
     }
 
 
@@ -679,6 +683,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_load_ahead=args.lora_load_ahead,
         cuda_graph_max_tokens=args.graph_max_tokens,
         lora_sm_carveout=args.lora_sm_carveout,
+        kernel_configs=args.kernel_configs,
     )
 
 
@@ -723,6 +728,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT,
         help="the engine's SMs its decode GEMMs leave to the LoRA kernels (0 = none)",
     )
+    p.add_argument("--kernel-configs", default="", help="the engine's --kernel-configs (tuned LoRA tiles' directory)")
     p.add_argument(
         "--slow-steps", type=int, default=0,
         help="in-process engine: report each scenario's N longest gaps between steps' token deliveries (StepTrace)",
@@ -782,6 +788,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         registry.interrupt()
     add_ratios(rows)
+    tuned.use_dir(args.kernel_configs or None)  # the tiles the engines read, for the report
     report = {"environment": environment(args.device), "args": vars(args), "results": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))

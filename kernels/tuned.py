@@ -198,6 +198,13 @@ def device_tiles(device: torch.device) -> TunedTiles:
     return tiles_for(device_name(device))
 
 
+def describe(device: torch.device) -> str:
+    """Which tiles `device` runs, for benchmark reports: its tuned file and entry count, or "built-in"."""
+    path = _dir / device_file_name(device_name(device))
+    tiles = device_tiles(device)
+    return f"{path} ({len(tiles)} entries)" if len(tiles) else "built-in"
+
+
 @functools.cache
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

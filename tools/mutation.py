@@ -46,6 +46,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "sampling": ("engine/sampling.py", ["tests/engine/test_sampling.py"]),
     "peft_compile": ("loraformat/peft_compile.py", ["tests/loraformat/test_peft_compile.py"]),
     "catalog": ("registry/catalog.py", ["tests/registry/test_catalog.py"]),
+    "tuned": ("kernels/tuned.py", ["tests/kernels/test_tuned.py"]),
 }
 
 SWAPS: dict[type, type] = {
@@ -209,6 +210,8 @@ def _preload() -> None:
     import contextlib
     import importlib
 
+    if shutil.which("nvidia-smi") is None:  # the kernel tests' interpreter, set before anything imports triton
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)

@@ -26,6 +26,7 @@ def test_serve_benchmark_smoke(tmp_path):
     report = serve.main(args)
     assert json.loads(report_path.read_text()) == json.loads(json.dumps(report))
     assert {"date", "commit", "device", "torch"} <= set(report["environment"])
+    assert report["environment"]["lora_tiles"] == "built-in"  # no tuned file for the CPU
     rows = {(r["engine"], r["scenario"], r["arrival"]): r for r in report["results"]}
     engines = [(e, s, a) for e in ("inproc", "grpc") for s in ("base", "2", "zipf") for a in ("all", "poisson")]
     assert set(rows) == set(engines) | {("hf_peft", "base", "batched"), ("hf_peft", "2", "batched")}

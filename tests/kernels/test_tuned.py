@@ -106,10 +106,11 @@ def test_a_bad_file_is_refused_whole_with_its_name_and_entry(doc, message):
 
 def test_files_are_read_from_the_directory_given_and_again_after_a_change(tuned_dir):
     device = torch.device("cpu")
-    assert len(tuned.device_tiles(device)) == 0  # no file for this device: built-in tiles
+    assert len(tuned.device_tiles(device)) == 0 and tuned.describe(device) == "built-in"  # no file for this device
     write_tiles(tuned_dir, [shrink_entry(8, 3)], "cpu")
     tuned.use_dir(tuned_dir)
     assert tuned.device_tiles(device).lookup("shrink", 520, 2, 64, 4) == ShrinkTile(3, 128, 4)
+    assert tuned.describe(device) == f"{tuned_dir / 'cpu.json'} (1 entries)"
     (tuned_dir / "cpu.json").write_text("{not json")
     tuned.use_dir(tuned_dir)
     with pytest.raises(ValueError, match=r"cpu\.json: not JSON"):
