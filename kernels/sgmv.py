@@ -159,33 +159,16 @@ def block_m_for(max_seg_len: int) -> int:
     return 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
 
 
-def _shrink_config(max_seg_len: int, max_rank: int, tile: SgmvTile | None = None) -> dict:
-    if tile is not None:
-        return _tile_config(tile, max_seg_len)
-    return {
-        "BLOCK_M": block_m_for(max_seg_len),
-        "BLOCK_N": min(max(triton.next_power_of_2(max_rank), 16), 64),
-        "BLOCK_K": 128,
-        "num_warps": 4,
-        "num_stages": 3,
-    }
-
-
-def _expand_config(max_seg_len: int, max_rank: int, tile: SgmvTile | None = None) -> dict:
-    if tile is not None:
-        return _tile_config(tile, max_seg_len)
-    return {
-        "BLOCK_M": block_m_for(max_seg_len),
-        "BLOCK_N": 128,
-        "BLOCK_K": min(max(triton.next_power_of_2(max_rank), 16), 64),
-        "num_warps": 4,
-        "num_stages": 2,
-    }
+def builtin_tile(is_shrink: bool, max_rank: int) -> SgmvTile:
+    """The tile where kernels/tuned.py has none for the device and shape: a shrink's columns are the
+    slot's ranks (a tile of at most 64), an expand's K is the rank."""
+    rank_tile = min(max(triton.next_power_of_2(max_rank), 16), 64)
+    return SgmvTile(64, rank_tile, 128, 4, 3) if is_shrink else SgmvTile(64, 128, rank_tile, 4, 2)
 
 
 def _tile_config(tile: SgmvTile, max_seg_len: int) -> dict:
-    """A tuned tile's launch; its rows a program only where the step's segments are that long (a
-    captured graph's max_seg_len is its token count), else as many as they are."""
+    """A tile's launch: its rows a program where the step's segments are that long (a captured graph's
+    max_seg_len is its token count), else as few as `block_m_for` gives shorter segments."""
     block_m = tile.block_m if max_seg_len >= tile.block_m else block_m_for(max_seg_len)
     return {
         "BLOCK_M": block_m,
@@ -273,7 +256,7 @@ def sgmv_shrink(
     max_rank = A.shape[1] // num_stack
     slices = tuple((k * max_rank, max_rank) for k in range(num_stack))
     tile = tile or device_tiles(x.device).lookup("sgmv_shrink", x.shape[1], num_stack, max_rank, x.shape[0])
-    config = _shrink_config(meta.max_seg_len, max_rank, tile)
+    config = _tile_config(tile or builtin_tile(True, max_rank), meta.max_seg_len)
     _launch(x, A, out, meta, is_shrink=True, K=x.shape[1], max_rank=max_rank, slices=slices, config=config)
     return out
 
@@ -292,7 +275,7 @@ def sgmv_expand(
     max_rank = B.shape[2]
     widest = max((size for _, size in output_slices), default=0)
     tile = tile or device_tiles(v.device).lookup("sgmv_expand", widest, len(output_slices), max_rank, v.shape[0])
-    config = _expand_config(meta.max_seg_len, max_rank, tile)
+    config = _tile_config(tile or builtin_tile(False, max_rank), meta.max_seg_len)
     _launch(
         v, B, y, meta, is_shrink=False, K=0, max_rank=max_rank, slices=tuple(output_slices), config=config
     )

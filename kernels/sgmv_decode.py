@@ -59,7 +59,7 @@ MAX_DECODE_SEGMENTS = 4096  # seg_indptr is read in one vector load
 ROWS = 16  # rows of a segment per tensor-core tile (tl.dot's least M)
 BLOCK_R = 16
 BLOCK_K = 128  # built-in tiles, where kernels/tuned.py has none for the device and shape
-BLOCK_N = 128
+BUILTIN_EXPAND = ExpandTile(128, 4)
 PROGRAMS_PER_SM = 2  # measured on an H200: 2 beats 4, 8 and 16 in all but one case (BENCHMARKS.md)
 
 
@@ -210,6 +210,11 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the interpreter: enough to exercise several splits on small test shapes
 
 
+def builtin_shrink_tile(num_stack: int, device: torch.device) -> ShrinkTile:
+    """The shrink's tile where kernels/tuned.py has none: about PROGRAMS_PER_SM programs per SM in all."""
+    return ShrinkTile(max(1, PROGRAMS_PER_SM * _num_sms(device) // num_stack), BLOCK_K, 4)
+
+
 def decode_config(
     in_dim: int, num_stack: int, device: torch.device, num_programs: int = 0, *, max_rank: int = 0, num_tokens: int = 0,
     tile: ShrinkTile | None = None,
@@ -224,8 +229,7 @@ def decode_config(
     splits of 256 columns (two 128-wide tiles), 16 of which hold columns.
     """
     tile = tile or device_tiles(device).lookup("shrink", in_dim, num_stack, max_rank, num_tokens)
-    if tile is None:
-        tile = ShrinkTile(max(1, PROGRAMS_PER_SM * _num_sms(device) // num_stack), BLOCK_K, 4)
+    tile = tile or builtin_shrink_tile(num_stack, device)
     num_programs = num_programs or tile.num_programs
     return {
         "num_programs": num_programs,
@@ -398,7 +402,7 @@ def sgmv_expand_decode(
     if widest == 0:
         return
     num_stack = len(output_slices)
-    tile = tile or device_tiles(v.device).lookup("expand", widest, num_stack, max_rank, v.shape[0]) or ExpandTile(BLOCK_N, 4)
+    tile = tile or device_tiles(v.device).lookup("expand", widest, num_stack, max_rank, v.shape[0]) or BUILTIN_EXPAND
     slices = [x for pair in output_slices for x in pair] + [0, 0] * (MAX_STACK - len(output_slices))
     _expand_decode_kernel[(meta.num_segments, triton.cdiv(widest, tile.block_n), num_stack)](
         v, B, y, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,

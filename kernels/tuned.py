@@ -10,7 +10,8 @@ built-in tiles. The kernels: "shrink" and "expand" of decode-sized steps (kernel
 "sgmv_shrink" and "sgmv_expand" of prefill-sized ones (kernels/sgmv.py).
 
 A file, one entry per kernel, shape and token count (`tokens`: the step's rows; a step of T rows takes
-the entry of the least tuned count >= T, or of the largest when T is past them all):
+the entry of the largest tuned count <= T, and none, so the built-in tile, when T is below every tuned
+count: prefill tiles tuned from 256 rows never serve a 32-row step):
 
     {"device": "NVIDIA H200", "triton": "3.6.0", "entries": [
         {"kernel": "shrink", "in_dim": 4096, "num_stack": 3, "max_rank": 16, "tokens": 32,
@@ -21,7 +22,10 @@ the entry of the least tuned count >= T, or of the largest when T is past them a
          "config": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}}]}
 
 `out_dim` of an expand is its widest output slice (the fused target's widest projection). Other keys of
-an entry (the tuner's timings) are kept for people and ignored here.
+an entry (the tuner's timings) are kept for people and ignored here. The parser admits only tiles the
+kernels can run on any GPU of the kind: a decode shrink of at most MAX_DECODE_PROGRAMS programs and
+BLOCK_K >= 64 (its fp32 split workspace is splits x T x R), a prefill tile whose pipelined operand tiles
+fit SGMV_SMEM_BYTES of shared memory.
 """
 
 from __future__ import annotations
@@ -36,11 +40,10 @@ from pathlib import Path
 import torch
 
 DEFAULT_DIR = Path(__file__).parent / "configs"
-BLOCK_M_CHOICES = (16, 32, 64, 128)
-BLOCK_N_CHOICES = (16, 32, 64, 128, 256)
-BLOCK_K_CHOICES = (16, 32, 64, 128, 256)
 NUM_WARPS_CHOICES = (1, 2, 4, 8)
-NUM_STAGES_CHOICES = (1, 2, 3, 4, 5)
+MAX_DECODE_PROGRAMS = 2048  # per stacked target: 8 an SM on a 256-SM GPU
+SGMV_SMEM_BYTES = 200 * 1024  # below an H100/H200's 227 KB a block, with room for Triton's own
+SGMV_ELEMENT_BYTES = 2  # bf16/fp16, what the engine serves
 
 
 @dataclass(frozen=True)
@@ -64,26 +67,31 @@ class SgmvTile:  # the shrink and expand of prefill-sized steps (kernels/sgmv.py
     num_warps: int
     num_stages: int
 
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory its software pipeline holds: num_stages copies of the input and weight tiles."""
+        return self.num_stages * (self.block_m * self.block_k + self.block_k * self.block_n) * SGMV_ELEMENT_BYTES
 
-# kernel -> (its shape's keys, its tile, each tile field's allowed values; None: any positive integer)
-KINDS: dict[str, tuple[tuple[str, ...], type, dict[str, tuple[int, ...] | None]]] = {
+
+# kernel -> (its shape's keys, its tile, each tile field's allowed values)
+KINDS: dict[str, tuple[tuple[str, ...], type, dict[str, tuple[int, ...] | range]]] = {
     "shrink": (
         ("in_dim", "num_stack", "max_rank"),
         ShrinkTile,
-        {"num_programs": None, "block_k": BLOCK_K_CHOICES, "num_warps": NUM_WARPS_CHOICES},
+        {"num_programs": range(1, MAX_DECODE_PROGRAMS + 1), "block_k": (64, 128, 256), "num_warps": NUM_WARPS_CHOICES},
     ),
     "expand": (
         ("out_dim", "num_stack", "max_rank"),
         ExpandTile,
-        {"block_n": BLOCK_N_CHOICES, "num_warps": NUM_WARPS_CHOICES},
+        {"block_n": (16, 32, 64, 128, 256), "num_warps": NUM_WARPS_CHOICES},
     ),
 }
 _SGMV_FIELDS = {
-    "block_m": BLOCK_M_CHOICES,
-    "block_n": BLOCK_N_CHOICES,
-    "block_k": BLOCK_K_CHOICES,
+    "block_m": (16, 32, 64, 128),
+    "block_n": (16, 32, 64, 128, 256),
+    "block_k": (16, 32, 64, 128, 256),
     "num_warps": NUM_WARPS_CHOICES,
-    "num_stages": NUM_STAGES_CHOICES,
+    "num_stages": (1, 2, 3, 4),
 }
 KINDS["sgmv_shrink"] = (("in_dim", "num_stack", "max_rank"), SgmvTile, _SGMV_FIELDS)
 KINDS["sgmv_expand"] = (("out_dim", "num_stack", "max_rank"), SgmvTile, _SGMV_FIELDS)
@@ -100,12 +108,11 @@ class TunedTiles:
 
     def lookup(self, kernel: str, dim: int, num_stack: int, max_rank: int, num_tokens: int):
         """The tile of `kernel` (a key of KINDS) at this shape (dim: its in_dim, or its widest output
-        slice for an expand) for a step of num_tokens rows; None where none was tuned."""
+        slice for an expand) for a step of num_tokens rows: the largest tuned count's at or below it;
+        None where none was tuned."""
         rows = self._entries.get((kernel, dim, num_stack, max_rank))
-        if not rows:
-            return None
-        i = bisect.bisect_left([tokens for tokens, _ in rows], num_tokens)
-        return rows[min(i, len(rows) - 1)][1]
+        i = bisect.bisect_right([tokens for tokens, _ in rows], num_tokens) if rows else 0
+        return rows[i - 1][1] if i else None
 
 
 NO_TILES = TunedTiles({})
@@ -145,8 +152,10 @@ def _entry(entry: dict) -> tuple[tuple, int, object]:
     config = entry["config"]
     if not isinstance(config, dict):
         raise TypeError("'config' is not an object")
-    values = {name: _positive(config, name) if choices is None else _choice(config, name, choices) for name, choices in fields.items()}
-    return key, tokens, tile_class(**values)
+    tile = tile_class(**{name: _choice(config, name, choices) for name, choices in fields.items()})
+    if isinstance(tile, SgmvTile) and tile.smem_bytes > SGMV_SMEM_BYTES:
+        raise ValueError(f"{tile} needs {tile.smem_bytes} bytes of shared memory, over {SGMV_SMEM_BYTES}")
+    return key, tokens, tile
 
 
 def _positive(obj: dict, name: str) -> int:
@@ -156,10 +165,11 @@ def _positive(obj: dict, name: str) -> int:
     return value
 
 
-def _choice(obj: dict, name: str, choices: tuple[int, ...]) -> int:
+def _choice(obj: dict, name: str, choices: tuple[int, ...] | range) -> int:
     value = obj[name]
     if type(value) is not int or value not in choices:
-        raise ValueError(f"{name!r} must be one of {choices}, got {value!r}")
+        allowed = f"{choices.start}-{choices.stop - 1}" if isinstance(choices, range) else f"one of {choices}"
+        raise ValueError(f"{name!r} must be {allowed}, got {value!r}")
     return value
 
 

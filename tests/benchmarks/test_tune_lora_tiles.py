@@ -16,17 +16,19 @@ import pytest
 
 pytest.importorskip("triton")
 
-from benchmarks.tune_lora_tiles import main, write
+from benchmarks.tune_lora_tiles import decode_grouping, graph_meta, main, prefill_grouping, write
 from kernels import tuned
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke run; the GPU tunes for real")
 
 
-def test_tuner_writes_a_file_the_kernels_use(tmp_path):
+def test_tuner_writes_a_file_the_kernels_use(tmp_path, capsys):
     args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--reps", "1", "--max-rank", "16"]
     args += ["--tokens", "2", "--adapters", "2", "--prefill-tokens", "40", "--prefill-segments", "2"]
     path, entries = main([*args, "--targets", "o", "down", "--out", str(tmp_path)])
     assert path == tmp_path / "cpu.json"
+    # in fp32 every candidate computes the built-in tile's result: none is left out
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("#") and "wrote" not in line]
     doc = json.loads(path.read_text())
     assert doc["device"] == "cpu" and doc["made_by"] == "benchmarks/tune_lora_tiles.py"
     # o (in 64) and down (in 176) shrink apart; both expand 64 wide from one stacked target: one entry
@@ -64,3 +66,17 @@ def test_a_later_run_replaces_its_own_entries_and_keeps_the_rest(tmp_path):
     assert len(tuned.load_file(path)) == 3 and [p.name for p in tmp_path.iterdir()] == [
         "cpu.json"
     ]  # left as it was
+
+
+def test_the_tuned_steps_have_the_engines_layouts():
+    """Decode rows merge per adapter into runs of at most DECODE_RUN (16) rows and pad to the batch, as a
+    decode graph holds them; prefill groupings are prompts or a mixed step, and a step graph's metadata
+    has every segment slot and its token count as max_seg_len."""
+    assert decode_grouping(32, 1) == ([16, 16] + [0] * 30, [1, 1] + [0] * 30)
+    assert decode_grouping(8, 3) == ([3, 3, 2, 0, 0, 0, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0])
+    assert prefill_grouping(102, "4") == ([26, 26, 25, 25], [1, 2, 3, 4])
+    lens, slots = prefill_grouping(200, "mixed")
+    assert lens == [137] + [1] * 63 and slots[:10] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 2] and max(slots) == 9
+    meta = graph_meta([26, 26, 25, 25], [1, 2, 3, 4], [0, 16, 16, 16, 16], [0.0] + [2.0] * 4, 64, "cpu")
+    assert (meta.num_segments, meta.max_seg_len, meta.host_seg_lens) == (64, 102, None)
+    assert meta.seg_indptr.tolist()[:6] == [0, 26, 52, 77, 102, 102] and meta.seg_indptr[-1] == 102

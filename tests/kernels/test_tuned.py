@@ -47,6 +47,12 @@ def expand_entry(tokens, block_n, num_warps=4, out_dim=70, num_stack=2, max_rank
     }
 
 
+def sgmv_entry(kernel, dim, tokens, block_m, block_n, block_k, num_warps=4, num_stages=2):
+    config = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}
+    key = "in_dim" if kernel == "sgmv_shrink" else "out_dim"
+    return {"kernel": kernel, key: dim, "num_stack": 3, "max_rank": 128, "tokens": tokens, "config": config}
+
+
 @pytest.fixture
 def tuned_dir(tmp_path):
     """A directory the kernels look tuned files up in for the test; the package's own again after."""
@@ -66,14 +72,16 @@ def test_device_file_names():
     assert tuned.device_file_name("cpu") == "cpu.json"
 
 
-def test_lookup_takes_the_least_tuned_token_count_at_or_above_the_step():
+def test_lookup_takes_the_largest_tuned_token_count_at_or_below_the_step():
     tiles = tuned.parse(
         {"entries": [shrink_entry(64, 6), shrink_entry(8, 3), shrink_entry(16, 4), expand_entry(32, 64)]}, "t"
     )
     assert len(tiles) == 4
-    pick = {t: tiles.lookup("shrink", 520, 2, 64, t).num_programs for t in (1, 8, 9, 16, 17, 64, 65, 512)}
-    assert pick == {1: 3, 8: 3, 9: 4, 16: 4, 17: 6, 64: 6, 65: 6, 512: 6}
-    assert tiles.lookup("expand", 70, 2, 64, 1) == tiles.lookup("expand", 70, 2, 64, 100) == ExpandTile(64, 4)
+    steps = (1, 7, 8, 9, 16, 17, 64, 65, 512)
+    pick = {t: getattr(tiles.lookup("shrink", 520, 2, 64, t), "num_programs", None) for t in steps}
+    assert pick == {1: None, 7: None, 8: 3, 9: 3, 16: 4, 17: 4, 64: 6, 65: 6, 512: 6}  # none below the least
+    assert tiles.lookup("expand", 70, 2, 64, 31) is None
+    assert tiles.lookup("expand", 70, 2, 64, 32) == tiles.lookup("expand", 70, 2, 64, 100) == ExpandTile(64, 4)
     # another shape, stack or capacity has no entry: the kernels keep their built-in tile
     assert tiles.lookup("shrink", 520, 1, 64, 8) is None and tiles.lookup("shrink", 4096, 2, 64, 8) is None
     assert tiles.lookup("shrink", 520, 2, 16, 8) is None and tiles.lookup("expand", 70, 2, 16, 8) is None
@@ -84,9 +92,13 @@ BAD = [
     ({"entries": {}}, "expected an object"),
     ({"entries": [7]}, "entry 0: not an object"),
     ({"entries": [{**shrink_entry(8, 3), "kernel": "gemm"}]}, "unknown kernel 'gemm'"),
-    ({"entries": [shrink_entry(8, 0)]}, "'num_programs' must be a positive integer"),
-    ({"entries": [shrink_entry(8, True)]}, "'num_programs' must be a positive integer"),
+    ({"entries": [shrink_entry(8, 0)]}, "'num_programs' must be 1-2048"),
+    ({"entries": [shrink_entry(8, 2049)]}, "'num_programs' must be 1-2048"),
+    ({"entries": [shrink_entry(8, True)]}, "'num_programs' must be 1-2048"),
     ({"entries": [shrink_entry(8, 3, block_k=96)]}, "'block_k' must be one of"),
+    ({"entries": [shrink_entry(8, 3, block_k=32)]}, "'block_k' must be one of (64, 128, 256)"),  # splits x T x R
+    ({"entries": [sgmv_entry("sgmv_shrink", 64, 8, 64, 16, 64, num_stages=5)]}, "'num_stages' must be one of"),
+    ({"entries": [sgmv_entry("sgmv_expand", 64, 8, 128, 256, 128, num_stages=3)]}, "bytes of shared memory, over"),
     ({"entries": [shrink_entry(8, 3, num_warps=3)]}, "'num_warps' must be one of"),
     ({"entries": [expand_entry(8, 100)]}, "'block_n' must be one of"),
     ({"entries": [{**expand_entry(8, 64), "kernel": "sgmv_expand"}]}, "'block_m'"),
@@ -99,6 +111,8 @@ BAD = [
 
 @pytest.mark.parametrize("doc, message", BAD, ids=[m for _, m in BAD])
 def test_a_bad_file_is_refused_whole_with_its_name_and_entry(doc, message):
+    """Bad JSON shapes, and tiles the kernels cannot run: too many decode programs or splits, shared
+    memory past what a block gets."""
     with pytest.raises(ValueError, match=r"^tiles\.json: ") as info:
         tuned.parse(doc, "tiles.json")
     assert message in str(info.value)
@@ -109,7 +123,7 @@ def test_files_are_read_from_the_directory_given_and_again_after_a_change(tuned_
     assert len(tuned.device_tiles(device)) == 0 and tuned.describe(device) == "built-in"  # no file for this device
     write_tiles(tuned_dir, [shrink_entry(8, 3)], "cpu")
     tuned.use_dir(tuned_dir)
-    assert tuned.device_tiles(device).lookup("shrink", 520, 2, 64, 4) == ShrinkTile(3, 128, 4)
+    assert tuned.device_tiles(device).lookup("shrink", 520, 2, 64, 9) == ShrinkTile(3, 128, 4)
     assert tuned.describe(device) == f"{tuned_dir / 'cpu.json'} (1 entries)"
     (tuned_dir / "cpu.json").write_text("{not json")
     tuned.use_dir(tuned_dir)
@@ -124,12 +138,13 @@ def test_decode_config_takes_the_tuned_tile_and_a_forced_program_count_over_it(t
     device = torch.device(DEVICE)
     builtin = sgmv_decode.decode_config(520, 2, device, max_rank=64, num_tokens=8)
     assert (builtin["block_k"], builtin["num_warps"]) == (sgmv_decode.BLOCK_K, 4)
-    write_tiles(tuned_dir, [shrink_entry(8, 3, block_k=32, num_warps=2)])
+    write_tiles(tuned_dir, [shrink_entry(8, 3, block_k=64, num_warps=2)])
     tuned.use_dir(tuned_dir)
     config = sgmv_decode.decode_config(520, 2, device, max_rank=64, num_tokens=8)
-    assert config == {"num_programs": 3, "block_k": 32, "num_warps": 2, "max_splits": 3}
+    assert config == {"num_programs": 3, "block_k": 64, "num_warps": 2, "max_splits": 3}
     forced = sgmv_decode.decode_config(520, 2, device, 40, max_rank=64, num_tokens=8)
-    assert forced == {"num_programs": 40, "block_k": 32, "num_warps": 2, "max_splits": 17}  # cdiv(520, 32)
+    assert forced == {"num_programs": 40, "block_k": 64, "num_warps": 2, "max_splits": 9}  # cdiv(520, 64)
+    assert sgmv_decode.decode_config(520, 2, device, max_rank=64, num_tokens=7) == builtin  # below every tuned count
     tile = ShrinkTile(5, 256, 8)
     assert sgmv_decode.decode_config(520, 2, device, max_rank=64, num_tokens=8, tile=tile)["max_splits"] == 3
 
@@ -148,15 +163,18 @@ class Spy:
         return launch
 
 
+BUILTIN_SHRINK = (sgmv_decode.builtin_shrink_tile(2, torch.device(DEVICE)).num_programs, sgmv_decode.BLOCK_K, 4)
+
+
 @pytest.mark.parametrize(
-    "batch, num_programs, block_k, num_warps", [(5, 3, 32, 2), (40, 6, 256, 8), (100, 6, 256, 8)]
+    "batch, num_programs, block_k, num_warps", [(5, *BUILTIN_SHRINK), (12, 3, 64, 2), (40, 3, 64, 2), (100, 6, 256, 8)]
 )
 def test_the_shrink_launches_with_the_tuned_tile_and_matches_fp64(
     tuned_dir, monkeypatch, batch, num_programs, block_k, num_warps
 ):
     write_tiles(
         tuned_dir,
-        [shrink_entry(8, 3, block_k=32, num_warps=2), shrink_entry(64, 6, block_k=256, num_warps=8)],
+        [shrink_entry(8, 3, block_k=64, num_warps=2), shrink_entry(64, 6, block_k=256, num_warps=8)],
     )
     tuned.use_dir(tuned_dir)
     split, reduce = Spy(sgmv_decode._shrink_split_kernel), Spy(sgmv_decode._shrink_reduce_kernel)
@@ -182,7 +200,7 @@ def test_the_shrink_launches_with_the_tuned_tile_and_matches_fp64(
 
 
 def test_the_expand_and_the_delta_launch_with_the_tuned_tile_and_match_fp64(tuned_dir, monkeypatch):
-    write_tiles(tuned_dir, [expand_entry(32, 16, num_warps=1)])
+    write_tiles(tuned_dir, [expand_entry(16, 16, num_warps=1)])
     tuned.use_dir(tuned_dir)
     spy = Spy(sgmv_decode._expand_decode_kernel)
     monkeypatch.setattr(sgmv_decode, "_expand_decode_kernel", spy)
@@ -206,12 +224,6 @@ def test_the_expand_and_the_delta_launch_with_the_tuned_tile_and_match_fp64(tune
     torch.testing.assert_close(delta, want, rtol=1e-4, atol=1e-4)
 
 
-def sgmv_entry(kernel, dim, tokens, block_m, block_n, block_k, num_warps=4, num_stages=2):
-    config = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}
-    key = "in_dim" if kernel == "sgmv_shrink" else "out_dim"
-    return {"kernel": kernel, key: dim, "num_stack": 3, "max_rank": 128, "tokens": tokens, "config": config}
-
-
 @pytest.mark.parametrize("shrink_block_m, launched_m", [(32, 32), (128, 64)], ids=["tile_rows", "segments_shorter"])
 def test_prefill_kernels_launch_with_the_tuned_tile_and_match_fp64(tuned_dir, monkeypatch, shrink_block_m, launched_m):
     """kernels/sgmv.py's shrink and expand (prefill-sized steps) take the tuned tile of their shape; a
@@ -220,8 +232,8 @@ def test_prefill_kernels_launch_with_the_tuned_tile_and_match_fp64(tuned_dir, mo
     from tests.kernels.test_sgmv import run_case
 
     write_tiles(tuned_dir, [
-        sgmv_entry("sgmv_shrink", 64, 64, shrink_block_m, 16, 32, num_warps=2, num_stages=2),
-        sgmv_entry("sgmv_expand", 64, 64, 16, 32, 16, num_warps=8, num_stages=3),
+        sgmv_entry("sgmv_shrink", 64, 32, shrink_block_m, 16, 32, num_warps=2, num_stages=2),
+        sgmv_entry("sgmv_expand", 64, 32, 16, 32, 16, num_warps=8, num_stages=3),
     ])  # fmt: skip
     tuned.use_dir(tuned_dir)
     spy = Spy(sgmv._sgmv_kernel)
@@ -234,3 +246,23 @@ def test_prefill_kernels_launch_with_the_tuned_tile_and_match_fp64(tuned_dir, mo
     assert tile == {"BLOCK_M": launched_m, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 2}
     tile = {k: expand[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
     assert tile == {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 8, "num_stages": 3}
+
+
+@pytest.mark.parametrize("kernel", sorted(tuned.KINDS))
+def test_every_allowed_value_of_every_field_parses_and_its_neighbours_do_not(kernel):
+    """The parser's choices are exactly the tables in kernels/tuned.py (a changed bound is a changed test),
+    and tiles are hashable: the tuner keys its timings by them."""
+    shape_keys, tile_class, fields = tuned.KINDS[kernel]
+    least = {name: min(choices) for name, choices in fields.items()}
+    for name, choices in fields.items():
+        for value in (*choices, max(choices) + 1, min(choices) - 1):
+            entry = {"kernel": kernel, **dict.fromkeys(shape_keys, 64), "tokens": 8, "config": {**least, name: value}}
+            if value in choices:
+                tile = tuned.parse({"entries": [entry]}, "t").lookup(kernel, 64, 64, 64, 8)
+                assert tile == tile_class(**{**least, name: value}) and hash(tile) == hash(tile_class(**{**least, name: value}))
+            else:
+                with pytest.raises(ValueError, match=name):
+                    tuned.parse({"entries": [entry]}, "t")
+    big = {"block_m": 128, "block_n": 256, "block_k": 256, "num_warps": 8, "num_stages": 4}
+    assert tuned.SgmvTile(**big).smem_bytes == 4 * (128 * 256 + 256 * 256) * 2 > tuned.SGMV_SMEM_BYTES
+    assert tuned.SgmvTile(**{**big, "num_stages": 1, "block_m": 64, "block_n": 64}).smem_bytes <= tuned.SGMV_SMEM_BYTES
