@@ -389,7 +389,7 @@ def sgmv_expand_decode(
     y: torch.Tensor,  # [T, out_dim], updated in place
     *,
     output_slices: tuple[tuple[int, int], ...],  # ((offset, size), ...) one per stacked target
-    tile: ExpandTile | None = None,  # None: the device's tuned tile for this shape, else BLOCK_N and 4 warps
+    tile: ExpandTile | None = None,  # None: the device's tuned tile for this shape, else BUILTIN_EXPAND
     overwrite: bool = False,  # y[rows of the segments, slices] = the delta (0 for rank-0 segments)
 ) -> None:
     """y[seg, o_k : o_k + n_k] += scaling[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T, one

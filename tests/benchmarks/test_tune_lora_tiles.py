@@ -16,7 +16,16 @@ import pytest
 
 pytest.importorskip("triton")
 
-from benchmarks.tune_lora_tiles import decode_grouping, graph_meta, main, prefill_grouping, write
+from benchmarks.tune_lora_tiles import (
+    decode_expand_tiles,
+    decode_grouping,
+    decode_shrink_tiles,
+    graph_meta,
+    main,
+    prefill_grouping,
+    sgmv_tiles,
+    write,
+)
 from kernels import tuned
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke run; the GPU tunes for real")
@@ -80,3 +89,22 @@ def test_the_tuned_steps_have_the_engines_layouts():
     meta = graph_meta([26, 26, 25, 25], [1, 2, 3, 4], [0, 16, 16, 16, 16], [0.0] + [2.0] * 4, 64, "cpu")
     assert (meta.num_segments, meta.max_seg_len, meta.host_seg_lens) == (64, 102, None)
     assert meta.seg_indptr.tolist()[:6] == [0, 26, 52, 77, 102, 102] and meta.seg_indptr[-1] == 102
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+@pytest.mark.parametrize("num_sms", [8, 132])
+def test_every_candidate_is_a_tile_the_parser_takes(monkeypatch, quick, num_sms):
+    """What the tuner may write, the engine's parser reads: candidates for an H200's 132 SMs and for 8."""
+    import benchmarks.tune_lora_tiles as tuner
+    import kernels.sgmv_decode as sgmv_decode
+
+    for module in (tuner, sgmv_decode):
+        monkeypatch.setattr(module, "_num_sms", lambda _device: num_sms)
+    shrinks = [t for stack in (1, 2, 3) for t in decode_shrink_tiles(stack, torch.device("cpu"), quick)]
+    assert shrinks[0].num_programs == 2 * num_sms  # the built-in tile first: two programs an SM
+    candidates = {"shrink": shrinks, "expand": decode_expand_tiles(quick)}
+    candidates |= {"sgmv_shrink": sgmv_tiles(True, 64, quick), "sgmv_expand": sgmv_tiles(False, 16, quick)}
+    for kernel, tiles in candidates.items():
+        shape = dict.fromkeys(tuned.KINDS[kernel][0], 64)
+        entries = [{"kernel": kernel, **shape, "tokens": i + 1, "config": dataclasses.asdict(t)} for i, t in enumerate(tiles)]
+        assert len(tuned.parse({"entries": entries}, "t")) == len(tiles) > 1

@@ -80,6 +80,8 @@ def test_lookup_takes_the_largest_tuned_token_count_at_or_below_the_step():
     steps = (1, 7, 8, 9, 16, 17, 64, 65, 512)
     pick = {t: getattr(tiles.lookup("shrink", 520, 2, 64, t), "num_programs", None) for t in steps}
     assert pick == {1: None, 7: None, 8: 3, 9: 3, 16: 4, 17: 4, 64: 6, 65: 6, 512: 6}  # none below the least
+    one = tuned.parse({"entries": [expand_entry(1, 64, out_dim=1, num_stack=1, max_rank=1)]}, "t")
+    assert one.lookup("expand", 1, 1, 1, 1) == ExpandTile(64, 4)  # every positive count and dimension
     assert tiles.lookup("expand", 70, 2, 64, 31) is None
     assert tiles.lookup("expand", 70, 2, 64, 32) == tiles.lookup("expand", 70, 2, 64, 100) == ExpandTile(64, 4)
     # another shape, stack or capacity has no entry: the kernels keep their built-in tile
@@ -103,6 +105,7 @@ BAD = [
     ({"entries": [expand_entry(8, 100)]}, "'block_n' must be one of"),
     ({"entries": [{**expand_entry(8, 64), "kernel": "sgmv_expand"}]}, "'block_m'"),
     ({"entries": [expand_entry(-1, 64)]}, "'tokens' must be a positive integer"),
+    ({"entries": [expand_entry(0, 64)]}, "'tokens' must be a positive integer"),
     ({"entries": [{k: v for k, v in shrink_entry(8, 3).items() if k != "in_dim"}]}, "'in_dim'"),
     ({"entries": [{**shrink_entry(8, 3), "config": [1]}]}, "'config' is not an object"),
     ({"entries": [shrink_entry(8, 3), expand_entry(8, 64), shrink_entry(8, 4)]}, "entry 2: a second entry"),
@@ -266,3 +269,17 @@ def test_every_allowed_value_of_every_field_parses_and_its_neighbours_do_not(ker
     big = {"block_m": 128, "block_n": 256, "block_k": 256, "num_warps": 8, "num_stages": 4}
     assert tuned.SgmvTile(**big).smem_bytes == 4 * (128 * 256 + 256 * 256) * 2 > tuned.SGMV_SMEM_BYTES
     assert tuned.SgmvTile(**{**big, "num_stages": 1, "block_m": 64, "block_n": 64}).smem_bytes <= tuned.SGMV_SMEM_BYTES
+
+
+def test_the_allowed_tile_sizes_are_what_the_kernels_take():
+    """Block sizes are powers of two from 16 (tl.arange's lengths, tl.dot's least side) to 256, warps a
+    power of two; a decode shrink's K tile at least 64 (its split workspace)."""
+    for _, _, fields in tuned.KINDS.values():
+        for name, choices in fields.items():
+            if name.startswith("block_"):
+                assert all(16 <= c <= 256 and c & (c - 1) == 0 for c in choices), name
+            elif name == "num_warps":
+                assert all(c & (c - 1) == 0 for c in choices)
+            elif name == "num_stages":
+                assert min(choices) == 1 and max(choices) <= 4
+    assert min(tuned.KINDS["shrink"][2]["block_k"]) == 64
