@@ -381,9 +381,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device to tune, with an index: `torch.cuda.set_device` refuses a bare "cuda"."""
+    device = torch.device(name)
+    return torch.device(device.type, 0) if device.type == "cuda" and device.index is None else device
+
+
 def main(argv: list[str] | None = None) -> tuple[Path, list[dict]]:
     args = parse_args(argv)
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.preferred_blas_library("cublaslt")  # as the engine's workers (engine/worker.py)

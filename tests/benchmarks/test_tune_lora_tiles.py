@@ -23,6 +23,7 @@ from benchmarks.tune_lora_tiles import (
     graph_meta,
     main,
     prefill_grouping,
+    resolve_device,
     sgmv_tiles,
     write,
 )
@@ -89,6 +90,13 @@ def test_the_tuned_steps_have_the_engines_layouts():
     meta = graph_meta([26, 26, 25, 25], [1, 2, 3, 4], [0, 16, 16, 16, 16], [0.0] + [2.0] * 4, 64, "cpu")
     assert (meta.num_segments, meta.max_seg_len, meta.host_seg_lens) == (64, 102, None)
     assert meta.seg_indptr.tolist()[:6] == [0, 26, 52, 77, 102, 102] and meta.seg_indptr[-1] == 102
+
+
+def test_a_bare_cuda_device_gets_an_index():
+    """The default --device cuda once failed at torch.cuda.set_device, which wants an index."""
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
 
 
 @pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])

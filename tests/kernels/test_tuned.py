@@ -283,3 +283,14 @@ def test_the_allowed_tile_sizes_are_what_the_kernels_take():
             elif name == "num_stages":
                 assert min(choices) == 1 and max(choices) <= 4
     assert min(tuned.KINDS["shrink"][2]["block_k"]) == 64
+
+
+def test_the_shipped_files_parse_and_are_named_for_their_device():
+    """Every file in kernels/configs is one the engine will take whole (a broken entry would refuse the
+    file at the worker's start) and sits under the name its device's lookup reads."""
+    files = sorted(tuned.DEFAULT_DIR.glob("*.json"))
+    assert "NVIDIA_H200.json" in [f.name for f in files]
+    for path in files:
+        doc = json.loads(path.read_text())
+        assert path.name == tuned.device_file_name(doc["device"])
+        assert len(tuned.load_file(path)) == len(doc["entries"]) > 0
