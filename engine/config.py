@@ -68,6 +68,10 @@ class EngineConfig:
     # (LoraInputs.sm_carveout): cuBLAS's decode GEMMs are weight-read bound, so they lose little, and the
     # LoRA kernels no longer wait for whole SMs; 0 = the GEMMs take every SM
     lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT
+    # On CUDA with the Triton SGMV ops, a decode step's gate/up LoRA expand runs in the SiLU-mul kernel
+    # (kernels/silu_mul.py `silu_mul_expand`) instead of beside the base GEMM on the side stream: the
+    # SiLU-mul reads the slots' B as it loads gate/up. Off by default until measured (BENCHMARKS.md)
+    lora_decode_fused_expand: bool = False
     # a directory of tuned LoRA-kernel tile files (kernels/tuned.py; benchmarks/tune_lora_tiles.py writes
     # them); "" = the package's kernels/configs
     kernel_configs: str = ""

@@ -39,10 +39,11 @@ class DecodeGraphs:
         lora_side: torch.cuda.Stream | None = None,  # the LoRA deltas' stream (LoraInputs.side)
         capture: bool = True,  # False: run the same static-buffer step eagerly (a CPU test of the padding)
         sm_carveout: int = 0,  # LoraInputs.sm_carveout of the LoRA graphs
+        fused_expand: frozenset[str] = frozenset(),  # LoraInputs.decode_fused_expand of the LoRA graphs
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
-        self.sm_carveout = sm_carveout
+        self.sm_carveout, self.fused_expand = sm_carveout, fused_expand
         self.device = attention.req_to_token.device
         self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
         n = max_batch
@@ -126,8 +127,9 @@ class DecodeGraphs:
             meta = dataclasses.replace(meta, max_seg_len=min(batch, DECODE_RUN))
             by_target = self.lora_meta.by_target(meta)  # views of the buffers: replays see each refill
             lora = LoraInputs(
-                pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target, idle=skipped, sm_carveout=self.sm_carveout
-            )
+                pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target, idle=skipped, sm_carveout=self.sm_carveout,
+                decode_fused_expand=self.fused_expand,
+            )  # fmt: skip
 
         def step() -> torch.Tensor:
             hidden = self.model(self.input_ids[:batch], self.positions[:batch], attn, self.kv, lora)

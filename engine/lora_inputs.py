@@ -124,6 +124,10 @@ class LoraInputs:
     # lora_sm_carveout): with every SM, a GEMM's next tile waits for a whole SM the LoRA kernels hold,
     # and they get SMs only between its tiles
     sm_carveout: int = 0
+    # Fused targets whose decode-step expand (side stream) is left to the next kernel as a PendingExpand:
+    # the side stream runs the shrink alone beside the GEMM, and the SiLU-mul kernel reads the slots' B
+    # as it loads gate/up (EngineConfig's lora_decode_fused_expand: `decode_fused_targets`)
+    decode_fused_expand: frozenset[str] = frozenset()
 
     def project_deferred(
         self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor
@@ -162,8 +166,10 @@ class LoraInputs:
         self.side.wait_event(x_ready)
         with torch.cuda.stream(self.side):
             v = self.shrink(x, a, meta, num_stack=t.num_stack)
-            delta = self.delta(v, b, meta, output_slices=t.output_slices)
+            delta = None if target in self.decode_fused_expand else self.delta(v, b, meta, output_slices=t.output_slices)
         main.wait_stream(self.side)
+        if delta is None:  # v, allocated on the side stream, is read on main: as the delta, see above
+            return y, PendingExpand(v, b, meta, t.output_slices, self.expand)
         return y, delta
 
 
@@ -187,6 +193,15 @@ def usable_sm_carveout(requested: int, num_sms: int) -> int:
     """The carve-out a device of num_sms SMs takes: at most half of them (PyTorch asks cuBLASLt for the
     device's SMs less the carve-out, which must stay positive, and the GEMMs keep most of the device)."""
     return max(0, min(requested, num_sms // 2))
+
+
+def decode_fused_targets(enabled: bool, device: torch.device, lora_backend: str, max_rank: int) -> frozenset[str]:
+    """LoraInputs.decode_fused_expand of an engine: {"gate_up"} where it is asked for and the SiLU-mul
+    kernel can take the expand (CUDA, the Triton SGMV ops, a rank capacity it loads whole)."""
+    from kernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
+
+    fits = device.type == "cuda" and lora_backend in ("triton", "splitk") and max_rank <= FUSED_MAX_RANK
+    return frozenset({"gate_up"}) if enabled and fits else frozenset()
 
 
 def _fuses_expand(meta: SgmvMeta, num_tokens: int, max_rank: int) -> bool:

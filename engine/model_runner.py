@@ -23,6 +23,7 @@ from engine.lora_inputs import (
     DECODE_RUN,
     LoraInputs,
     SgmvMetaBuffers,
+    decode_fused_targets,
     lora_segments,
     sgmv_ops,
     usable_sm_carveout,
@@ -46,6 +47,7 @@ class ModelRunner:
         lora_backend: str = "ref",  # SGMV ops: "ref" (PyTorch), "triton" or "chunked"
         samples: bool = True,  # False on tensor-parallel ranks > 0: rank 0's tokens are the step's
         lora_sm_carveout: int = 0,  # CUDA decode steps: SMs the base GEMMs leave to the LoRA kernels
+        lora_decode_fused_expand: bool = False,  # CUDA decode steps: gate/up's expand in the SiLU-mul kernel
     ):
         self.model = model
         self.kv = kv
@@ -64,6 +66,10 @@ class ModelRunner:
             self.lora_sm_carveout = usable_sm_carveout(lora_sm_carveout, num_sms)
             if self.lora_sm_carveout != lora_sm_carveout:
                 log.warning("--lora-sm-carveout %d is more than half of %d SMs: using %d", lora_sm_carveout, num_sms, self.lora_sm_carveout)
+        # Decode steps leave these targets' expand to the kernel that reads the projection next
+        self._decode_fused_expand = (
+            decode_fused_targets(lora_decode_fused_expand, self.device, lora_backend, lora_pool.max_rank) if lora_pool is not None else frozenset()
+        )  # fmt: skip
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran
@@ -100,8 +106,9 @@ class ModelRunner:
             c = self.model.config
             decode = DecodeKernelBackend(self.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
             self.graphs = DecodeGraphs(
-                self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side, sm_carveout=self.lora_sm_carveout
-            )
+                self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side, sm_carveout=self.lora_sm_carveout,
+                fused_expand=self._decode_fused_expand,
+            )  # fmt: skip
             self.graphs.pool = pool
             self.graphs.capture()
 
@@ -179,6 +186,7 @@ class ModelRunner:
         return LoraInputs(
             pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle,
             fused_expand=self._fused_expand, sm_carveout=self.lora_sm_carveout if side is not None else 0,
+            decode_fused_expand=self._decode_fused_expand if side is not None else frozenset(),
         )  # fmt: skip
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

@@ -111,6 +111,18 @@ def test_lora_sm_carveout_reaches_the_engine_config_from_the_flag_or_its_variabl
         EngineConfig(model_dir="m", lora_sm_carveout=-1)
 
 
+def test_lora_decode_fused_expand_reaches_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_decode_fused_expand is False
+    args = cli.build_parser({}).parse_args([*serve, "--lora-decode-fused-expand"])
+    assert engine_config(args, "m", 0).lora_decode_fused_expand is True
+    for value, expected in (("1", True), ("0", False), ("false", False)):
+        args = cli.build_parser({"LORAMUX_LORA_DECODE_FUSED_EXPAND": value}).parse_args(serve)
+        assert engine_config(args, "m", 0).lora_decode_fused_expand is expected, value
+
+
 def test_kernel_configs_reach_the_engine_config_from_the_flag_or_its_variable(tmp_path):
     from loramux.shell.settings import engine_config
 

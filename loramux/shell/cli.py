@@ -279,6 +279,12 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="on cuda, SMs a decode step's base GEMMs leave free for the LoRA kernels beside them (0 = none)",
     )
     p.add_argument(
+        "--lora-decode-fused-expand", action="store_true",
+        default=env("--lora-decode-fused-expand", "") not in ("", "0", "false"),
+        help="on cuda with the triton or splitk LoRA backend, decode steps add gate/up's LoRA expand in the"
+        " SiLU-mul kernel rather than computing it beside the base GEMM",
+    )
+    p.add_argument(
         "--kernel-configs", metavar="DIR", default=env("--kernel-configs", ""),
         help="a directory of tuned tile files for the LoRA kernels, one per GPU model"
         " (benchmarks/tune_lora_tiles.py writes them; default: the ones loramux ships)",

@@ -258,3 +258,69 @@ def test_the_lora_sm_carveout_reaches_the_decode_graphs_lora_inputs(tiny_llama_d
     decode, prefill = runner._lora_inputs(plan(1)), runner._lora_inputs(plan(3))
     assert decode.side is runner.lora_side and decode.sm_carveout == 12
     assert prefill.side is None and prefill.sm_carveout == 0
+
+
+def test_decode_fused_expand_is_gate_up_where_the_silu_mul_kernel_can_take_it():
+    """--lora-decode-fused-expand fuses gate/up's decode expand only on CUDA, with the Triton SGMV ops,
+    for slots the fused kernel loads whole; anywhere else it is a no-op, never an error."""
+    from engine.lora_inputs import decode_fused_targets
+    from kernels.silu_mul import FUSED_MAX_RANK
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert decode_fused_targets(True, cuda, "splitk", 16) == decode_fused_targets(True, cuda, "triton", FUSED_MAX_RANK) == {"gate_up"}
+    assert not decode_fused_targets(False, cuda, "splitk", 16)
+    assert not decode_fused_targets(True, cpu, "splitk", 16)
+    assert not decode_fused_targets(True, cuda, "chunked", 16) and not decode_fused_targets(True, cuda, "ref", 16)
+    assert not decode_fused_targets(True, cuda, "splitk", 2 * FUSED_MAX_RANK)
+
+
+def test_lora_decode_fused_expand_reaches_the_decode_steps_lora_inputs(tiny_llama_dir, adapter_dirs, tmp_path, monkeypatch):
+    """EngineConfig.lora_decode_fused_expand -> the worker's runner (with its backend and rank capacity)
+    -> each LoRA decode graph's LoraInputs and an eager decode step's, not a prefill step's (those fuse
+    gate/up by their own rule). On the CPU the targets are stubbed: the kernels only run on CUDA
+    (tests/engine/test_gpu.py)."""
+    import engine.cuda_graphs
+    import engine.model_runner
+
+    asked = []
+
+    def targets(enabled, device, backend, max_rank):
+        asked.append((enabled, device.type, backend, max_rank))
+        return frozenset({"gate_up"}) if enabled else frozenset()
+
+    monkeypatch.setattr(engine.model_runner, "decode_fused_targets", targets)
+    adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
+    for enabled in (False, True):
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / f"work{enabled}"), lora_backend="splitk",
+            max_lora_rank=32, lora_decode_fused_expand=enabled,
+        )  # fmt: skip
+        runner = EngineCore.build(config).workers.local.runner
+        assert asked[-1] == (enabled, "cpu", "splitk", 32)
+        made, real = [], engine.cuda_graphs.LoraInputs
+
+        def lora_inputs(*args, made=made, real=real, **kwargs):
+            made.append(kwargs["decode_fused_expand"])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine.cuda_graphs, "LoraInputs", lora_inputs)
+        monkeypatch.setattr(engine.cuda_graphs, "capture_steps", lambda keys, make, device, pool, capture: ({k: make(*k) for k in keys}, pool))
+        runner.enable_cuda_graphs(2, (2,))
+        want = frozenset({"gate_up"}) if enabled else frozenset()
+        assert made == [want] * len(runner.graphs.lora_variants)
+
+        runner.lora_side = object()  # a decode step's side stream on CUDA
+        assert runner._lora_inputs(two_row_plan(1)).decode_fused_expand == want
+        assert runner._lora_inputs(two_row_plan(3)).decode_fused_expand == frozenset()
+
+
+def two_row_plan(extend: int):
+    """A step of two requests of `extend` new tokens each, the first on slot 0, the second base."""
+    from engine.sampling import SamplingParams
+    from engine.step_plan import SampleRow, StepPlan
+
+    row = SampleRow(1, SamplingParams())
+    return StepPlan(
+        input_ids=(5,) * 2 * extend, positions=(0,) * 2 * extend, out_cache_loc=(1,) * 2 * extend, req_rows=(0, 1),
+        prefix_lens=(0, 0), extend_lens=(extend, extend), samples=(row, row), lora_slots=(0, -1),
+    )  # fmt: skip

@@ -146,6 +146,37 @@ def test_cuda_long_prompts_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_pa
     assert calls and max(calls) > 64
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_decode_fused_expand_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
+    """--lora-decode-fused-expand: decode steps leave gate/up's LoRA expand to the SiLU-mul kernel
+    (kernels/silu_mul.py `silu_mul_expand`), in the decode graphs or eagerly. Greedy tokens equal the CPU
+    reference's with and without it, and the flag added calls of the fused kernel."""
+    import kernels.silu_mul
+
+    adapters = three_adapters(make_adapter, "decode-fused", seed=70)
+    real = kernels.silu_mul.silu_mul_expand
+
+    def run(device: str, fused: bool, calls: list[int]) -> list[list[int]]:
+        def counted(*args, **kwargs):
+            calls.append(args[0].shape[0])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(kernels.silu_mul, "silu_mul_expand", counted)
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
+            work_dir=str(tmp_path / f"{device}-{fused}"), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",
+            cuda_graph_max_batch=16 if graphs else 0, lora_decode_fused_expand=fused,
+        )  # fmt: skip
+        core = EngineCore.build(config)
+        return generate_all(core, 8, [None, *(core.resolve_adapter(name) for name, _ in adapters)])
+
+    expected = run("cpu", False, [])
+    plain, fused = [], []
+    assert run("cuda", False, plain) == expected
+    assert run("cuda", True, fused) == expected
+    assert len(fused) > len(plain)
+
+
 def three_adapters(make_adapter, prefix: str, seed: int) -> tuple[tuple[str, str], ...]:
     """(name, dir) of three adapters of different targets and ranks: q/v rank 4, the MLP rank 8, o rank 12."""
     targets = [("qv", ["q_proj", "v_proj"]), ("mlp", ["gate_proj", "up_proj", "down_proj"]), ("o", ["o_proj"])]

@@ -205,6 +205,36 @@ def test_silu_mul_expand_replays_any_segmentation_from_one_launch_size():
         assert_close(silu_mul_expand(gate_up, torch.nan_to_num(v), B, meta), silu_mul_ref(expanded), torch.float32, str(seg_lens))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_expand_takes_a_decode_graphs_segments(dtype):
+    """--lora-decode-fused-expand: a decode graph's metadata (engine/cuda_graphs.py) holds one segment
+    slot a row, max_seg_len min(batch, DECODE_RUN), each replay's rows merged per adapter into runs of
+    at most DECODE_RUN, padded rows on the base slot (rank 0), the rest of the segments empty. Every
+    replay's segmentation gives the expand-then-SiLU-mul result, and in fp32 what the unfused decode
+    path gives (silu_mul of gate/up and the delta computed apart)."""
+    from engine.lora_inputs import DECODE_RUN, lora_segments
+
+    batch, base = 24, 4
+    gate_up, v, B, _ = expand_case(dtype, [batch], [1], 0)
+    v = torch.nan_to_num(v)
+    inter = gate_up.shape[1] // 2
+    ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
+    for slots in ([1] * 18 + [2] * 3 + [3] + [base] * 2, [3, 2] + [base] * 22, [1] * batch):
+        seg_lens, seg_slots = lora_segments([1] * batch, sorted(slots), DECODE_RUN)
+        pad = batch - len(seg_lens)
+        meta = SgmvMeta.from_lists(seg_lens + [0] * pad, seg_slots + [0] * pad, ranks, scalings, DEVICE)
+        meta = dataclasses.replace(meta, max_seg_len=min(batch, DECODE_RUN), host_seg_lens=None, host_slots=None)
+        expanded = gate_up.clone()
+        sgmv_expand_ref(v, B, meta, expanded, output_slices=((0, inter), (inter, inter)))
+        out = silu_mul_expand(gate_up, v, B, meta)
+        assert_close(out, silu_mul_ref(expanded), dtype, str(slots))
+        if dtype == torch.float32:  # in 16 bits the unfused path rounds the delta and the sum apart
+            delta = torch.zeros_like(gate_up)
+            sgmv_expand_ref(v, B, meta, delta, output_slices=((0, inter), (inter, inter)))
+            assert_close(out, silu_mul_ref(gate_up, delta), dtype, "unfused")
+        assert not torch.allclose(out.float(), silu_mul_ref(gate_up).float())  # the adapters did change it
+
+
 def test_silu_mul_expand_launches_its_kernel_once(kernel_launches):
     """One launch a call: 32ac0d4 left a second, identical launch behind the first, which gave the same
     output (the kernel leaves gate_up as it was) at twice the time, so only a count shows it."""
