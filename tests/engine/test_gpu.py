@@ -149,8 +149,9 @@ def test_cuda_long_prompts_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_pa
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_cuda_decode_fused_expand_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
     """--lora-decode-fused-expand: decode steps leave gate/up's LoRA expand to the SiLU-mul kernel
-    (kernels/silu_mul.py `silu_mul_expand`), in the decode graphs or eagerly. Greedy tokens equal the CPU
-    reference's with and without it, and the flag added calls of the fused kernel."""
+    (kernels/silu_mul.py `silu_mul_expand`), in the decode graphs or eagerly (no graphs at all: with step
+    graphs alone, they would take the decode steps). Greedy tokens equal the CPU reference's with and
+    without it, and the flag added calls of the fused kernel."""
     import kernels.silu_mul
 
     adapters = three_adapters(make_adapter, "decode-fused", seed=70)
@@ -165,7 +166,7 @@ def test_cuda_decode_fused_expand_matches_cpu(tiny_llama_dir, make_adapter, tmp_
         config = EngineConfig(
             model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
             work_dir=str(tmp_path / f"{device}-{fused}"), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",
-            cuda_graph_max_batch=16 if graphs else 0, lora_decode_fused_expand=fused,
+            cuda_graph_max_batch=16 if graphs else 0, cuda_graph_max_tokens=1024 if graphs else 0, lora_decode_fused_expand=fused,
         )  # fmt: skip
         core = EngineCore.build(config)
         return generate_all(core, 8, [None, *(core.resolve_adapter(name) for name, _ in adapters)])

@@ -207,30 +207,38 @@ def test_silu_mul_expand_replays_any_segmentation_from_one_launch_size():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_mul_expand_takes_a_decode_graphs_segments(dtype):
-    """--lora-decode-fused-expand: a decode graph's metadata (engine/cuda_graphs.py) holds one segment
-    slot a row, max_seg_len min(batch, DECODE_RUN), each replay's rows merged per adapter into runs of
-    at most DECODE_RUN, padded rows on the base slot (rank 0), the rest of the segments empty. Every
-    replay's segmentation gives the expand-then-SiLU-mul result, and in fp32 what the unfused decode
-    path gives (silu_mul of gate/up and the delta computed apart)."""
+    """--lora-decode-fused-expand: a decode graph (engine/cuda_graphs.py) is captured with one segment
+    slot a row, every row on the base slot and max_seg_len min(batch, DECODE_RUN); its launch keeps
+    those host facts. Each replay refills the device metadata: rows merged per adapter into runs of at
+    most DECODE_RUN, padded rows on the base slot (rank 0), the other segments empty. Every replay's
+    result is the expand-then-SiLU-mul one, v past each row's rank unread (NaN), and in fp32 what the
+    unfused decode path gives (silu_mul of gate/up and the delta computed apart)."""
     from engine.lora_inputs import DECODE_RUN, lora_segments
 
-    batch, base = 24, 4
-    gate_up, v, B, _ = expand_case(dtype, [batch], [1], 0)
-    v = torch.nan_to_num(v)
+    batch, base, max_rank = 24, 4, 8
+    gate_up, v0, B, _ = expand_case(dtype, [batch], [1], 0)
+    v0 = torch.nan_to_num(v0)
     inter = gate_up.shape[1] // 2
     ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
+    captured = SgmvMeta.from_lists([1] * batch, [base] * batch, ranks, scalings, DEVICE)
+    captured = dataclasses.replace(captured, max_seg_len=min(batch, DECODE_RUN))
     for slots in ([1] * 18 + [2] * 3 + [3] + [base] * 2, [3, 2] + [base] * 22, [1] * batch):
-        seg_lens, seg_slots = lora_segments([1] * batch, sorted(slots), DECODE_RUN)
+        slots = sorted(slots)
+        seg_lens, seg_slots = lora_segments([1] * batch, slots, DECODE_RUN)
         pad = batch - len(seg_lens)
-        meta = SgmvMeta.from_lists(seg_lens + [0] * pad, seg_slots + [0] * pad, ranks, scalings, DEVICE)
-        meta = dataclasses.replace(meta, max_seg_len=min(batch, DECODE_RUN), host_seg_lens=None, host_slots=None)
+        refilled = SgmvMeta.from_lists(seg_lens + [0] * pad, seg_slots + [0] * pad, ranks, scalings, DEVICE)
+        meta = dataclasses.replace(captured, seg_indptr=refilled.seg_indptr, weight_indices=refilled.weight_indices)
+        v = v0.clone()
+        for row, w in enumerate(slots):  # what the decode shrink leaves unwritten past the rank
+            v[row, ranks[w] : max_rank] = float("nan")
+            v[row, max_rank + ranks[w] :] = float("nan")
         expanded = gate_up.clone()
-        sgmv_expand_ref(v, B, meta, expanded, output_slices=((0, inter), (inter, inter)))
+        sgmv_expand_ref(v0, B, meta, expanded, output_slices=((0, inter), (inter, inter)))
         out = silu_mul_expand(gate_up, v, B, meta)
         assert_close(out, silu_mul_ref(expanded), dtype, str(slots))
         if dtype == torch.float32:  # in 16 bits the unfused path rounds the delta and the sum apart
             delta = torch.zeros_like(gate_up)
-            sgmv_expand_ref(v, B, meta, delta, output_slices=((0, inter), (inter, inter)))
+            sgmv_expand_ref(v0, B, meta, delta, output_slices=((0, inter), (inter, inter)))
             assert_close(out, silu_mul_ref(gate_up, delta), dtype, "unfused")
         assert not torch.allclose(out.float(), silu_mul_ref(gate_up).float())  # the adapters did change it
 
