@@ -25,7 +25,7 @@ import torch
 
 from engine.adapter_cache import HostAdapterCache
 from engine.adapter_slots import AdapterSlots
-from engine.config import DEFAULT_LORA_SM_CARVEOUT, EngineConfig
+from engine.config import DECODE_FUSED_TARGETS, DEFAULT_LORA_SM_CARVEOUT, EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
@@ -81,7 +81,7 @@ def random_packed(
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: bool = False):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = ()):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
@@ -218,7 +218,9 @@ def main() -> None:
         "--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT, help="SMs decode GEMMs leave to the LoRA kernels (0 = none)"
     )
     parser.add_argument("--kernel-configs", default="", help="tuned LoRA tile files' directory (default: the package's)")
-    parser.add_argument("--decode-fused-expand", action="store_true", help="the engine's --lora-decode-fused-expand")
+    parser.add_argument(
+        "--decode-fused-expand", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-fused-expand"
+    )
     parser.add_argument("--graph-max-tokens", type=int, default=2048, help="prefill and mixed steps up to N tokens replay step graphs (0 = eager)")
     parser.add_argument("--mixed-chunk", type=int, nargs="*", default=[], help="also time mixed steps: batch - 1 decodes + C prompt tokens")
     parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
@@ -238,7 +240,7 @@ def main() -> None:
     loop = build(
         SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs,
         args.disable_custom_all_reduce, tuple(args.adapter_targets), args.graph_max_tokens, kv_tokens, args.lora_sm_carveout,
-        args.kernel_configs, args.decode_fused_expand,
+        args.kernel_configs, tuple(args.decode_fused_expand),
     )  # fmt: skip
     loop.overlap = args.overlap
     try:

@@ -58,6 +58,7 @@ from safetensors.torch import save_file
 
 from engine.admission import GenerateInput
 from engine.config import (
+    DECODE_FUSED_TARGETS,
     DEFAULT_ADAPTER_PREP_THREADS,
     DEFAULT_LORA_LOAD_AHEAD,
     DEFAULT_LORA_SM_CARVEOUT,
@@ -544,7 +545,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
     if config.kernel_configs:
         args += ["--kernel-configs", config.kernel_configs]
     if config.lora_decode_fused_expand:
-        args.append("--lora-decode-fused-expand")
+        args += ["--lora-decode-fused-expand", *config.lora_decode_fused_expand]
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
     process = await asyncio.to_thread(Service, args, "engine", 900.0, ("metrics",))
@@ -686,7 +687,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         cuda_graph_max_tokens=args.graph_max_tokens,
         lora_sm_carveout=args.lora_sm_carveout,
         kernel_configs=args.kernel_configs,
-        lora_decode_fused_expand=args.lora_decode_fused_expand,
+        lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
     )
 
 
@@ -732,7 +733,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the engine's SMs its decode GEMMs leave to the LoRA kernels (0 = none)",
     )
     p.add_argument("--kernel-configs", default="", help="the engine's --kernel-configs (tuned LoRA tiles' directory)")
-    p.add_argument("--lora-decode-fused-expand", action="store_true", help="the engine's --lora-decode-fused-expand")
+    p.add_argument(
+        "--lora-decode-fused-expand", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-fused-expand"
+    )
     p.add_argument(
         "--slow-steps", type=int, default=0,
         help="in-process engine: report each scenario's N longest gaps between steps' token deliveries (StepTrace)",

@@ -35,6 +35,8 @@ DEFAULT_ADAPTER_PREP_THREADS = 4
 # device's SMs (usable_sm_carveout).
 DEFAULT_LORA_SM_CARVEOUT = 48
 
+DECODE_FUSED_TARGETS = ("qkv", "gate_up")  # lora_decode_fused_expand's choices
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -68,10 +70,11 @@ class EngineConfig:
     # (LoraInputs.sm_carveout): cuBLAS's decode GEMMs are weight-read bound, so they lose little, and the
     # LoRA kernels no longer wait for whole SMs; 0 = the GEMMs take every SM
     lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT
-    # On CUDA with the Triton SGMV ops, a decode step's gate/up LoRA expand runs in the SiLU-mul kernel
-    # (kernels/silu_mul.py `silu_mul_expand`) instead of beside the base GEMM on the side stream: the
-    # SiLU-mul reads the slots' B as it loads gate/up. Off by default until measured (BENCHMARKS.md)
-    lora_decode_fused_expand: bool = False
+    # On CUDA with the Triton SGMV ops, the fused targets ("qkv", "gate_up") whose LoRA expand a decode
+    # step runs in the kernel that reads the projection next (RoPE with the KV write, kernels/rope_kv.py;
+    # SiLU-mul, kernels/silu_mul.py) instead of beside the base GEMM on the side stream: that kernel
+    # reads the slots' B as it loads the projection. None by default until measured (BENCHMARKS.md)
+    lora_decode_fused_expand: tuple[str, ...] = ()
     # a directory of tuned LoRA-kernel tile files (kernels/tuned.py; benchmarks/tune_lora_tiles.py writes
     # them); "" = the package's kernels/configs
     kernel_configs: str = ""
@@ -110,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"lora_load_ahead must be >= 0, got {self.lora_load_ahead}")
         if not 0 <= self.lora_sm_carveout <= 1024:
             raise ValueError(f"lora_sm_carveout must be 0-1024 SMs, got {self.lora_sm_carveout}")
+        if not set(self.lora_decode_fused_expand) <= set(DECODE_FUSED_TARGETS):
+            raise ValueError(f"lora_decode_fused_expand takes {', '.join(DECODE_FUSED_TARGETS)}, got {self.lora_decode_fused_expand}")
         if self.kernel_configs and not Path(self.kernel_configs).is_dir():
             raise ValueError(f"kernel_configs {self.kernel_configs!r} is not a directory")
         if self.max_concurrent_fetches < 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -125,8 +125,9 @@ class LoraInputs:
     # and they get SMs only between its tiles
     sm_carveout: int = 0
     # Fused targets whose decode-step expand (side stream) is left to the next kernel as a PendingExpand:
-    # the side stream runs the shrink alone beside the GEMM, and the SiLU-mul kernel reads the slots' B
-    # as it loads gate/up (EngineConfig's lora_decode_fused_expand: `decode_fused_targets`)
+    # the side stream runs the shrink alone beside the GEMM, and the RoPE/KV-write (qkv) or SiLU-mul
+    # (gate_up) kernel reads the slots' B as it loads the projection (EngineConfig's
+    # lora_decode_fused_expand: `decode_fused_targets`)
     decode_fused_expand: frozenset[str] = frozenset()
 
     def project_deferred(
@@ -195,13 +196,14 @@ def usable_sm_carveout(requested: int, num_sms: int) -> int:
     return max(0, min(requested, num_sms // 2))
 
 
-def decode_fused_targets(enabled: bool, device: torch.device, lora_backend: str, max_rank: int) -> frozenset[str]:
-    """LoraInputs.decode_fused_expand of an engine: {"gate_up"} where it is asked for and the SiLU-mul
-    kernel can take the expand (CUDA, the Triton SGMV ops, a rank capacity it loads whole)."""
+def decode_fused_targets(targets: Collection[str], device: torch.device, lora_backend: str, max_rank: int) -> frozenset[str]:
+    """LoraInputs.decode_fused_expand of an engine: the targets asked for where the kernels that read
+    them can take the expand (CUDA, the Triton SGMV ops, a rank capacity the SiLU-mul kernel loads
+    whole); none elsewhere."""
     from kernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
 
     fits = device.type == "cuda" and lora_backend in ("triton", "splitk") and max_rank <= FUSED_MAX_RANK
-    return frozenset({"gate_up"}) if enabled and fits else frozenset()
+    return frozenset(targets) if fits else frozenset()
 
 
 def _fuses_expand(meta: SgmvMeta, num_tokens: int, max_rank: int) -> bool:

@@ -47,7 +47,7 @@ class ModelRunner:
         lora_backend: str = "ref",  # SGMV ops: "ref" (PyTorch), "triton" or "chunked"
         samples: bool = True,  # False on tensor-parallel ranks > 0: rank 0's tokens are the step's
         lora_sm_carveout: int = 0,  # CUDA decode steps: SMs the base GEMMs leave to the LoRA kernels
-        lora_decode_fused_expand: bool = False,  # CUDA decode steps: gate/up's expand in the SiLU-mul kernel
+        lora_decode_fused_expand: tuple[str, ...] = (),  # CUDA decode steps: targets whose expand the next kernel does
     ):
         self.model = model
         self.kv = kv

@@ -15,6 +15,17 @@ D = head_dim, c = cos_sin[positions[t], :D/2], s = cos_sin[positions[t], D/2:]:
     qkv, delta [T, (H + 2 Hkv) D] fp16/bf16/fp32; positions [T] int; cos_sin [P, D] fp32 (engine/rope.py's table)
     k_cache, v_cache [num_slots, Hkv, D] qkv.dtype; out_cache_loc [T] int; q_out [T, H, D] qkv.dtype
 
+With `expand` = (v, B, meta) instead of a delta, the kernel computes the delta itself, a decode step's
+q/k/v LoRA expand (engine/lora_inputs.py, --lora-decode-fused-expand), each head from its own columns:
+
+    delta[t, o_k + c] = round(scalings[w] * v[t, k*R : k*R + r] @ B[w, o_k + c, :r]^T)   k = q, k, v
+
+    w, r: the slot of row t's segment (found in meta.seg_indptr on the device) and its rank; rows past
+    the last segment (a graph's padding) get none; v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R]
+
+rounded as the decode expand rounds the delta it writes (kernels/sgmv_decode.py), so the sum is what the
+delta path gives up to the order of the rank's fp32 sum.
+
 Grid (T, H + Hkv): program (t, h) rotates query head h, or (h >= H) key head h - H and copies its value
 head. The unfused path reads q and k in fp32 copies, concatenates, casts, then scatters k and v: five
 passes over the heads where this is one. The fp32 products may contract into FMAs, so a rotated value
@@ -28,6 +39,32 @@ import triton
 import triton.language as tl
 
 from kernels.pending_delta import load_plus_delta
+from kernels.sgmv import SEGMENT_CHUNK
+from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
+
+
+@triton.jit
+def _row_segment(seg_indptr_ptr, num_segments, row, BLOCK_S: tl.constexpr):
+    """The segment that holds `row`: how many segments end at or before it (num_segments: none does)."""
+    seg = 0
+    for chunk in range(0, num_segments, BLOCK_S):
+        offs = chunk + tl.arange(0, BLOCK_S)
+        live = offs < num_segments
+        ends = tl.load(seg_indptr_ptr + offs + 1, mask=live, other=0)
+        seg += tl.sum((live & (ends <= row)).to(tl.int32), axis=0)
+    return seg
+
+
+@triton.jit
+def _load_plus_expand(src_ptr, offs, mask, v_ptr, b_ptr, stride_bn, offs_r, mask_r, scaling):
+    """src[offs] plus its LoRA delta, scaling * v[:r] @ B[offs, :r]^T rounded to src's dtype, the sum
+    rounded once more (what the delta path gives); v_ptr: the row's v of this target, b_ptr: the slot's
+    B at this head's first column."""
+    u = tl.load(src_ptr + offs, mask=mask, other=0.0)
+    vv = tl.load(v_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)  # [BLOCK_R]
+    b = tl.load(b_ptr + offs[:, None] * stride_bn + offs_r[None, :], mask=mask[:, None] & mask_r[None, :], other=0.0)
+    d = (tl.sum(b.to(tl.float32) * vv[None, :], axis=1) * scaling).to(src_ptr.dtype.element_ty)
+    return (u.to(tl.float32) + d.to(tl.float32)).to(src_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -41,17 +78,29 @@ def _rope_kv_kernel(
     v_cache_ptr,  # [num_slots, Hkv, D]
     out_cache_loc_ptr,  # [T] int
     q_out_ptr,  # [T, H, D]
+    v_ptr,  # [T, 3 R] (unused without HAS_EXPAND)
+    b_ptr,  # [num_slots, (H + 2 Hkv) * D, R], rank columns contiguous
+    seg_indptr_ptr,  # [num_segments + 1] int32
+    weight_indices_ptr,  # [num_segments] int32
+    lora_ranks_ptr,  # [num_slots] int32
+    scalings_ptr,  # [num_slots] fp32
     # sizes
     num_heads,
     num_kv_heads,
+    num_segments,
+    max_rank,  # R: v's columns a target
     # strides
     stride_qkv, stride_d, stride_cs,
     stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
     stride_qo_tok, stride_qo_head,
+    stride_v, stride_bw, stride_bn,
     # meta-parameters
     HAS_DELTA: tl.constexpr,
+    HAS_EXPAND: tl.constexpr,
     HALF: tl.constexpr,  # D // 2
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
+    BLOCK_R: tl.constexpr,  # >= R
+    BLOCK_S: tl.constexpr,  # segments a step of the row's segment search reads
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -64,8 +113,22 @@ def _rope_kv_kernel(
     # -- the head this program rotates: a query head, or a key head (then its value head too) ----------
     row_ptr = qkv_ptr + t * stride_qkv + h * 2 * HALF
     d_ptr = delta_ptr + t * stride_d + h * 2 * HALF
-    u1 = load_plus_delta(row_ptr, d_ptr, offs, mask, HAS_DELTA).to(tl.float32)
-    u2 = load_plus_delta(row_ptr + HALF, d_ptr + HALF, offs, mask, HAS_DELTA).to(tl.float32)
+    if HAS_EXPAND:  # this row's adapter: its slot, rank (0: none, or a row past the segments) and scaling
+        seg = _row_segment(seg_indptr_ptr, num_segments, t, BLOCK_S)
+        live = seg < num_segments
+        slot = tl.load(weight_indices_ptr + seg, mask=live, other=0)
+        rank = tl.where(live, tl.load(lora_ranks_ptr + slot), 0)
+        scaling = tl.load(scalings_ptr + slot)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        v_row = v_ptr + t * stride_v + tl.where(h < num_heads, 0, max_rank)  # q's columns of v, or k's
+        b_col = b_ptr + slot.to(tl.int64) * stride_bw + (h * 2 * HALF) * stride_bn
+        u1 = _load_plus_expand(row_ptr, offs, mask, v_row, b_col, stride_bn, offs_r, mask_r, scaling).to(tl.float32)
+        b_half = b_col + HALF * stride_bn
+        u2 = _load_plus_expand(row_ptr + HALF, offs, mask, v_row, b_half, stride_bn, offs_r, mask_r, scaling).to(tl.float32)
+    else:
+        u1 = load_plus_delta(row_ptr, d_ptr, offs, mask, HAS_DELTA).to(tl.float32)
+        u2 = load_plus_delta(row_ptr + HALF, d_ptr + HALF, offs, mask, HAS_DELTA).to(tl.float32)
     r1 = (u1 * cos - u2 * sin).to(q_out_ptr.dtype.element_ty)
     r2 = (u2 * cos + u1 * sin).to(q_out_ptr.dtype.element_ty)
     if h < num_heads:
@@ -79,10 +142,18 @@ def _rope_kv_kernel(
         tl.store(k_dst + offs, r1.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(k_dst + HALF + offs, r2.to(k_cache_ptr.dtype.element_ty), mask=mask)
         v_src = row_ptr + num_kv_heads * 2 * HALF  # the value head sits Hkv heads after its key head
-        v_d = d_ptr + num_kv_heads * 2 * HALF
         v_dst = v_cache_ptr + loc * stride_vc_slot + j * stride_vc_head
-        tl.store(v_dst + offs, load_plus_delta(v_src, v_d, offs, mask, HAS_DELTA), mask=mask)
-        tl.store(v_dst + HALF + offs, load_plus_delta(v_src + HALF, v_d + HALF, offs, mask, HAS_DELTA), mask=mask)
+        if HAS_EXPAND:
+            vv_row = v_ptr + t * stride_v + 2 * max_rank  # v's columns of the value target
+            b_v = b_ptr + slot.to(tl.int64) * stride_bw + ((h + num_kv_heads) * 2 * HALF) * stride_bn
+            first = _load_plus_expand(v_src, offs, mask, vv_row, b_v, stride_bn, offs_r, mask_r, scaling)
+            second = _load_plus_expand(v_src + HALF, offs, mask, vv_row, b_v + HALF * stride_bn, stride_bn, offs_r, mask_r, scaling)
+        else:
+            v_d = d_ptr + num_kv_heads * 2 * HALF
+            first = load_plus_delta(v_src, v_d, offs, mask, HAS_DELTA)
+            second = load_plus_delta(v_src + HALF, v_d + HALF, offs, mask, HAS_DELTA)
+        tl.store(v_dst + offs, first, mask=mask)
+        tl.store(v_dst + HALF + offs, second, mask=mask)
 
 
 def _check(
@@ -127,27 +198,54 @@ def rope_kv_write(
     num_kv_heads: int,
     head_dim: int,
     delta: torch.Tensor | None = None,  # [T, (H + 2 Hkv) * D]: a LoRA delta still to add to qkv, first
+    expand: tuple[torch.Tensor, torch.Tensor, SgmvMeta] | None = None,  # (v, B, meta): the delta's expand, done here
 ) -> torch.Tensor:  # q [T, H, D], rotated
     """Rotate q and k by their positions, write k and v into the paged cache, return q; see the module doc."""
     _check(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim, delta)
+    if expand is not None:
+        _check_expand(qkv, expand, delta)
     num_tokens = qkv.shape[0]
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q_out
     half = head_dim // 2
     d = qkv if delta is None else delta
+    if expand is None:  # the expand's arguments unused: any tensors of the right kinds
+        lora_args, max_rank = (qkv, qkv, positions, positions, positions, cos_sin), 1
+        num_segments, strides = 0, (0, 0, 0)
+    else:
+        v, B, meta = expand
+        lora_args, max_rank = (v, B, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings), B.shape[2]
+        num_segments, strides = meta.num_segments, (v.stride(0), B.stride(0), B.stride(1))
     _rope_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
-        qkv, d, positions, cos_sin, k_cache, v_cache, out_cache_loc, q_out,
-        num_heads, num_kv_heads,
+        qkv, d, positions, cos_sin, k_cache, v_cache, out_cache_loc, q_out, *lora_args,
+        num_heads, num_kv_heads, num_segments, max_rank,
         qkv.stride(0), d.stride(0), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        q_out.stride(0), q_out.stride(1),
+        q_out.stride(0), q_out.stride(1), *strides,
         HAS_DELTA=delta is not None,
+        HAS_EXPAND=expand is not None,
         HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        BLOCK_S=min(max(16, triton.next_power_of_2(max(num_segments, 1))), SEGMENT_CHUNK),
         num_warps=1 if half <= 64 else 2,
     )  # fmt: skip
     return q_out
+
+
+def _check_expand(qkv: torch.Tensor, expand, delta) -> None:
+    """(v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R], meta): contiguous rank columns, qkv's dtype."""
+    if delta is not None:
+        raise ValueError("give a LoRA delta or its expand, not both")
+    v, B, meta = expand
+    max_rank = B.shape[2] if B.dim() == 3 else 0
+    if B.dim() != 3 or B.shape[1] != qkv.shape[1] or B.dtype != qkv.dtype or B.stride(2) != 1:
+        raise ValueError(f"B {tuple(B.shape)} {B.dtype} is not [slots, {qkv.shape[1]}, R] {qkv.dtype} with contiguous ranks")
+    if v.shape != (qkv.shape[0], 3 * max_rank) or v.stride(1) != 1:
+        raise ValueError(f"v {tuple(v.shape)} is not [{qkv.shape[0]}, 3 * {max_rank}] with contiguous columns")
+    if meta.lora_ranks.shape[0] != B.shape[0]:
+        raise ValueError(f"meta has {meta.lora_ranks.shape[0]} slots' ranks, B {B.shape[0]} slots")
 
 
 def rope_kv_write_ref(
@@ -162,8 +260,14 @@ def rope_kv_write_ref(
     num_kv_heads: int,
     head_dim: int,
     delta: torch.Tensor | None = None,
+    expand: tuple[torch.Tensor, torch.Tensor, SgmvMeta] | None = None,
 ) -> torch.Tensor:  # q [T, H, D], rotated
     """The same in PyTorch, rounding as engine/rope.py's apply_rope and the model's cache write do."""
+    if expand is not None:  # the delta the decode expand writes: rounded to qkv's dtype, 0 where no LoRA
+        v, B, meta = expand
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        delta = torch.zeros_like(qkv)
+        sgmv_expand_ref(v, B, meta, delta, output_slices=((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)))
     if delta is not None:
         qkv = qkv + delta
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

@@ -115,12 +115,15 @@ def test_lora_decode_fused_expand_reaches_the_engine_config_from_the_flag_or_its
     from loramux.shell.settings import engine_config
 
     serve = ["engine", "serve", "--model", "m"]
-    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_decode_fused_expand is False
-    args = cli.build_parser({}).parse_args([*serve, "--lora-decode-fused-expand"])
-    assert engine_config(args, "m", 0).lora_decode_fused_expand is True
-    for value, expected in (("1", True), ("0", False), ("false", False)):
-        args = cli.build_parser({"LORAMUX_LORA_DECODE_FUSED_EXPAND": value}).parse_args(serve)
-        assert engine_config(args, "m", 0).lora_decode_fused_expand is expected, value
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_decode_fused_expand == ()
+    args = cli.build_parser({}).parse_args([*serve, "--lora-decode-fused-expand", "gate_up", "qkv"])
+    assert engine_config(args, "m", 0).lora_decode_fused_expand == ("gate_up", "qkv")
+    args = cli.build_parser({"LORAMUX_LORA_DECODE_FUSED_EXPAND": "qkv"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_decode_fused_expand == ("qkv",)
+    with pytest.raises(SystemExit):
+        cli.build_parser({}).parse_args([*serve, "--lora-decode-fused-expand", "down"])
+    with pytest.raises(ValueError, match="lora_decode_fused_expand takes qkv, gate_up"):
+        EngineConfig(model_dir="m", lora_decode_fused_expand=("o",))
 
 
 def test_kernel_configs_reach_the_engine_config_from_the_flag_or_its_variable(tmp_path):

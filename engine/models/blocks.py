@@ -108,9 +108,12 @@ class Attention(nn.Module):
         if self._can_fuse_rope(qkv, k_cache):
             from kernels.rope_kv import rope_kv_write  # Triton: imported only where it runs
 
+            # a pending expand (a decode step's, engine/lora_inputs.py) is done by the kernel itself
+            expand = (delta.v, delta.b, delta.meta) if isinstance(delta, PendingExpand) else None
             q = rope_kv_write(
                 qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
-                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, delta=delta,
+                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                delta=None if expand is not None else delta, expand=expand,
             )  # fmt: skip
             o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
             return self.project_o(o.reshape(-1, c.q_size), lora)

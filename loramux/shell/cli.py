@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import grpc
 
 from engine.config import (
+    DECODE_FUSED_TARGETS,
     DEFAULT_ADAPTER_PREP_THREADS,
     DEFAULT_ENGINE_PORT,
     DEFAULT_HTTP_PORT,
@@ -279,10 +280,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="on cuda, SMs a decode step's base GEMMs leave free for the LoRA kernels beside them (0 = none)",
     )
     p.add_argument(
-        "--lora-decode-fused-expand", action="store_true",
-        default=env("--lora-decode-fused-expand", "") not in ("", "0", "false"),
-        help="on cuda with the triton or splitk LoRA backend, decode steps add gate/up's LoRA expand in the"
-        " SiLU-mul kernel rather than computing it beside the base GEMM",
+        "--lora-decode-fused-expand", nargs="*", metavar="TARGET", choices=DECODE_FUSED_TARGETS,
+        default=env("--lora-decode-fused-expand", "").split(),
+        help="on cuda with the triton or splitk LoRA backend, decode steps add these projections' LoRA expand"
+        " in the kernel that reads them next (qkv: RoPE with the KV write; gate_up: SiLU-mul) rather than"
+        " computing it beside the base GEMM (default: none)",
     )
     p.add_argument(
         "--kernel-configs", metavar="DIR", default=env("--kernel-configs", ""),

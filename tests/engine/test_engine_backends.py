@@ -260,18 +260,19 @@ def test_the_lora_sm_carveout_reaches_the_decode_graphs_lora_inputs(tiny_llama_d
     assert prefill.side is None and prefill.sm_carveout == 0
 
 
-def test_decode_fused_expand_is_gate_up_where_the_silu_mul_kernel_can_take_it():
-    """--lora-decode-fused-expand fuses gate/up's decode expand only on CUDA, with the Triton SGMV ops,
-    for slots the fused kernel loads whole; anywhere else it is a no-op, never an error."""
+def test_decode_fused_expand_is_the_asked_targets_where_the_kernels_can_take_it():
+    """--lora-decode-fused-expand fuses the decode expands asked for only on CUDA, with the Triton SGMV
+    ops, for slots the SiLU-mul kernel loads whole; anywhere else it is a no-op, never an error."""
     from engine.lora_inputs import decode_fused_targets
     from kernels.silu_mul import FUSED_MAX_RANK
 
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert decode_fused_targets(True, cuda, "splitk", 16) == decode_fused_targets(True, cuda, "triton", FUSED_MAX_RANK) == {"gate_up"}
-    assert not decode_fused_targets(False, cuda, "splitk", 16)
-    assert not decode_fused_targets(True, cpu, "splitk", 16)
-    assert not decode_fused_targets(True, cuda, "chunked", 16) and not decode_fused_targets(True, cuda, "ref", 16)
-    assert not decode_fused_targets(True, cuda, "splitk", 2 * FUSED_MAX_RANK)
+    cuda, cpu, both = torch.device("cuda", 0), torch.device("cpu"), ("qkv", "gate_up")
+    assert decode_fused_targets(both, cuda, "splitk", 16) == decode_fused_targets(both, cuda, "triton", FUSED_MAX_RANK) == set(both)
+    assert decode_fused_targets(("gate_up",), cuda, "splitk", 16) == {"gate_up"}
+    assert not decode_fused_targets((), cuda, "splitk", 16)
+    assert not decode_fused_targets(both, cpu, "splitk", 16)
+    assert not decode_fused_targets(both, cuda, "chunked", 16) and not decode_fused_targets(both, cuda, "ref", 16)
+    assert not decode_fused_targets(both, cuda, "splitk", 2 * FUSED_MAX_RANK)
 
 
 def test_lora_decode_fused_expand_reaches_the_decode_steps_lora_inputs(tiny_llama_dir, adapter_dirs, tmp_path, monkeypatch):
@@ -284,19 +285,19 @@ def test_lora_decode_fused_expand_reaches_the_decode_steps_lora_inputs(tiny_llam
 
     asked = []
 
-    def targets(enabled, device, backend, max_rank):
-        asked.append((enabled, device.type, backend, max_rank))
-        return frozenset({"gate_up"}) if enabled else frozenset()
+    def targets(wanted, device, backend, max_rank):
+        asked.append((tuple(wanted), device.type, backend, max_rank))
+        return frozenset(wanted)
 
     monkeypatch.setattr(engine.model_runner, "decode_fused_targets", targets)
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
-    for enabled in (False, True):
+    for wanted in ((), ("qkv", "gate_up")):
         config = EngineConfig(
-            model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / f"work{enabled}"), lora_backend="splitk",
-            max_lora_rank=32, lora_decode_fused_expand=enabled,
+            model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / f"work{len(wanted)}"), lora_backend="splitk",
+            max_lora_rank=32, lora_decode_fused_expand=wanted,
         )  # fmt: skip
         runner = EngineCore.build(config).workers.local.runner
-        assert asked[-1] == (enabled, "cpu", "splitk", 32)
+        assert asked[-1] == (wanted, "cpu", "splitk", 32)
         made, real = [], engine.cuda_graphs.LoraInputs
 
         def lora_inputs(*args, made=made, real=real, **kwargs):
@@ -306,7 +307,7 @@ def test_lora_decode_fused_expand_reaches_the_decode_steps_lora_inputs(tiny_llam
         monkeypatch.setattr(engine.cuda_graphs, "LoraInputs", lora_inputs)
         monkeypatch.setattr(engine.cuda_graphs, "capture_steps", lambda keys, make, device, pool, capture: ({k: make(*k) for k in keys}, pool))
         runner.enable_cuda_graphs(2, (2,))
-        want = frozenset({"gate_up"}) if enabled else frozenset()
+        want = frozenset(wanted)
         assert made == [want] * len(runner.graphs.lora_variants)
 
         runner.lora_side = object()  # a decode step's side stream on CUDA

@@ -148,34 +148,41 @@ def test_cuda_long_prompts_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_pa
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_cuda_decode_fused_expand_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
-    """--lora-decode-fused-expand: decode steps leave gate/up's LoRA expand to the SiLU-mul kernel
-    (kernels/silu_mul.py `silu_mul_expand`), in the decode graphs or eagerly (no graphs at all: with step
-    graphs alone, they would take the decode steps). Greedy tokens equal the CPU reference's with and
-    without it, and the flag added calls of the fused kernel."""
+    """--lora-decode-fused-expand qkv gate_up: decode steps leave q/k/v's LoRA expand to the RoPE/KV-write
+    kernel (kernels/rope_kv.py) and gate/up's to the SiLU-mul kernel (kernels/silu_mul.py), in the decode
+    graphs or eagerly (no graphs at all: with step graphs alone, they would take the decode steps).
+    Greedy tokens equal the CPU reference's with and without it, and both kernels took expands."""
+    import kernels.rope_kv
     import kernels.silu_mul
 
     adapters = three_adapters(make_adapter, "decode-fused", seed=70)
-    real = kernels.silu_mul.silu_mul_expand
+    real_silu, real_rope = kernels.silu_mul.silu_mul_expand, kernels.rope_kv.rope_kv_write
 
-    def run(device: str, fused: bool, calls: list[int]) -> list[list[int]]:
-        def counted(*args, **kwargs):
-            calls.append(args[0].shape[0])
-            return real(*args, **kwargs)
+    def run(device: str, fused: tuple[str, ...], calls: dict[str, int]) -> list[list[int]]:
+        def silu(*args, **kwargs):
+            calls["silu_mul"] = calls.get("silu_mul", 0) + 1
+            return real_silu(*args, **kwargs)
 
-        monkeypatch.setattr(kernels.silu_mul, "silu_mul_expand", counted)
+        def rope(*args, **kwargs):
+            calls["rope_kv"] = calls.get("rope_kv", 0) + (kwargs.get("expand") is not None)
+            return real_rope(*args, **kwargs)
+
+        monkeypatch.setattr(kernels.silu_mul, "silu_mul_expand", silu)
+        monkeypatch.setattr(kernels.rope_kv, "rope_kv_write", rope)
         config = EngineConfig(
             model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
-            work_dir=str(tmp_path / f"{device}-{fused}"), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",
+            work_dir=str(tmp_path / f"{device}-{len(fused)}"), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",
             cuda_graph_max_batch=16 if graphs else 0, cuda_graph_max_tokens=1024 if graphs else 0, lora_decode_fused_expand=fused,
         )  # fmt: skip
         core = EngineCore.build(config)
         return generate_all(core, 8, [None, *(core.resolve_adapter(name) for name, _ in adapters)])
 
-    expected = run("cpu", False, [])
-    plain, fused = [], []
-    assert run("cuda", False, plain) == expected
-    assert run("cuda", True, fused) == expected
-    assert len(fused) > len(plain)
+    expected = run("cpu", (), {})
+    plain, fused = {}, {}
+    assert run("cuda", (), plain) == expected
+    assert run("cuda", ("qkv", "gate_up"), fused) == expected
+    assert plain.get("rope_kv", 0) == 0 and fused["rope_kv"] > 0
+    assert fused["silu_mul"] > plain.get("silu_mul", 0)
 
 
 def three_adapters(make_adapter, prefix: str, seed: int) -> tuple[tuple[str, str], ...]:
