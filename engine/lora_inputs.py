@@ -3,7 +3,8 @@
 Each fused projection adds its LoRA delta, with one shrink per input for all its stacked targets and
 one expand (`LoraInputs.project_deferred`; in CUDA decode steps both run on a side stream beside the
 base GEMM, and the delta comes back for the next kernel to add; in prefill-sized CUDA steps gate/up's
-expand is left to the SiLU-mul kernel, `PendingExpand`):
+expand is left to the SiLU-mul kernel, `PendingExpand`, and with `decode_fused_expand` a decode step's
+q/k/v or gate/up expand to the RoPE/KV-write or SiLU-mul kernel):
 
     y[T, out] += scalings[slot] * (x[T, in] @ A[slot]^T) @ B[slot]^T     per segment of tokens
 """
@@ -85,7 +86,8 @@ def lora_segments(lens: list[int], slots: list[int], max_len: int = 0) -> tuple[
 class PendingExpand:
     """A projection's LoRA expand not yet run: the shrink's v, the slots' B and the step's segments, for
     the kernel that reads the projection's output next to add as it loads it (gate/up: SiLU-mul,
-    kernels/silu_mul.py `silu_mul_expand`), so the output is not read and written once more first."""
+    kernels/silu_mul.py `silu_mul_expand`; a decode step's q/k/v: kernels/rope_kv.py `rope_kv_write`),
+    so the output is not read and written once more first."""
 
     v: torch.Tensor  # [T, num_stack * R]
     b: torch.Tensor  # [num_slots, out_dim, R]

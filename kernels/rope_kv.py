@@ -229,7 +229,7 @@ def rope_kv_write(
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         BLOCK_S=min(max(16, triton.next_power_of_2(max(num_segments, 1))), SEGMENT_CHUNK),
-        num_warps=1 if half <= 64 else 2,
+        num_warps=4 if expand is not None else 1 if half <= 64 else 2,  # an expand's [D/2, R] fp32 tiles
     )  # fmt: skip
     return q_out
 

@@ -280,7 +280,7 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="on cuda, SMs a decode step's base GEMMs leave free for the LoRA kernels beside them (0 = none)",
     )
     p.add_argument(
-        "--lora-decode-fused-expand", nargs="*", metavar="TARGET", choices=DECODE_FUSED_TARGETS,
+        "--lora-decode-fused-expand", nargs="+", metavar="TARGET", choices=DECODE_FUSED_TARGETS,
         default=env("--lora-decode-fused-expand", "").split(),
         help="on cuda with the triton or splitk LoRA backend, decode steps add these projections' LoRA expand"
         " in the kernel that reads them next (qkv: RoPE with the KV write; gate_up: SiLU-mul) rather than"

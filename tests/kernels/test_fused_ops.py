@@ -297,19 +297,19 @@ def test_silu_mul_ref_is_the_model_mlp_activation():
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # name -> (H, Hkv)
 
 
-def rope_case(dtype, num_heads, num_kv_heads, head_dim, num_tokens=6, seed=0):
+def rope_case(dtype, num_heads, num_kv_heads, head_dim, num_tokens=6, seed=0, num_slots=20):
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
     freqs = torch.arange(512).float()[:, None] * inv_freq[None, :]  # [512, D/2]
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)  # the layout of engine/rope.py
     qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=seed, scale=2.0)
     gen = torch.Generator().manual_seed(seed + 1)
     positions = torch.randint(0, 512, (num_tokens,), generator=gen).to(DEVICE)
-    out_cache_loc = torch.randperm(20, generator=gen)[:num_tokens].to(DEVICE)
+    out_cache_loc = torch.randperm(num_slots, generator=gen)[:num_tokens].to(DEVICE)
     return cos_sin, qkv, positions, out_cache_loc
 
 
-def caches(num_kv_heads, head_dim, dtype):
-    nan = torch.full((20, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+def caches(num_kv_heads, head_dim, dtype, num_slots=20):
+    nan = torch.full((num_slots, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     return nan.clone(), nan.clone()
 
 
@@ -356,10 +356,10 @@ def test_rope_kv_write_adds_a_pending_delta_first(dtype, heads):
         rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, delta=delta[:3], **kw)
 
 
-ROPE_SEGMENTS = {  # (segment lengths, slots), 12 rows; slot 4 is the base slot (rank 0)
-    "graph": ([5, 3, 1, 3] + [0] * 8, [1, 2, 3, 4] + [0] * 8),  # a decode graph's replay: every row covered
-    "runs": ([2, 2, 1, 7], [1, 1, 3, 2]),  # an adapter's rows split into runs
-    "uncovered": ([4, 5], [2, 3]),  # rows past the last segment: no LoRA
+ROPE_SEGMENTS = {  # (segment lengths, slots, rows); slot 4 is the base slot (rank 0)
+    "graph": ([5, 3, 1, 3] + [0] * 8, [1, 2, 3, 4] + [0] * 8, 12),  # a decode graph's replay: every row covered
+    "runs": ([2, 0, 2, 1, 7], [1, 2, 1, 3, 2], 12),  # an adapter's rows split into runs, an empty segment between
+    "uncovered": ([4, 5], [2, 3], 12),  # rows past the last segment: no LoRA
 }
 
 
@@ -368,39 +368,52 @@ ROPE_SEGMENTS = {  # (segment lengths, slots), 12 rows; slot 4 is the base slot 
 @pytest.mark.parametrize("case", sorted(ROPE_SEGMENTS))
 def test_rope_kv_write_does_a_decode_steps_qkv_expand(dtype, heads, case):
     """--lora-decode-fused-expand: rope_kv_write given (v, B, meta) computes the q/k/v LoRA delta of
-    each row's adapter itself, each target from its own columns of v, ranks below the capacity (v past
-    a row's rank unread: NaN), scalings per slot; the reference's result, and in fp32 the delta path's."""
+    each row's adapter itself, each target from its own columns of v, ranks below the capacity (v and B
+    past a row's rank unread: NaN), scalings per slot; the reference's result, and in fp32 the delta
+    path's."""
+    check_rope_expand(dtype, heads, *ROPE_SEGMENTS[case])
+
+
+def test_rope_kv_write_finds_a_rows_segment_among_many():
+    """More segments than one step of the kernel's segment search reads (64): a batch-70 decode graph."""
+    check_rope_expand(torch.float32, "gqa", [1] * 70, [1 + i % 4 for i in range(70)], 70)
+
+
+def check_rope_expand(dtype, heads, seg_lens, slots, rows):
     num_heads, num_kv_heads = HEADS[heads]
     head_dim, max_rank = 64, 8
-    seg_lens, slots = ROPE_SEGMENTS[case]
     ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
-    cos_sin, qkv, positions, loc = rope_case(dtype, num_heads, num_kv_heads, head_dim, num_tokens=12, seed=7)
+    cos_sin, qkv, positions, loc = rope_case(dtype, num_heads, num_kv_heads, head_dim, num_tokens=rows, seed=7, num_slots=80)
     kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    v = randn(12, 3 * max_rank, dtype=dtype, seed=8)
+    v = randn(rows, 3 * max_rank, dtype=dtype, seed=8)
     B = randn(len(ranks), qkv.shape[1], max_rank, dtype=dtype, seed=9, scale=0.5)
     meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    poisoned_b = B.clone()
+    for w, r in enumerate(ranks):  # B past a slot's rank: never read
+        poisoned_b[w, :, r:] = float("nan")
     poisoned, start = v.clone(), 0
     for n, w in zip(seg_lens, slots, strict=True):  # what the decode shrink leaves unwritten
         for k in range(3):
             poisoned[start : start + n, k * max_rank + ranks[w] : (k + 1) * max_rank] = float("nan")
         start += n
-    k_cache, v_cache = caches(num_kv_heads, head_dim, dtype)
-    k_ref, v_ref = caches(num_kv_heads, head_dim, dtype)
-    q = rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, expand=(poisoned, B, meta), **kw)
+    k_cache, v_cache = caches(num_kv_heads, head_dim, dtype, num_slots=80)
+    k_ref, v_ref = caches(num_kv_heads, head_dim, dtype, num_slots=80)
+    q = rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, expand=(poisoned, poisoned_b, meta), **kw)
     q_ref = rope_kv_write_ref(qkv, positions, cos_sin, k_ref, v_ref, loc, expand=(v, B, meta), **kw)
-    assert_close(q, q_ref, dtype, "q", roundings=2)  # the delta's, then the sum's (then RoPE's)
-    assert_close(k_cache[loc], k_ref[loc], dtype, "k", roundings=2)
+    assert_close(q, q_ref, dtype, "q", roundings=3)  # the delta's, the sum's, RoPE's
+    assert_close(k_cache[loc], k_ref[loc], dtype, "k", roundings=3)
     assert_close(v_cache[loc], v_ref[loc], dtype, "v", roundings=2)
     if dtype == torch.float32:  # the delta path: the decode expand's delta, then rope_kv_write with it
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         delta = torch.zeros_like(qkv)
         sgmv_expand_ref(v, B, meta, delta, output_slices=((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)))
-        k_d, v_d = caches(num_kv_heads, head_dim, dtype)
+        k_d, v_d = caches(num_kv_heads, head_dim, dtype, num_slots=80)
         assert_close(q, rope_kv_write(qkv, positions, cos_sin, k_d, v_d, loc, delta=delta, **kw), dtype, "delta path")
+        assert_close(k_cache[loc], k_d[loc], dtype, "delta path k")
         assert_close(v_cache[loc], v_d[loc], dtype, "delta path v")
-    k_plain, v_plain = caches(num_kv_heads, head_dim, dtype)
+    k_plain, v_plain = caches(num_kv_heads, head_dim, dtype, num_slots=80)
     q_plain = rope_kv_write(qkv, positions, cos_sin, k_plain, v_plain, loc, **kw)
-    adapted = torch.zeros(12, dtype=torch.bool, device=DEVICE)
+    adapted = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
     start = 0
     for n, w in zip(seg_lens, slots, strict=True):
         adapted[start : start + n] = ranks[w] > 0
