@@ -34,12 +34,12 @@ from loramux.v1 import registry_pb2 as pb
 PEFT_PREFIX = "base_model.model.model.layers"
 
 
-def write_peft_adapter(out: Path, shape: ModelShape, rank: int, seed: int) -> int:
-    """A PEFT-format adapter with random bf16 weights; returns the weights file's size."""
+def write_peft_adapter(out: Path, shape: ModelShape, rank: int, seed: int, modules: tuple[str, ...] = SUPPORTED_MODULES) -> int:
+    """A PEFT-format adapter of `modules` with random bf16 weights; returns the weights file's size."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(shape.num_layers):
-        for module in SUPPORTED_MODULES:
+        for module in modules:
             in_dim, out_dim = shape.module_dims(module)
             parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             name = f"{PEFT_PREFIX}.{layer}.{parent}.{module}"
@@ -47,7 +47,7 @@ def write_peft_adapter(out: Path, shape: ModelShape, rank: int, seed: int) -> in
             tensors[f"{name}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=gen) * 0.01).bfloat16()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(SUPPORTED_MODULES)}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules)}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return (out / "adapter_model.safetensors").stat().st_size
 

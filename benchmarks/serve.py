@@ -533,7 +533,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "--registry", config.registry, "--device", config.device,
         "--max-loras-per-batch", str(config.max_loras_per_batch), "--max-lora-rank", str(config.max_lora_rank),
         "--max-host-adapters", str(config.max_host_adapters), "--host-pinned-gb", str(config.host_pinned_gb),
-        "--adapter-prep-threads", str(config.adapter_prep_threads),
+        "--adapter-prep-threads", str(config.adapter_prep_threads), "--gil-switch-interval-ms", str(config.gil_switch_interval_ms),
         "--max-running-requests", str(config.max_running_requests),
         "--max-batch-tokens", str(config.max_batch_tokens), "--max-context", str(config.max_context),
         "--num-kv-slots", str(config.num_kv_slots),
@@ -677,6 +677,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         max_host_adapters=args.max_host_adapters,
         host_pinned_gb=args.host_pinned_gb,
         adapter_prep_threads=args.adapter_prep_threads,
+        gil_switch_interval_ms=args.gil_switch_interval_ms,
         max_running_requests=args.max_running,
         max_batch_tokens=args.max_batch_tokens,
         max_context=max_context,
@@ -720,6 +721,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-host-adapters", type=int, default=64)
     p.add_argument("--host-pinned-gb", type=float, default=0.0, help="the engine's --host-pinned-gb (0 = off)")
     p.add_argument("--adapter-prep-threads", type=int, default=DEFAULT_ADAPTER_PREP_THREADS, help="the engine's --adapter-prep-threads")
+    p.add_argument("--gil-switch-interval-ms", type=float, default=0.0, help="the engine's --gil-switch-interval-ms (0 = Python's)")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--graph-max-tokens", type=int, default=2048, help="prefill and mixed steps up to N tokens replay graphs (0 = eager)")

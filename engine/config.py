@@ -91,6 +91,13 @@ class EngineConfig:
     # run Python and small tensor ops per layer and projection, and every thread doing them competes for
     # the GIL with the engine loop's launches
     adapter_prep_threads: int = DEFAULT_ADAPTER_PREP_THREADS
+    # The process's GIL switch interval (sys.setswitchinterval), ms; 0 = Python's own (5 ms). A thread that
+    # wants the GIL waits up to this long for a thread running Python: the registry link's event loop for
+    # each 1 MiB chunk, the packing threads and the engine loop after each call that lets the GIL go.
+    # Beside a thread that runs Python throughout, one link fetched 13.6 MB adapters, 4 at a time, at
+    # 239 MB/s with 5 ms, 650 with 1 ms and 792 with 0.5 ms, against 930 alone, on the 2-core VM
+    # (benchmarks/fetch_contention.py, BENCHMARKS.md); not yet measured in a serving run
+    gil_switch_interval_ms: float = 0.0
     cuda_graph_max_batch: int = 64  # on CUDA, decode steps of up to this many requests replay graphs; 0 = off
     # on CUDA, prefill and mixed steps of up to this many tokens (at most max_batch_tokens) replay graphs
     # captured for padded token counts (engine/step_graphs.py); 0 = off
@@ -119,6 +126,8 @@ class EngineConfig:
             raise ValueError(f"kernel_configs {self.kernel_configs!r} is not a directory")
         if self.max_concurrent_fetches < 1:
             raise ValueError(f"max_concurrent_fetches must be >= 1, got {self.max_concurrent_fetches}")
+        if not 0 <= self.gil_switch_interval_ms <= 100:
+            raise ValueError(f"gil_switch_interval_ms must be 0-100 (0 = Python's own), got {self.gil_switch_interval_ms}")
         if not 1 <= self.adapter_prep_threads <= 64:
             raise ValueError(f"adapter_prep_threads must be 1-64, got {self.adapter_prep_threads}")
         if not 0 <= self.host_pinned_gb < float("inf"):

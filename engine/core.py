@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -87,6 +88,8 @@ class EngineCore:
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineCore:
+        if config.gil_switch_interval_ms > 0:  # process-wide, as the GIL is
+            sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
         model_config = read_model_config(config.model_dir)
         tp = TensorParallel(0, config.tensor_parallel_size)
         local_config(model_config, tp)  # a size that does not divide the model fails here, before any rank starts

@@ -126,6 +126,20 @@ def test_lora_decode_fused_expand_reaches_the_engine_config_from_the_flag_or_its
         EngineConfig(model_dir="m", lora_decode_fused_expand=("o",))
 
 
+def test_gil_switch_interval_reaches_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).gil_switch_interval_ms == 0
+    args = cli.build_parser({}).parse_args([*serve, "--gil-switch-interval-ms", "0.5"])
+    assert engine_config(args, "m", 0).gil_switch_interval_ms == 0.5
+    args = cli.build_parser({"LORAMUX_GIL_SWITCH_INTERVAL_MS": "1"}).parse_args(serve)
+    assert engine_config(args, "m", 0).gil_switch_interval_ms == 1
+    for bad in (-1, 101, float("nan")):
+        with pytest.raises(ValueError, match="gil_switch_interval_ms"):
+            EngineConfig(model_dir="m", gil_switch_interval_ms=bad)
+
+
 def test_kernel_configs_reach_the_engine_config_from_the_flag_or_its_variable(tmp_path):
     from loramux.shell.settings import engine_config
 

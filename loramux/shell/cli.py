@@ -301,6 +301,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " and each one takes the GIL from the engine loop while it packs",
     )
     p.add_argument(
+        "--gil-switch-interval-ms", type=float, default=float(env("--gil-switch-interval-ms", 0)),
+        help="the engine process's GIL switch interval: how long a thread that wants the GIL waits for one"
+        " running Python (registry fetches, adapter packing, the engine loop's launches); 0 = Python's own, 5 ms",
+    )
+    p.add_argument(
         "--lora-drain-wait-s", type=float, default=float(env("--lora-drain-wait-s", DEFAULT_LORA_DRAIN_WAIT_S)),
         help="starvation drain: when another adapter's requests waited this long for a slot, stop admitting"
         " to the running adapter with the fewest remaining tokens; 0 turns it off",

@@ -325,3 +325,18 @@ def two_row_plan(extend: int):
         input_ids=(5,) * 2 * extend, positions=(0,) * 2 * extend, out_cache_loc=(1,) * 2 * extend, req_rows=(0, 1),
         prefix_lens=(0, 0), extend_lens=(extend, extend), samples=(row, row), lora_slots=(0, -1),
     )  # fmt: skip
+
+
+def test_the_engine_sets_the_gil_switch_interval_it_is_given(tiny_llama_dir, tmp_path):
+    """--gil-switch-interval-ms sets the process's interval when the engine is built; 0 leaves Python's."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path / "a")))
+        assert sys.getswitchinterval() == 0.005
+        EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path / "b"), gil_switch_interval_ms=0.5))
+        assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
+    finally:
+        sys.setswitchinterval(before)

@@ -1,0 +1,120 @@
+"""The engine's registry fetches beside a thread that runs Python, as the engine loop does: the rate of
+one `RegistryLink` (engine/registry_link.py) fetching adapters N at a time from a real `loramux registry
+serve` process on loopback, alone, then beside a busy thread at each GIL switch interval.
+
+    python benchmarks/fetch_contention.py [--shape llama3-8b] [--adapters 8] [--concurrency 1 4 8]
+        [--switch-interval-ms 5 1 0.5]
+
+The link's event loop needs the GIL for every 1 MiB chunk that arrives, and its hash-and-copy thread
+for every chunk it takes: beside a thread that holds the GIL, each of those waits up to the switch
+interval (the engine's --gil-switch-interval-ms). Adapters are q/v rank-16 (PEFT's default targets),
+each fetched twice a pass over a warm link; one JSON line a pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.registry_transfer import write_peft_adapter
+from engine.named_shapes import LLAMA3_8B_CONFIG, TINY_LLAMA_CONFIG
+from engine.registry_link import RegistryLink, record_of
+from loraformat.model_shapes import ModelShape
+from loramux.registry_client import RegistryClient
+from loramux.testing.procs import Service
+from loramux.v1 import registry_pb2 as pb
+
+SHAPES = {"llama3-8b": LLAMA3_8B_CONFIG, "tiny": TINY_LLAMA_CONFIG}
+
+
+async def fetch_pass(address: str, adapters: list[pb.Adapter], concurrency: int) -> tuple[float, int]:
+    """(seconds, bytes) of fetching every adapter twice, `concurrency` at a time, over one warm link."""
+    link = RegistryLink(address, adapters[0].base_model, "{}", on_event=lambda event: None, max_concurrent_fetches=concurrency)
+    try:
+        await link.fetch(record_of(adapters[0]))  # opens the connection
+        start = time.perf_counter()
+        artifacts = await asyncio.gather(*(link.fetch(record_of(a)) for a in adapters * 2))
+        return time.perf_counter() - start, sum(len(a) for a in artifacts)
+    finally:
+        await link.close()
+
+
+class BusyThread:
+    """A thread that runs pure Python until stopped: it lets the GIL go only when the interpreter makes it."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sum(range(2000))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--switch-interval-ms", type=float, nargs="+", default=[5.0, 1.0, 0.5])
+    args = p.parse_args(argv)
+    config, rows = SHAPES[args.shape], []
+    shape = ModelShape.from_config(config)
+    before = sys.getswitchinterval()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "model").mkdir()
+        (root / "model" / "config.json").write_text(json.dumps(config))
+        dirs = [root / f"adapter{i}" for i in range(args.adapters)]
+        for i, d in enumerate(dirs):
+            write_peft_adapter(d, shape, 16, seed=i, modules=("q_proj", "v_proj"))
+        server = Service(["registry", "serve", "--port", "0", "--data-dir", str(root / "data")], "registry")
+        try:
+            with RegistryClient(server.address) as client:
+                client.register_base_model("bench", root / "model")
+                adapters = [client.register_adapter(pb.AdapterSpec(name=f"fetch-{i}"), d) for i, d in enumerate(dirs)]
+            settings = [(False, None)] + [(True, ms) for ms in args.switch_interval_ms]
+            for busy, interval_ms in settings:
+                sys.setswitchinterval(interval_ms / 1e3 if interval_ms else before)
+                with BusyThread() if busy else _nothing():
+                    for concurrency in args.concurrency:
+                        seconds, size = asyncio.run(fetch_pass(server.address, adapters, concurrency))
+                        row = {
+                            "busy_thread": busy, "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
+                            "concurrency": concurrency, "mb": round(size / 1e6, 1), "seconds": round(seconds, 3),
+                            "mb_s": round(size / 1e6 / seconds, 1),
+                        }  # fmt: skip
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+        finally:
+            sys.setswitchinterval(before)
+            server.interrupt()
+    return rows
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    main()
