@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             settings = [(False, None)] + [(True, ms) for ms in args.switch_interval_ms]
             for busy, interval_ms in settings:
                 sys.setswitchinterval(interval_ms / 1e3 if interval_ms else before)
-                with BusyThread() if busy else _nothing():
+                with BusyThread() if busy else contextlib.nullcontext():
                     for concurrency in args.concurrency:
                         seconds, size = asyncio.run(fetch_pass(server.address, adapters, concurrency))
                         row = {
@@ -106,14 +107,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             sys.setswitchinterval(before)
             server.interrupt()
     return rows
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.pending_delta import load_plus_delta
-from kernels.sgmv import SEGMENT_CHUNK
+from kernels.sgmv import SEGMENT_CHUNK, check_expand_args
 from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
 
 
@@ -203,7 +203,7 @@ def rope_kv_write(
     """Rotate q and k by their positions, write k and v into the paged cache, return q; see the module doc."""
     _check(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim, delta)
     if expand is not None:
-        _check_expand(qkv, expand, delta)
+        _check_expand(qkv, expand, delta, _qkv_slices(num_heads, num_kv_heads, head_dim))
     num_tokens = qkv.shape[0]
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
@@ -234,16 +234,23 @@ def rope_kv_write(
     return q_out
 
 
-def _check_expand(qkv: torch.Tensor, expand, delta) -> None:
-    """(v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R], meta): contiguous rank columns, qkv's dtype."""
+def _qkv_slices(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, int], ...]:
+    """The (offset, size) of q, k and v in the fused projection's columns."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    return ((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size))
+
+
+def _check_expand(qkv: torch.Tensor, expand, delta, slices: tuple[tuple[int, int], ...]) -> None:
+    """(v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R], meta): what every expand takes (kernels/sgmv.py
+    `check_expand_args`), in qkv's dtype, with contiguous rank columns."""
     if delta is not None:
         raise ValueError("give a LoRA delta or its expand, not both")
     v, B, meta = expand
-    max_rank = B.shape[2] if B.dim() == 3 else 0
-    if B.dim() != 3 or B.shape[1] != qkv.shape[1] or B.dtype != qkv.dtype or B.stride(2) != 1:
+    check_expand_args(v, B, meta, qkv, slices)
+    if B.dtype != qkv.dtype or B.stride(2) != 1:
         raise ValueError(f"B {tuple(B.shape)} {B.dtype} is not [slots, {qkv.shape[1]}, R] {qkv.dtype} with contiguous ranks")
-    if v.shape != (qkv.shape[0], 3 * max_rank) or v.stride(1) != 1:
-        raise ValueError(f"v {tuple(v.shape)} is not [{qkv.shape[0]}, 3 * {max_rank}] with contiguous columns")
+    if v.stride(1) != 1:
+        raise ValueError(f"v {tuple(v.shape)} has columns that are not contiguous")
     if meta.lora_ranks.shape[0] != B.shape[0]:
         raise ValueError(f"meta has {meta.lora_ranks.shape[0]} slots' ranks, B {B.shape[0]} slots")
 
@@ -265,9 +272,8 @@ def rope_kv_write_ref(
     """The same in PyTorch, rounding as engine/rope.py's apply_rope and the model's cache write do."""
     if expand is not None:  # the delta the decode expand writes: rounded to qkv's dtype, 0 where no LoRA
         v, B, meta = expand
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         delta = torch.zeros_like(qkv)
-        sgmv_expand_ref(v, B, meta, delta, output_slices=((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)))
+        sgmv_expand_ref(v, B, meta, delta, output_slices=_qkv_slices(num_heads, num_kv_heads, head_dim))
     if delta is not None:
         qkv = qkv + delta
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

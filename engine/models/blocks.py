@@ -19,8 +19,8 @@ steps, `LoraInputs.project_deferred`) is added by the kernel that reads the outp
 RoPE's KV write, SiLU-mul, or the residual add before the next norm; a path without such a kernel adds it
 at once (`_plus`). In a prefill-sized CUDA step gate/up's expand itself is pending (`PendingExpand`): the
 SiLU-mul kernel computes and adds it as it loads gate_up; with --lora-decode-fused-expand a decode step's
-q/k/v or gate/up expand is pending too, for the RoPE/KV-write or SiLU-mul kernel. Under tensor parallelism o's and down's deltas
-are added before the all-reduce.
+q/k/v or gate/up expand is pending too, for the RoPE/KV-write or SiLU-mul kernel. Under tensor
+parallelism o's and down's deltas are added before the all-reduce.
 """
 
 import torch

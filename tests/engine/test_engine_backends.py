@@ -243,19 +243,8 @@ def test_the_lora_sm_carveout_reaches_the_decode_graphs_lora_inputs(tiny_llama_d
     assert made == [12] * len(runner.graphs.lora_variants)
     # eager steps: a decode step's LoraInputs (a side stream on CUDA; a stand-in here) take the carve-out,
     # a prefill step's (no side stream, no GEMM beside LoRA kernels) do not
-    from engine.sampling import SamplingParams as Params
-    from engine.step_plan import SampleRow, StepPlan
-
     runner.lora_side = object()
-    row = SampleRow(1, Params())
-
-    def plan(extend: int) -> StepPlan:
-        return StepPlan(
-            input_ids=(5,) * 2 * extend, positions=(0,) * 2 * extend, out_cache_loc=(1,) * 2 * extend, req_rows=(0, 1),
-            prefix_lens=(0, 0), extend_lens=(extend, extend), samples=(row, row), lora_slots=(0, -1),
-        )  # fmt: skip
-
-    decode, prefill = runner._lora_inputs(plan(1)), runner._lora_inputs(plan(3))
+    decode, prefill = runner._lora_inputs(two_row_plan(1)), runner._lora_inputs(two_row_plan(3))
     assert decode.side is runner.lora_side and decode.sm_carveout == 12
     assert prefill.side is None and prefill.sm_carveout == 0
 
