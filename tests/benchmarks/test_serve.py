@@ -87,3 +87,13 @@ def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
     assert warm["lora_vs_base"] == warm["output_tok_s"] / rows[("base", 2)]["output_tok_s"]
     config = json.loads((tmp_path / "work" / "adapters" / "bench-qv-1" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("fetches", [None, "8"])
+def test_serve_passes_engine_fetch_and_gil_settings(tmp_path, fetches):
+    """--max-concurrent-fetches and --gil-switch-interval-ms reach the engine built in process (its
+    EngineConfig); the defaults are the engine's own."""
+    argv = ["--gil-switch-interval-ms", "0.5"] + (["--max-concurrent-fetches", fetches] if fetches else [])
+    config = serve.engine_config(serve.parse_args(argv), tmp_path, "127.0.0.1:1")
+    assert config.max_concurrent_fetches == (int(fetches) if fetches else serve.EngineConfig.max_concurrent_fetches)
+    assert config.gil_switch_interval_ms == 0.5
