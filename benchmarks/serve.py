@@ -42,12 +42,13 @@ import concurrent.futures
 import datetime
 import functools
 import gc
+import itertools
 import json
 import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -247,10 +248,11 @@ class StepTrace:
     adapter), the time inside post-processing (mostly the wait for the device), the launches made in the
     gap (their host time: planning, slot loads, the graph launch, and on the CPU the forward itself; and
     the slot loads they issued; under the overlapped schedule the next step goes out before this one's
-    tokens are read, and delays them), and the garbage collection in it. Runs on the loop thread;
-    `take` from any thread."""
+    tokens are read, and delays them; of that, the time inside the slot loads' calls, from the runner's
+    `recent_load_seconds`), and the garbage collection in it. Runs on the loop thread; `take` from any
+    thread."""
 
-    def __init__(self, loop):
+    def __init__(self, loop, load_seconds: Sequence[float] = ()):
         self.gaps: list[dict] = []
         self._last_end: float | None = None  # the latest delivery (None: none since the last take)
         self._last_uids: frozenset[int] = frozenset()
@@ -270,6 +272,8 @@ class StepTrace:
                 self._launch_ms += (time.perf_counter() - started) * 1e3
                 loads = len(launched.plan.loads) if launched is not None else 0
                 self._loads += loads
+                if loads and load_seconds:  # this launch's loads are the runner's latest
+                    self._load_ms += sum(itertools.islice(reversed(load_seconds), loads)) * 1e3
                 self.totals["slot_loads"] += loads
 
         def post_process(step) -> None:
@@ -314,14 +318,14 @@ class StepTrace:
         if self._last_end is not None and uids & self._last_uids:
             self.gaps.append({
                 "gap_ms": (now - self._last_end) * 1e3, **d, "launch_host_ms": self._launch_ms,
-                "slot_loads": self._loads, "gc_ms": self._gc_ms,
+                "slot_loads": self._loads, "slot_load_ms": self._load_ms, "gc_ms": self._gc_ms,
             })  # fmt: skip
         self._last_end, self._last_uids = now, uids
         self._start_gap()
 
     def _start_gap(self) -> None:
-        """Zero what the next gap accumulates: launch host time, slot loads, collection time."""
-        self._launch_ms = self._gc_ms = 0.0
+        """Zero what the next gap accumulates: launch host time, slot loads and their time, collection time."""
+        self._launch_ms = self._load_ms = self._gc_ms = 0.0
         self._loads = 0
 
     def take(self, slowest: int) -> dict:
@@ -341,6 +345,32 @@ class StepTrace:
         }
 
 
+class LoopLag:
+    """How late the event loop runs a 1 ms timer while a scenario runs, in ms (p50 / p99 / max): in
+    process, the engine's admission, its registry fetches and this benchmark's streams share one loop,
+    and a fetch's chunks wait behind whatever else the loop runs."""
+
+    PERIOD_S = 0.001
+
+    def __init__(self):
+        self.lags: list[float] = []
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            started = time.perf_counter()
+            await asyncio.sleep(self.PERIOD_S)
+            self.lags.append(time.perf_counter() - started - self.PERIOD_S)
+
+    async def stop(self) -> dict:
+        self._task.cancel()
+        await asyncio.wait([self._task])
+        if not self.lags:
+            return {}
+        ms = np.array(self.lags) * 1e3
+        return {"loop_lag_ms_p50": float(np.percentile(ms, 50)), "loop_lag_ms_p99": float(np.percentile(ms, 99)), "loop_lag_ms_max": float(ms.max())}
+
+
 class InProcessClient:
     """The engine's admission path (engine/admission.py), called as the gRPC and HTTP fronts call it."""
 
@@ -348,7 +378,8 @@ class InProcessClient:
         self.server = server
         self.core = server.core
         self.slow_steps = slow_steps
-        self.trace = StepTrace(self.core.loop) if slow_steps > 0 else None
+        runner = self.core.workers.local.runner
+        self.trace = StepTrace(self.core.loop, runner.recent_load_seconds) if slow_steps > 0 else None
 
     async def stream(self, prompt: list[int], adapter: str, max_new: int) -> AsyncIterator[int]:
         params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
@@ -492,6 +523,7 @@ async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
     if isinstance(client, InProcessClient):
         client.step_report()  # the gaps and loads of this scenario alone
         client.load_report()
+        lag = LoopLag()
     start = time.perf_counter()
     traces = await asyncio.gather(*(
         timed_stream(client, start, arrivals[i], prompts[i], scenario.adapters[i], workload.output_len)
@@ -503,7 +535,7 @@ async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
     row |= {key: after[key] - before.get(key, 0) for key in after}
     row["num_distinct_adapters"] = len({a for a in scenario.adapters if a})
     if isinstance(client, InProcessClient):
-        row |= client.step_report() | client.load_report()
+        row |= client.step_report() | client.load_report() | await lag.stop()
     return row
 
 

@@ -69,6 +69,9 @@ def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
         assert len(gaps) == row["step_gaps"] >= 2, key  # 3 tokens a request: 2 gaps at least
         assert [g["gap_ms"] for g in gaps] == sorted((g["gap_ms"] for g in gaps), reverse=True), key
         assert all(g["gap_ms"] >= g["post_process_ms"] >= 0 and g["launch_host_ms"] >= 0 for g in gaps), key
+        assert all(g["launch_host_ms"] >= g["slot_load_ms"] >= 0 for g in gaps), key  # the loads' calls, inside the launches
+        assert all((g["slot_load_ms"] > 0) == (g["slot_loads"] > 0) for g in gaps), key
+        assert 0 <= row["loop_lag_ms_p50"] <= row["loop_lag_ms_p99"] <= row["loop_lag_ms_max"], key
         assert all(g["decode_rows"] >= 1 for g in gaps), key  # a gap ends in a request's next token
         assert row["step_gap_p50_ms"] <= row["step_gap_p99_ms"] <= gaps[0]["gap_ms"], key
         assert row["traced"]["slot_loads"] == row["slot_loads"], key  # the hooks saw every step's loads
