@@ -1,13 +1,15 @@
 """The engine's registry fetches beside a thread that runs Python, as the engine loop does: the rate of
 one `RegistryLink` (engine/registry_link.py) fetching adapters N at a time from a real `loramux registry
-serve` process on loopback, alone, then beside a busy thread at each GIL switch interval.
+serve` process on loopback, alone, beside Python running on the link's own event loop (as admission
+and the streams' deliveries run on the engine's), then beside a busy thread at each GIL switch interval.
 
     python benchmarks/fetch_contention.py [--shape llama3-8b] [--adapters 8] [--concurrency 1 4 8]
-        [--switch-interval-ms 5 1 0.5]
+        [--switch-interval-ms 5 1 0.5] [--busy-loop-ms 1]
 
 The link's event loop needs the GIL for every 1 MiB chunk that arrives, and its hash-and-copy thread
 for every chunk it takes: beside a thread that holds the GIL, each of those waits up to the switch
-interval (the engine's --gil-switch-interval-ms). Adapters are q/v rank-16 (PEFT's default targets),
+interval (the engine's --gil-switch-interval-ms); beside a busy loop, each chunk also waits for the
+loop's turn. Adapters are q/v rank-16 (PEFT's default targets),
 each fetched twice a pass over a warm link; one JSON line a pass.
 """
 
@@ -36,16 +38,32 @@ from loramux.v1 import registry_pb2 as pb
 SHAPES = {"llama3-8b": LLAMA3_8B_CONFIG, "tiny": TINY_LLAMA_CONFIG}
 
 
-async def fetch_pass(address: str, adapters: list[pb.Adapter], concurrency: int) -> tuple[float, int]:
-    """(seconds, bytes) of fetching every adapter twice, `concurrency` at a time, over one warm link."""
+async def fetch_pass(address: str, adapters: list[pb.Adapter], concurrency: int, busy_loop_ms: float = 0.0) -> tuple[float, int]:
+    """(seconds, bytes) of fetching every adapter twice, `concurrency` at a time, over one warm link;
+    with `busy_loop_ms`, beside a task that runs Python on the link's event loop in slices of that
+    long, as admission and the streams' deliveries do in the engine's process."""
     link = RegistryLink(address, adapters[0].base_model, "{}", on_event=lambda event: None, max_concurrent_fetches=concurrency)
+    busy = None
     try:
         await link.fetch(record_of(adapters[0]))  # opens the connection
+        if busy_loop_ms:
+            busy = asyncio.create_task(busy_loop(busy_loop_ms / 1e3))
         start = time.perf_counter()
         artifacts = await asyncio.gather(*(link.fetch(record_of(a)) for a in adapters * 2))
         return time.perf_counter() - start, sum(len(a) for a in artifacts)
     finally:
+        if busy is not None:
+            busy.cancel()
         await link.close()
+
+
+async def busy_loop(slice_s: float) -> None:
+    """Python on the event loop until cancelled, giving the loop back after each slice."""
+    while True:
+        end = time.perf_counter() + slice_s
+        while time.perf_counter() < end:
+            sum(range(2000))
+        await asyncio.sleep(0)
 
 
 class BusyThread:
@@ -74,6 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--switch-interval-ms", type=float, nargs="+", default=[5.0, 1.0, 0.5])
+    p.add_argument("--busy-loop-ms", type=float, default=1.0, help="also fetch beside a busy event loop, in slices this long (0: not)")
     args = p.parse_args(argv)
     config, rows = SHAPES[args.shape], []
     shape = ModelShape.from_config(config)
@@ -90,14 +109,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             with RegistryClient(server.address) as client:
                 client.register_base_model("bench", root / "model")
                 adapters = [client.register_adapter(pb.AdapterSpec(name=f"fetch-{i}"), d) for i, d in enumerate(dirs)]
-            settings = [(False, None)] + [(True, ms) for ms in args.switch_interval_ms]
-            for busy, interval_ms in settings:
+            # (busy thread, busy loop slice ms, switch interval ms)
+            settings = [(False, 0.0, None)] + ([(False, args.busy_loop_ms, None)] if args.busy_loop_ms else [])
+            settings += [(True, 0.0, ms) for ms in args.switch_interval_ms]
+            for busy, loop_ms, interval_ms in settings:
                 sys.setswitchinterval(interval_ms / 1e3 if interval_ms else before)
                 with BusyThread() if busy else contextlib.nullcontext():
                     for concurrency in args.concurrency:
-                        seconds, size = asyncio.run(fetch_pass(server.address, adapters, concurrency))
+                        seconds, size = asyncio.run(fetch_pass(server.address, adapters, concurrency, loop_ms))
                         row = {
-                            "busy_thread": busy, "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
+                            "busy_thread": busy, "busy_loop_ms": loop_ms, "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
                             "concurrency": concurrency, "mb": round(size / 1e6, 1), "seconds": round(seconds, 3),
                             "mb_s": round(size / 1e6 / seconds, 1),
                         }  # fmt: skip

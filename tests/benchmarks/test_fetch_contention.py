@@ -1,5 +1,6 @@
 """benchmarks/fetch_contention.py on a tiny shape: every pass fetches every adapter twice, whole, at
-the switch interval it names, and the process's interval is put back."""
+the switch interval it names, beside a busy thread or a busy event loop, and the process's interval is
+put back."""
 
 import sys
 
@@ -9,8 +10,15 @@ from benchmarks import fetch_contention
 def test_fetch_contention_smoke():
     before = sys.getswitchinterval()
     rows = fetch_contention.main(["--shape", "tiny", "--adapters", "2", "--concurrency", "1", "2", "--switch-interval-ms", "1"])
-    assert [(r["busy_thread"], r["concurrency"]) for r in rows] == [(False, 1), (False, 2), (True, 1), (True, 2)]
+    assert [(r["busy_thread"], r["busy_loop_ms"], r["concurrency"]) for r in rows] == [
+        (False, 0, 1), (False, 0, 2), (False, 1.0, 1), (False, 1.0, 2), (True, 0, 1), (True, 0, 2),
+    ]  # fmt: skip
     assert all(r["switch_interval_ms"] == 1.0 for r in rows if r["busy_thread"])
     assert len({r["mb"] for r in rows}) == 1 and rows[0]["mb"] > 0
     assert all(r["mb_s"] > 0 for r in rows)
     assert sys.getswitchinterval() == before
+
+
+def test_fetch_contention_without_the_busy_loop():
+    rows = fetch_contention.main(["--shape", "tiny", "--adapters", "1", "--concurrency", "1", "--switch-interval-ms", "1", "--busy-loop-ms", "0"])
+    assert [(r["busy_thread"], r["busy_loop_ms"]) for r in rows] == [(False, 0), (True, 0)]
