@@ -564,7 +564,8 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "engine", "serve", "--model", config.model_dir, "--port", "0", "--metrics-port", "0",
         "--registry", config.registry, "--device", config.device,
         "--max-loras-per-batch", str(config.max_loras_per_batch), "--max-lora-rank", str(config.max_lora_rank),
-        "--max-host-adapters", str(config.max_host_adapters), "--host-pinned-gb", str(config.host_pinned_gb),
+        "--max-host-adapters", str(config.max_host_adapters),
+        "--host-pinned-gb", "auto" if config.host_pinned_gb is None else str(config.host_pinned_gb),
         "--adapter-prep-threads", str(config.adapter_prep_threads), "--gil-switch-interval-ms", str(config.gil_switch_interval_ms),
         "--max-concurrent-fetches", str(config.max_concurrent_fetches),
         "--max-running-requests", str(config.max_running_requests),
@@ -753,7 +754,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the engine's --lora-target-modules (slots only for these projections' targets; default all)",
     )
     p.add_argument("--max-host-adapters", type=int, default=64)
-    p.add_argument("--host-pinned-gb", type=float, default=0.0, help="the engine's --host-pinned-gb (0 = off)")
+    p.add_argument(
+        "--host-pinned-gb", type=float, default=None, help="the engine's --host-pinned-gb (0 = off; default: the engine's auto size)"
+    )
     p.add_argument("--adapter-prep-threads", type=int, default=DEFAULT_ADAPTER_PREP_THREADS, help="the engine's --adapter-prep-threads")
     p.add_argument("--gil-switch-interval-ms", type=float, default=0.0, help="the engine's --gil-switch-interval-ms (0 = Python's)")
     p.add_argument("--max-concurrent-fetches", type=int, default=4, help="the engine's --max-concurrent-fetches (registry fetches at once)")

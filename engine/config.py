@@ -64,8 +64,10 @@ class EngineConfig:
     lora_target_modules: tuple[str, ...] = ()
     max_host_adapters: int = 64
     # On CUDA, pinned host memory (GiB) taken at startup for packed adapters (engine/pinned_arena.py): a
-    # fresh pinned allocation while serving holds up the GPU launches; 0 = pin each adapter as it is packed
-    host_pinned_gb: float = 0.0
+    # fresh pinned allocation while serving holds up the GPU launches; 0 = pin each adapter as it is
+    # packed; None = auto (`auto_arena_bytes`: the host cache's adapters at the slots' capacity, at most
+    # 4 GiB and an eighth of the host's memory; one CUDA rank with LoRA on, else none)
+    host_pinned_gb: float | None = None
     # On CUDA, SMs a decode step's base GEMMs leave to the LoRA kernels running beside them
     # (LoraInputs.sm_carveout): cuBLAS's decode GEMMs are weight-read bound, so they lose little, and the
     # LoRA kernels no longer wait for whole SMs; 0 = the GEMMs take every SM
@@ -130,8 +132,8 @@ class EngineConfig:
             raise ValueError(f"gil_switch_interval_ms must be 0-100 (0 = Python's own), got {self.gil_switch_interval_ms}")
         if not 1 <= self.adapter_prep_threads <= 64:
             raise ValueError(f"adapter_prep_threads must be 1-64, got {self.adapter_prep_threads}")
-        if not 0 <= self.host_pinned_gb < float("inf"):
-            raise ValueError(f"host_pinned_gb must be a finite number >= 0 (0 = off), got {self.host_pinned_gb}")
+        if self.host_pinned_gb is not None and not 0 <= self.host_pinned_gb < float("inf"):
+            raise ValueError(f"host_pinned_gb must be a finite number >= 0 (0 = off) or None (auto), got {self.host_pinned_gb}")
         if self.cuda_graph_max_batch < 0 or self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_batch and cuda_graph_max_tokens must be >= 0 (0 = off)")
 

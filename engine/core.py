@@ -34,7 +34,7 @@ from engine.lora_manager import LoraManager
 from engine.lora_pool import PackedAdapter, fused_targets, served_modules
 from engine.model_config import ModelConfig
 from engine.parallel import TensorParallel, local_config
-from engine.pinned_arena import PinnedArena
+from engine.pinned_arena import PinnedArena, auto_arena_bytes, host_memory_bytes
 from engine.radix_cache import RadixCache
 from engine.registry_link import RegistryLink
 from engine.request import Request, Sink
@@ -261,7 +261,7 @@ class EngineCore:
         adapter = read_canonical_within(artifact, self.shape, self.config.max_lora_rank, f"adapter {record.ref!r}", self.served)
         targets = {t.name: t for t in fused_targets(self.model_config, self.config.lora_target_modules)}
         device = torch.device(self.config.device)
-        dtype = getattr(torch, self.config.dtype) if self.config.dtype else default_dtype(device)
+        dtype = self.adapter_dtype
         # One rank copies from pinned memory (async); several read one shared-memory copy across processes.
         shared = self.config.tensor_parallel_size > 1
         pin = device.type == "cuda" and not shared
@@ -269,14 +269,39 @@ class EngineCore:
 
     @functools.cached_property
     def pinned_arena(self) -> PinnedArena | None:
-        """--host-pinned-gb of page-locked memory for packed adapters (one GPU rank only), taken once."""
+        """--host-pinned-gb of page-locked memory for packed adapters (one GPU rank only), taken once;
+        by default (None) `auto_arena_bytes` of it."""
         gb = self.config.host_pinned_gb
-        if gb <= 0:
+        if gb == 0:
             return None
         if self.lora is None or not self.config.device.startswith("cuda") or self.config.tensor_parallel_size > 1:
-            log.warning("--host-pinned-gb has no effect here: it serves one CUDA rank with LoRA on")
+            if gb is not None:
+                log.warning("--host-pinned-gb has no effect here: it serves one CUDA rank with LoRA on")
             return None
+        if gb is None:
+            nbytes = auto_arena_bytes(self.slot_bytes(), self.config.max_host_adapters, host_memory_bytes())
+            if nbytes <= 0:
+                return None
+            try:
+                return PinnedArena(nbytes)
+            except RuntimeError as exc:  # the driver would not page-lock it: adapters are pinned one by one
+                log.warning("no pinned arena (%s): adapters are pinned as they are packed; --host-pinned-gb sets a size", exc)
+                return None
         return PinnedArena(int(gb * (1 << 30)))
+
+    def slot_bytes(self) -> int:
+        """One adapter slot's bytes (this engine's targets at --max-lora-rank, one rank): the most an
+        adapter it serves packs to."""
+        rank = self.config.max_lora_rank
+        elements = sum(
+            t.num_stack * rank * t.in_dim + t.out_dim * rank for t in fused_targets(self.model_config, self.config.lora_target_modules)
+        )
+        return self.model_config.num_layers * elements * self.adapter_dtype.itemsize
+
+    @property
+    def adapter_dtype(self) -> torch.dtype:
+        """The dtype adapters are packed in (the model's)."""
+        return getattr(torch, self.config.dtype) if self.config.dtype else default_dtype(torch.device(self.config.device))
 
     async def on_registry_event(self, kind: str, record: AdapterRecord) -> None:
         """WatchAdapters events, in order: deletions, pins and unpins (RegistryLink filters deletes of

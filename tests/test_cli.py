@@ -88,7 +88,12 @@ def test_host_pinned_memory_reaches_the_engine_config_from_the_flag_or_its_varia
     from loramux.shell.settings import engine_config
 
     serve = ["engine", "serve", "--model", "m"]
-    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).host_pinned_gb == 0
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).host_pinned_gb is None  # auto
+    for text, gb in (("auto", None), ("0", 0)):
+        assert engine_config(cli.build_parser({"LORAMUX_HOST_PINNED_GB": text}).parse_args(serve), "m", 0).host_pinned_gb == gb
+    for bad in ("-1", "inf", "lots"):
+        with pytest.raises(SystemExit):
+            cli.build_parser({}).parse_args([*serve, "--host-pinned-gb", bad])
     args = cli.build_parser({"LORAMUX_HOST_PINNED_GB": "2.5"}).parse_args(serve)
     assert engine_config(args, "m", 0).host_pinned_gb == 2.5
     args = cli.build_parser({}).parse_args([*serve, "--host-pinned-gb", "8"])

@@ -58,6 +58,19 @@ def _float_in(low: float, high: float, open_low: bool = False):
     return parse
 
 
+def _gb_or_auto(text: str) -> float | None:
+    """An argparse type: GiB >= 0, or "auto" (None)."""
+    if text == "auto":
+        return None
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a size in GiB >= 0 or auto")
+    return value
+
+
+_gb_or_auto.__name__ = "GiB or auto"
+
+
 class _EnvDefaults:
     """Flag defaults overridable by LORAMUX_<FLAG> variables (e.g. --data-dir <- LORAMUX_DATA_DIR)."""
 
@@ -270,10 +283,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     )
     p.add_argument("--max-host-adapters", type=int, default=int(env("--max-host-adapters", 64)))
     p.add_argument(
-        "--host-pinned-gb", type=float, default=float(env("--host-pinned-gb", 0)),
+        "--host-pinned-gb", type=_gb_or_auto, default=_gb_or_auto(env("--host-pinned-gb", "auto")),
         help="on cuda, page-locked host memory (GiB) taken at startup that adapters are packed into, so a burst"
         " of new adapters does not page-lock memory while serving (which held up decoding for up to 110 ms per"
-        " 84 MB adapter); adapters that do not fit are pinned as before; 0 = off",
+        " 84 MB adapter); adapters that do not fit are pinned as before; 0 = off; auto (the default): room for"
+        " --max-host-adapters adapters at --max-lora-rank, at most 4 GiB and an eighth of the host's memory",
     )
     p.add_argument(
         "--lora-sm-carveout", type=_int_in(0, 1024), default=int(env("--lora-sm-carveout", DEFAULT_LORA_SM_CARVEOUT)),

@@ -245,3 +245,65 @@ def test_an_artifact_piece_of_the_wrong_size_is_refused_by_name():
     target = FusedTarget("qk", ("q_proj", "k_proj"), 64, ((0, 64), (64, 64)), Split.COLUMN)
     with pytest.raises(ValueError, match=r"layers\.0\.q_proj\.lora_A: 256 bytes where target qk holds 512"):
         pack_adapter("d", adapter, {"qk": target}, F32, pin=False)
+
+
+def test_the_default_arena_holds_the_host_cache_within_its_ceilings():
+    from engine.pinned_arena import AUTO_MAX_BYTES, auto_arena_bytes
+
+    gib = 1 << 30
+    assert auto_arena_bytes(10 << 20, 64, 512 * gib) == 640 << 20  # the host cache's adapters at slot size
+    assert auto_arena_bytes(336 << 20, 64, 512 * gib) == AUTO_MAX_BYTES == 4 * gib
+    assert auto_arena_bytes(336 << 20, 64, 16 * gib) == 2 * gib  # an eighth of a small host
+    assert auto_arena_bytes(10 << 20, 0, 512 * gib) == auto_arena_bytes(10 << 20, 64, 0) == 0
+
+
+@pytest.mark.parametrize("modules", [(), ("q_proj", "v_proj")])
+def test_slot_bytes_are_the_slot_pools_bytes_for_one_slot(tiny_llama_dir, tmp_path, modules):
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    config = EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path), max_lora_rank=8, lora_target_modules=modules)
+    core = EngineCore.build(config)
+    pool = core.workers.local.runner.lora_pool
+    one_slot = sum(t[:, 0].numel() * t.element_size() for buffers in (pool.a, pool.b) for t in buffers.values())
+    assert core.slot_bytes() == one_slot > 0
+
+
+def test_the_arena_by_default_on_cuda_only_and_a_refused_one_falls_back(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    """host_pinned_gb None (the default): no arena and no warning off CUDA; on one CUDA rank, an arena
+    of auto_arena_bytes, none if the driver refuses to page-lock it (logged), where an explicit size's
+    refusal fails the start. An explicit size off CUDA is warned about."""
+    import dataclasses
+
+    from engine import core as core_module
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    core = EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path / "a"), max_host_adapters=3))
+    assert core.pinned_arena is None and "host-pinned-gb" not in caplog.text
+    explicit = EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path / "b"), host_pinned_gb=1))
+    assert explicit.pinned_arena is None and "--host-pinned-gb has no effect here" in caplog.text
+
+    taken = []
+
+    class Arena:  # stands in for the page-locked buffer
+        def __init__(self, nbytes):
+            if refuse:
+                raise RuntimeError("page-locking failed (cudaError 2)")
+            taken.append(nbytes)
+
+    def on_cuda(gb):  # the same core as if it served one CUDA rank; pinned_arena computed afresh
+        core.config = dataclasses.replace(core.config, device="cuda:0", host_pinned_gb=gb)
+        core.__dict__.pop("pinned_arena", None)
+        return core.pinned_arena
+
+    monkeypatch.setattr(core_module, "PinnedArena", Arena)
+    monkeypatch.setattr(core_module, "host_memory_bytes", lambda: 64 << 30)
+    refuse = False
+    assert isinstance(on_cuda(None), Arena) and taken == [3 * core.slot_bytes()]
+    assert isinstance(on_cuda(0.5), Arena) and taken[-1] == 1 << 29
+    assert on_cuda(0) is None
+    refuse = True
+    assert on_cuda(None) is None and "no pinned arena (page-locking failed" in caplog.text
+    with pytest.raises(RuntimeError, match="page-locking failed"):
+        on_cuda(0.5)
