@@ -279,7 +279,8 @@ class EngineCore:
                 log.warning("--host-pinned-gb has no effect here: it serves one CUDA rank with LoRA on")
             return None
         if gb is None:
-            nbytes = auto_arena_bytes(self.slot_bytes(), self.config.max_host_adapters, host_memory_bytes())
+            cached = self.config.max_loras_per_batch + self.config.max_host_adapters  # the host cache's most
+            nbytes = auto_arena_bytes(self.slot_bytes(), cached, host_memory_bytes())
             if nbytes <= 0:
                 return None
             try:

@@ -7,8 +7,8 @@ up to 110 ms for an 84 MB all-target Llama-3-8B adapter, 15 ms for a 14 MB q/v o
 (benchmarks/pinned_alloc_stall.py, BENCHMARKS.md). A cold burst of new adapters then stalls decoding once per
 adapter. With `--host-pinned-gb` the engine takes that memory once, before it serves, and packs adapters
 into blocks of it; an adapter that does not fit is pinned the old way. By default (`auto_arena_bytes`)
-the arena holds the host cache's adapters at the slots' capacity, up to 4 GiB and an eighth of the host's
-memory: on the H200 it took the cold Zipf pass's slowest step gaps from 477 to 82 ms.
+the arena holds the host cache's adapters (those in slots and --max-host-adapters others) at the slots'
+capacity, up to 4 GiB and an eighth of the host's memory: on the H200 it took the cold Zipf pass's slowest step gaps from 477 to 82 ms.
 
 A block goes back when its PackedAdapter is collected, but a GPU copy from it may still be queued: the
 slot pool notes the event after its latest copy (`HostReads`), and the block is reused only once that
@@ -29,11 +29,11 @@ GRANULE = 1 << 20  # block sizes round up to this: fewer, larger free runs
 AUTO_MAX_BYTES = 4 << 30  # the default arena's ceiling
 
 
-def auto_arena_bytes(adapter_bytes: int, max_host_adapters: int, host_bytes: int) -> int:
-    """The default arena's size: room for `max_host_adapters` packed adapters of `adapter_bytes` (one
-    slot's, the most an adapter packs to), at most AUTO_MAX_BYTES and an eighth of `host_bytes` (the
-    host's memory); 0: no arena."""
-    return max(0, min(AUTO_MAX_BYTES, host_bytes // 8, adapter_bytes * max_host_adapters))
+def auto_arena_bytes(adapter_bytes: int, num_adapters: int, host_bytes: int) -> int:
+    """The default arena's size: room for `num_adapters` packed adapters of `adapter_bytes` (one slot's,
+    the most an adapter packs to; the host cache keeps the adapters in slots and --max-host-adapters
+    others), at most AUTO_MAX_BYTES and an eighth of `host_bytes` (the host's memory); 0: no arena."""
+    return max(0, min(AUTO_MAX_BYTES, host_bytes // 8, adapter_bytes * num_adapters))
 
 
 def host_memory_bytes() -> int:

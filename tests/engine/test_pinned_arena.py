@@ -279,7 +279,8 @@ def test_the_arena_by_default_on_cuda_only_and_a_refused_one_falls_back(tiny_lla
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
-    core = EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path / "a"), max_host_adapters=3))
+    config = EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path / "a"), max_loras_per_batch=2, max_host_adapters=3)
+    core = EngineCore.build(config)
     assert core.pinned_arena is None and "host-pinned-gb" not in caplog.text
     explicit = EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path / "b"), host_pinned_gb=1))
     assert explicit.pinned_arena is None and "--host-pinned-gb has no effect here" in caplog.text
@@ -300,7 +301,7 @@ def test_the_arena_by_default_on_cuda_only_and_a_refused_one_falls_back(tiny_lla
     monkeypatch.setattr(core_module, "PinnedArena", Arena)
     monkeypatch.setattr(core_module, "host_memory_bytes", lambda: 64 << 30)
     refuse = False
-    assert isinstance(on_cuda(None), Arena) and taken == [3 * core.slot_bytes()]
+    assert isinstance(on_cuda(None), Arena) and taken == [(2 + 3) * core.slot_bytes()]  # slots' and cached others
     assert isinstance(on_cuda(0.5), Arena) and taken[-1] == 1 << 29
     assert on_cuda(0) is None
     refuse = True
