@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--switch-interval-ms", type=float, nargs="+", default=[5.0, 1.0, 0.5])
     p.add_argument("--busy-loop-ms", type=float, default=1.0, help="also fetch beside a busy event loop, in slices this long (0: not)")
     args = p.parse_args(argv)
+    if args.busy_loop_ms < 0:
+        p.error(f"--busy-loop-ms must be >= 0, got {args.busy_loop_ms}")
     config, rows = SHAPES[args.shape], []
     shape = ModelShape.from_config(config)
     before = sys.getswitchinterval()

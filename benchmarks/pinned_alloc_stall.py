@@ -1,7 +1,8 @@
 """How a fresh pinned host allocation in one thread delays GPU work launched by another.
 
-The engine packs each fetched adapter into new pinned host memory (engine/adapter_cache.py, in a worker
-thread) while its loop thread launches steps. This times a stand-in step (four bf16 8192^3 matmuls and a
+Without its pinned arena (`--host-pinned-gb 0`; engine/pinned_arena.py), the engine packs each fetched
+adapter into new pinned host memory (engine/adapter_cache.py, in a worker thread) while its loop thread
+launches steps. This times a stand-in step (four bf16 8192^3 matmuls and a
 sync) alone and while another thread keeps allocating pinned buffers of a packed adapter's size, each
 of a new size and with the host allocator's cache emptied every 8, so most are fresh page-locking calls
 to the driver:

@@ -348,7 +348,8 @@ class StepTrace:
 class LoopLag:
     """How late the event loop runs a 1 ms timer while a scenario runs, in ms (p50 / p99 / max): in
     process, the engine's admission, its registry fetches and this benchmark's streams share one loop,
-    and a fetch's chunks wait behind whatever else the loop runs."""
+    and a fetch's chunks wait behind whatever else the loop runs. With --slow-steps only: its own
+    wake-ups take the GIL a thousand times a second."""
 
     PERIOD_S = 0.001
 
@@ -402,7 +403,7 @@ class InProcessClient:
             "host_cache_hits": lora.host_cache.num_hits,
             "host_cache_misses": lora.host_cache.num_misses,
             "host_cache_joined": lora.host_cache.num_joined,
-            # adapters the pinned arena had no free block for (pinned fresh): --host-pinned-gb only
+            # adapters the pinned arena had no free block for (pinned fresh); absent with no arena
             **({"pinned_arena_misses": arena.num_misses} if (arena := self.core.pinned_arena) is not None else {}),
         }
 
@@ -520,22 +521,26 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
 async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
     prompts, arrivals = workload.prompts(), workload.arrivals()
     before = await client.counters()
+    lag = None
     if isinstance(client, InProcessClient):
         client.step_report()  # the gaps and loads of this scenario alone
         client.load_report()
-        lag = LoopLag()
+        lag = LoopLag() if client.trace is not None else None  # with --slow-steps: its wake-ups cost a little
     start = time.perf_counter()
-    traces = await asyncio.gather(*(
-        timed_stream(client, start, arrivals[i], prompts[i], scenario.adapters[i], workload.output_len)
-        for i in range(workload.num_requests)
-    ))  # fmt: skip
-    wall_s = time.perf_counter() - start
+    try:
+        traces = await asyncio.gather(*(
+            timed_stream(client, start, arrivals[i], prompts[i], scenario.adapters[i], workload.output_len)
+            for i in range(workload.num_requests)
+        ))  # fmt: skip
+        wall_s = time.perf_counter() - start
+    finally:
+        lagged = await lag.stop() if lag is not None else {}
     after = await client.counters()
     row = summarize(traces, wall_s)
     row |= {key: after[key] - before.get(key, 0) for key in after}
     row["num_distinct_adapters"] = len({a for a in scenario.adapters if a})
     if isinstance(client, InProcessClient):
-        row |= client.step_report() | client.load_report() | await lag.stop()
+        row |= client.step_report() | client.load_report() | lagged
     return row
 
 
@@ -755,8 +760,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-host-adapters", type=int, default=64)
     p.add_argument(
-        "--host-pinned-gb", type=float, default=None, help="the engine's --host-pinned-gb (0 = off; default: the engine's auto size)"
-    )
+        "--host-pinned-gb", type=lambda text: None if text == "auto" else float(text), default=None,
+        help="the engine's --host-pinned-gb (0 = off; auto, the default: the engine's own size)",
+    )  # fmt: skip
     p.add_argument("--adapter-prep-threads", type=int, default=DEFAULT_ADAPTER_PREP_THREADS, help="the engine's --adapter-prep-threads")
     p.add_argument("--gil-switch-interval-ms", type=float, default=0.0, help="the engine's --gil-switch-interval-ms (0 = Python's)")
     p.add_argument("--max-concurrent-fetches", type=int, default=4, help="the engine's --max-concurrent-fetches (registry fetches at once)")

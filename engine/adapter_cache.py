@@ -10,7 +10,7 @@ import math
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ def pack_adapter(
         shapes[name] = ((num_layers, target.num_stack * rank, target.in_dim), (num_layers, target.out_dim, rank))
     itemsize = dtype.itemsize
     nbytes = {shape: math.prod(shape) * itemsize for pair in shapes.values() for shape in pair}
-    total = sum(_aligned(nbytes[shape]) for pair in shapes.values() for shape in pair)
+    total = _block_bytes(shapes.values(), itemsize)
     block = arena.take(total) if arena is not None and pin and not share else None
     reads = HostReads()
     try:
@@ -161,6 +161,18 @@ def _gather_bytes(
 
 def _name(layer: int, module: str, part: str) -> str:
     return f"layers.{layer}.{module}.lora_{part}"
+
+
+def packed_bytes(targets: Iterable[FusedTarget], num_layers: int, rank: int, dtype: torch.dtype) -> int:
+    """The arena bytes `pack_adapter` asks for an adapter of `rank` on every one of `targets`: the most
+    any adapter of at most that rank packs to."""
+    shapes = [((num_layers, t.num_stack * rank, t.in_dim), (num_layers, t.out_dim, rank)) for t in targets]
+    return _block_bytes(shapes, dtype.itemsize)
+
+
+def _block_bytes(shapes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]], itemsize: int) -> int:
+    """A packed adapter's arena bytes: each target's A and B, aligned."""
+    return sum(_aligned(math.prod(shape) * itemsize) for pair in shapes for shape in pair)
 
 
 def _aligned(nbytes: int) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.adapter_cache import HostAdapterCache, pack_adapter
+from engine.adapter_cache import HostAdapterCache, pack_adapter, packed_bytes
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
 from engine.adapters import AdapterRecord, LocalAdapters, check_within, read_canonical_within
 from engine.config import EngineConfig
@@ -118,7 +118,7 @@ class EngineCore:
         shape = ModelShape.from_config(json.loads((Path(config.model_dir) / "config.json").read_text()))
         core = cls(config, model_config, tokenizer, loop, max_context, adapters, lora, shape)
         if core.pinned_arena is not None:  # page-locked now, before serving, not by the first pack
-            log.info("engine: %.1f GiB of pinned host memory for packed adapters", core.pinned_arena.capacity / (1 << 30))
+            log.info("engine: %d MiB of pinned host memory for packed adapters", core.pinned_arena.capacity >> 20)
         return core
 
     @functools.cached_property
@@ -280,8 +280,9 @@ class EngineCore:
             return None
         if gb is None:
             cached = self.config.max_loras_per_batch + self.config.max_host_adapters  # the host cache's most
-            nbytes = auto_arena_bytes(self.slot_bytes(), cached, host_memory_bytes())
+            nbytes = auto_arena_bytes(self.max_packed_bytes(), cached, host_memory_bytes())
             if nbytes <= 0:
+                log.warning("no pinned arena: this host's memory size is unknown; --host-pinned-gb sets one")
                 return None
             try:
                 return PinnedArena(nbytes)
@@ -290,14 +291,10 @@ class EngineCore:
                 return None
         return PinnedArena(int(gb * (1 << 30)))
 
-    def slot_bytes(self) -> int:
-        """One adapter slot's bytes (this engine's targets at --max-lora-rank, one rank): the most an
-        adapter it serves packs to."""
-        rank = self.config.max_lora_rank
-        elements = sum(
-            t.num_stack * rank * t.in_dim + t.out_dim * rank for t in fused_targets(self.model_config, self.config.lora_target_modules)
-        )
-        return self.model_config.num_layers * elements * self.adapter_dtype.itemsize
+    def max_packed_bytes(self) -> int:
+        """The most an adapter this engine serves packs to: its targets at --max-lora-rank."""
+        targets = fused_targets(self.model_config, self.config.lora_target_modules)
+        return packed_bytes(targets, self.model_config.num_layers, self.config.max_lora_rank, self.adapter_dtype)
 
     @property
     def adapter_dtype(self) -> torch.dtype:

@@ -22,6 +22,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,19 +30,33 @@ GRANULE = 1 << 20  # block sizes round up to this: fewer, larger free runs
 AUTO_MAX_BYTES = 4 << 30  # the default arena's ceiling
 
 
-def auto_arena_bytes(adapter_bytes: int, num_adapters: int, host_bytes: int) -> int:
-    """The default arena's size: room for `num_adapters` packed adapters of `adapter_bytes` (one slot's,
-    the most an adapter packs to; the host cache keeps the adapters in slots and --max-host-adapters
-    others), at most AUTO_MAX_BYTES and an eighth of `host_bytes` (the host's memory); 0: no arena."""
-    return max(0, min(AUTO_MAX_BYTES, host_bytes // 8, adapter_bytes * num_adapters))
+def auto_arena_bytes(adapter_bytes: int, num_adapters: int, host_bytes: int, granule: int = GRANULE) -> int:
+    """The default arena's size: room for `num_adapters` blocks of `adapter_bytes` (a full-rank
+    adapter's packed bytes, `adapter_cache.packed_bytes`; each block whole granules; the host cache
+    keeps the adapters in slots and --max-host-adapters others), at most AUTO_MAX_BYTES and an eighth of
+    `host_bytes` (the memory this process may use; each engine process takes its own); 0: no arena."""
+    block = -(-adapter_bytes // granule) * granule
+    return max(0, min(AUTO_MAX_BYTES, host_bytes // 8, block * num_adapters))
 
 
-def host_memory_bytes() -> int:
-    """This host's physical memory (0 where the OS does not say)."""
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+
+
+def host_memory_bytes(limits: tuple[str, ...] = CGROUP_LIMITS) -> int:
+    """The memory this process may use: the host's physical memory, or its container's (cgroup) limit
+    where that is lower; 0 where the OS does not say."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
-        return 0
+        total = 0
+    for path in limits:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) or a huge number (v1): no limit
+            total = min(total, int(text)) if total else int(text)
+    return total
 
 
 @dataclass
@@ -57,11 +72,16 @@ class HostReads:
 def _page_lock(t: torch.Tensor) -> None:
     """Page-lock exactly t's bytes (cudaHostRegister). `torch.empty(..., pin_memory=True)` would go
     through PyTorch's pinned allocator, which rounds a request up to a power of two: 5 GiB asked would
-    lock 8. The memory then counts as pinned (`is_pinned()`), so copies from it run asynchronously."""
+    lock 8. The memory then counts as pinned (`is_pinned()`), so copies from it run asynchronously.
+    The call runs on a thread of its own: a refusal leaves CUDA's last error set on the calling thread,
+    where PyTorch's next launch check would read it (the engine serves on without the arena)."""
     nbytes = t.numel() * t.element_size()
-    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
-    if err != 0:
-        raise RuntimeError(f"page-locking {nbytes} bytes of host memory failed (cudaError {err})")
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))))
+    thread.start()
+    thread.join()
+    if result != [0]:
+        raise RuntimeError(f"page-locking {nbytes} bytes of host memory failed (cudaError {result[0] if result else '?'})")
 
 
 def _page_unlock(ptr: int) -> None:

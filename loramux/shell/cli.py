@@ -288,7 +288,7 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " of new adapters does not page-lock memory while serving (which held up decoding for up to 110 ms per"
         " 84 MB adapter); adapters that do not fit are pinned as before; 0 = off; auto (the default): room for"
         " --max-loras-per-batch + --max-host-adapters adapters at --max-lora-rank, at most 4 GiB and an eighth of"
-        " the host's memory",
+        " the host's memory (or its container's limit), per engine process",
     )
     p.add_argument(
         "--lora-sm-carveout", type=_int_in(0, 1024), default=int(env("--lora-sm-carveout", DEFAULT_LORA_SM_CARVEOUT)),

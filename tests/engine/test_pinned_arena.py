@@ -251,22 +251,57 @@ def test_the_default_arena_holds_the_host_cache_within_its_ceilings():
     from engine.pinned_arena import AUTO_MAX_BYTES, auto_arena_bytes
 
     gib = 1 << 30
-    assert auto_arena_bytes(10 << 20, 64, 512 * gib) == 640 << 20  # the host cache's adapters at slot size
+    assert auto_arena_bytes(10 << 20, 64, 512 * gib) == 640 << 20  # the host cache's adapters at full rank
+    assert auto_arena_bytes((10 << 20) + 1, 64, 512 * gib) == 64 * (11 << 20)  # each block whole granules
     assert auto_arena_bytes(336 << 20, 64, 512 * gib) == AUTO_MAX_BYTES == 4 * gib
     assert auto_arena_bytes(336 << 20, 64, 16 * gib) == 2 * gib  # an eighth of a small host
     assert auto_arena_bytes(10 << 20, 0, 512 * gib) == auto_arena_bytes(10 << 20, 64, 0) == 0
 
 
+def test_full_rank_adapters_fill_the_default_arena_exactly(tmp_path):
+    """packed_bytes is what a pack of a full-rank adapter on every target asks of the arena: an arena
+    of auto_arena_bytes for 3 holds 3 such packs, and nothing more."""
+    from engine.adapter_cache import ARENA_ALIGN, packed_bytes
+    from engine.pinned_arena import auto_arena_bytes
+
+    targets = {t.name: t for t in fused_targets(CONFIG)}
+    nbytes = packed_bytes(targets.values(), CONFIG.num_layers, 8, torch.float32)
+    plain = pack_adapter("d", canonical(8, MODULES), targets, torch.float32, pin=False)
+    aligned = sum(-(-t.nbytes // ARENA_ALIGN) * ARENA_ALIGN for t in (*plain.a.values(), *plain.b.values()))
+    assert nbytes == aligned
+    arena = PinnedArena(auto_arena_bytes(nbytes, 3, 1 << 40, granule=4 * KB), pin=False, granule=4 * KB)
+    packs = [pack_adapter(f"d{i}", canonical(8, MODULES, seed=i), targets, torch.float32, pin=True, arena=arena) for i in range(3)]
+    assert arena.num_blocks == 3 and arena.num_misses == 0 and arena.take(nbytes) is None
+    assert len(packs) == 3
+
+
+def test_host_memory_is_the_lower_of_the_host_and_its_container_limit(tmp_path):
+    from engine.pinned_arena import host_memory_bytes
+
+    physical = host_memory_bytes(limits=())
+    assert physical > 0
+    (tmp_path / "v2").write_text("max\n")
+    (tmp_path / "v1").write_text(f"{1 << 30}\n")
+    assert host_memory_bytes(limits=(str(tmp_path / "v2"),)) == physical  # no limit
+    assert host_memory_bytes(limits=(str(tmp_path / "missing"), str(tmp_path / "v1"))) == min(physical, 1 << 30)
+
+
 @pytest.mark.parametrize("modules", [(), ("q_proj", "v_proj")])
-def test_slot_bytes_are_the_slot_pools_bytes_for_one_slot(tiny_llama_dir, tmp_path, modules):
+def test_max_packed_bytes_cover_a_slot_of_the_pool(tiny_llama_dir, tmp_path, modules):
+    """The engine's largest pack at --max-lora-rank holds one slot's bytes, plus at most the alignment
+    of each target's two tensors."""
+    from engine.adapter_cache import ARENA_ALIGN
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
     config = EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path), max_lora_rank=8, lora_target_modules=modules)
     core = EngineCore.build(config)
-    pool = core.workers.local.runner.lora_pool
-    one_slot = sum(t[:, 0].numel() * t.element_size() for buffers in (pool.a, pool.b) for t in buffers.values())
-    assert core.slot_bytes() == one_slot > 0
+    try:
+        pool = core.workers.local.runner.lora_pool
+        one_slot = sum(t[:, 0].numel() * t.element_size() for buffers in (pool.a, pool.b) for t in buffers.values())
+        assert one_slot <= core.max_packed_bytes() < one_slot + 2 * len(pool.a) * ARENA_ALIGN
+    finally:
+        core.close()
 
 
 def test_the_arena_by_default_on_cuda_only_and_a_refused_one_falls_back(tiny_llama_dir, tmp_path, monkeypatch, caplog):
@@ -301,10 +336,13 @@ def test_the_arena_by_default_on_cuda_only_and_a_refused_one_falls_back(tiny_lla
     monkeypatch.setattr(core_module, "PinnedArena", Arena)
     monkeypatch.setattr(core_module, "host_memory_bytes", lambda: 64 << 30)
     refuse = False
-    assert isinstance(on_cuda(None), Arena) and taken == [(2 + 3) * core.slot_bytes()]  # slots' and cached others
+    block = -(-core.max_packed_bytes() // (1 << 20)) << 20  # whole granules
+    assert isinstance(on_cuda(None), Arena) and taken == [(2 + 3) * block]  # slots' and cached others
     assert isinstance(on_cuda(0.5), Arena) and taken[-1] == 1 << 29
     assert on_cuda(0) is None
     refuse = True
     assert on_cuda(None) is None and "no pinned arena (page-locking failed" in caplog.text
     with pytest.raises(RuntimeError, match="page-locking failed"):
         on_cuda(0.5)
+    core.close()
+    explicit.close()
