@@ -66,8 +66,8 @@ class EngineConfig:
     # On CUDA, pinned host memory (GiB) taken at startup for packed adapters (engine/pinned_arena.py): a
     # fresh pinned allocation while serving holds up the GPU launches; 0 = pin each adapter as it is
     # packed; None = auto (`auto_arena_bytes`: the host cache's adapters, those in slots and
-    # max_host_adapters others, at the slots' capacity, at most 4 GiB and an eighth of the host's (or container's) memory;
-    # one CUDA rank with LoRA on, else none)
+    # max_host_adapters others, at the slots' capacity, at most 4 GiB and an eighth of the host's or
+    # container's memory; one CUDA rank with LoRA on, else none)
     host_pinned_gb: float | None = None
     # On CUDA, SMs a decode step's base GEMMs leave to the LoRA kernels running beside them
     # (LoraInputs.sm_carveout): cuBLAS's decode GEMMs are weight-read bound, so they lose little, and the

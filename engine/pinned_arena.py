@@ -8,7 +8,8 @@ up to 110 ms for an 84 MB all-target Llama-3-8B adapter, 15 ms for a 14 MB q/v o
 adapter. With `--host-pinned-gb` the engine takes that memory once, before it serves, and packs adapters
 into blocks of it; an adapter that does not fit is pinned the old way. By default (`auto_arena_bytes`)
 the arena holds the host cache's adapters (those in slots and --max-host-adapters others) at the slots'
-capacity, up to 4 GiB and an eighth of the host's memory: on the H200 it took the cold Zipf pass's slowest step gaps from 477 to 82 ms.
+capacity, up to 4 GiB and an eighth of the memory the process may use (the host's, or its container's
+limit): on the H200 it took the cold Zipf pass's slowest step gaps from 477 to 82 ms.
 
 A block goes back when its PackedAdapter is collected, but a GPU copy from it may still be queued: the
 slot pool notes the event after its latest copy (`HostReads`), and the block is reused only once that
@@ -30,13 +31,17 @@ GRANULE = 1 << 20  # block sizes round up to this: fewer, larger free runs
 AUTO_MAX_BYTES = 4 << 30  # the default arena's ceiling
 
 
+def block_size(nbytes: int, granule: int = GRANULE) -> int:
+    """The block an arena lends for a request of `nbytes`: whole granules, one at least."""
+    return max(1, -(-nbytes // granule)) * granule
+
+
 def auto_arena_bytes(adapter_bytes: int, num_adapters: int, host_bytes: int, granule: int = GRANULE) -> int:
-    """The default arena's size: room for `num_adapters` blocks of `adapter_bytes` (a full-rank
-    adapter's packed bytes, `adapter_cache.packed_bytes`; each block whole granules; the host cache
-    keeps the adapters in slots and --max-host-adapters others), at most AUTO_MAX_BYTES and an eighth of
-    `host_bytes` (the memory this process may use; each engine process takes its own); 0: no arena."""
-    block = -(-adapter_bytes // granule) * granule
-    return max(0, min(AUTO_MAX_BYTES, host_bytes // 8, block * num_adapters))
+    """The default arena's size: room for `num_adapters` blocks (`block_size`) of `adapter_bytes` (a
+    full-rank adapter's packed bytes, `adapter_cache.packed_bytes`; the host cache keeps the adapters in
+    slots and --max-host-adapters others), at most AUTO_MAX_BYTES and an eighth of `host_bytes` (the
+    memory this process may use; each engine process takes its own); 0: no arena."""
+    return max(0, min(AUTO_MAX_BYTES, host_bytes // 8, block_size(adapter_bytes, granule) * num_adapters))
 
 
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
@@ -114,7 +119,7 @@ class PinnedArena:
 
     def take(self, nbytes: int) -> tuple[int, int] | None:
         """(offset, size) of a block of at least nbytes, or None when no free run holds it."""
-        size = max(1, -(-nbytes // self.granule)) * self.granule
+        size = block_size(nbytes, self.granule)
         with self._lock:
             self._reclaim()
             for i, (offset, run) in enumerate(self._free):
