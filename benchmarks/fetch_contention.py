@@ -4,12 +4,13 @@ serve` process on loopback, alone, beside Python running on the link's own event
 and the streams' deliveries run on the engine's), then beside a busy thread at each GIL switch interval.
 
     python benchmarks/fetch_contention.py [--shape llama3-8b] [--adapters 8] [--concurrency 1 4 8]
-        [--switch-interval-ms 5 1 0.5] [--busy-loop-ms 1]
+        [--switch-interval-ms 5 1 0.5] [--busy-loop-ms 1] [--fetchers loop process]
 
 The link's event loop needs the GIL for every 1 MiB chunk that arrives, and its hash-and-copy thread
 for every chunk it takes: beside a thread that holds the GIL, each of those waits up to the switch
 interval (the engine's --gil-switch-interval-ms); beside a busy loop, each chunk also waits for the
-loop's turn. Adapters are q/v rank-16 (PEFT's default targets),
+loop's turn. Through the fetch process (--fetchers process) the chunks meet neither: only each
+artifact's answer needs this process's GIL. Adapters are q/v rank-16 (PEFT's default targets),
 each fetched twice a pass over a warm link; one JSON line a pass.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import sys
 import tempfile
@@ -38,11 +40,17 @@ from loramux.v1 import registry_pb2 as pb
 SHAPES = {"llama3-8b": LLAMA3_8B_CONFIG, "tiny": TINY_LLAMA_CONFIG}
 
 
-async def fetch_pass(address: str, adapters: list[pb.Adapter], concurrency: int, busy_loop_ms: float = 0.0) -> tuple[float, int]:
+async def fetch_pass(
+    address: str, adapters: list[pb.Adapter], concurrency: int, busy_loop_ms: float = 0.0, fetch_process: bool = False
+) -> tuple[float, int]:
     """(seconds, bytes) of fetching every adapter twice, `concurrency` at a time, over one warm link;
     with `busy_loop_ms`, beside a task that runs Python on the link's event loop in slices of that
-    long, as admission and the streams' deliveries do in the engine's process."""
-    link = RegistryLink(address, adapters[0].base_model, "{}", on_event=lambda event: None, max_concurrent_fetches=concurrency)
+    long, as admission and the streams' deliveries do in the engine's process; with `fetch_process`,
+    through the engine's fetch process (engine/fetch_process.py) instead of on the link's loop."""
+    link = RegistryLink(
+        address, adapters[0].base_model, "{}", on_event=lambda event: None, max_concurrent_fetches=concurrency,
+        fetch_process=fetch_process,
+    )  # fmt: skip
     busy = None
     try:
         await link.fetch(record_of(adapters[0]))  # opens the connection
@@ -93,6 +101,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--switch-interval-ms", type=float, nargs="+", default=[5.0, 1.0, 0.5])
     p.add_argument("--busy-loop-ms", type=float, default=1.0, help="also fetch beside a busy event loop, in slices this long (0: not)")
+    p.add_argument(
+        "--fetchers", nargs="+", default=["loop"], choices=("loop", "process"),
+        help="where the link receives the bytes: its event loop, the engine's fetch process (Linux), or both in turn",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.busy_loop_ms < 0:
         p.error(f"--busy-loop-ms must be >= 0, got {args.busy_loop_ms}")
@@ -117,12 +129,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for busy, loop_ms, interval_ms in settings:
                 sys.setswitchinterval(interval_ms / 1e3 if interval_ms else before)
                 with BusyThread() if busy else contextlib.nullcontext():
-                    for concurrency in args.concurrency:
-                        seconds, size = asyncio.run(fetch_pass(server.address, adapters, concurrency, loop_ms))
+                    for fetcher, concurrency in itertools.product(args.fetchers, args.concurrency):
+                        seconds, size = asyncio.run(fetch_pass(server.address, adapters, concurrency, loop_ms, fetcher == "process"))
                         row = {
-                            "busy_thread": busy, "busy_loop_ms": loop_ms, "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
-                            "concurrency": concurrency, "mb": round(size / 1e6, 1), "seconds": round(seconds, 3),
-                            "mb_s": round(size / 1e6 / seconds, 1),
+                            "fetcher": fetcher, "busy_thread": busy, "busy_loop_ms": loop_ms,
+                            "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3), "concurrency": concurrency,
+                            "mb": round(size / 1e6, 3), "seconds": round(seconds, 3), "mb_s": round(size / 1e6 / seconds, 3),
                         }  # fmt: skip
                         print(json.dumps(row), flush=True)
                         rows.append(row)

@@ -90,6 +90,9 @@ class EngineConfig:
     # registry fetches in flight at most; the rest wait their turn in order, so a burst of new adapters
     # arrives one batch after another instead of all at the end of one shared transfer
     max_concurrent_fetches: int = 4
+    # False: fetches run on the engine's event loop instead of a process of their own (engine/fetch_process.py,
+    # Linux only), where every chunk waits for the GIL the engine's step thread holds
+    disable_fetch_process: bool = False
     # threads that check and pack fetched adapters, at most this many at a time: the check and the packing
     # run Python and small tensor ops per layer and projection, and every thread doing them competes for
     # the GIL with the engine loop's launches

@@ -12,17 +12,16 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
-import numpy as np
-from google.protobuf.message import DecodeError
 
 from engine.adapters import AdapterRecord
+from engine.artifact_stream import Artifact, artifact_messages, receive_artifact, unavailable
 from engine.coalesce import CoalescedCalls
 from engine.errors import EngineError, FailedPrecondition, NotFound, Unavailable
+from engine.fetch_process import CHANNEL_OPTIONS, FETCH_METHOD, FetchProcess, fetch_process_supported
 from loraformat.names import parse_ref
 from loramux.security import Principal, Role, TlsFiles, auth_metadata, open_channel
 from loramux.v1 import registry_pb2 as pb
@@ -30,15 +29,10 @@ from loramux.v1 import registry_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 10.0
-FETCH_TIMEOUT_S = 300.0
 RECONNECT_S = (0.2, 5.0)  # first and longest pause between reconnection attempts
 
 # (REGISTERED | DELETED | PINNED | UNPINNED, record), awaited in event order
 EventHandler = Callable[[str, AdapterRecord], Awaitable[None]]
-
-
-def unavailable(what: str, exc: grpc.aio.AioRpcError) -> Unavailable:
-    return Unavailable(f"{what}: the registry is unavailable ({exc.code().name}: {exc.details()})")
 
 
 def record_of(adapter: pb.Adapter) -> AdapterRecord:
@@ -66,26 +60,23 @@ class RegistryLink:
         api_key: str = "",
         tls: TlsFiles | None = None,
         max_concurrent_fetches: int = 4,
+        fetch_process: bool = True,
     ):
         self.address = address
         self.base_model = base_model
         self.config_json = config_json
         self.on_event = on_event
-        options = [
-            ("grpc.max_receive_message_length", 8 << 20),
-            # come back quickly after a registry restart (gRPC's default backoff grows to 120 s)
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ]
-        self.channel = open_channel(address, tls, options, aio=True)
+        self.channel = open_channel(address, tls, CHANNEL_OPTIONS, aio=True)
         self.metadata = auth_metadata(api_key)  # the engine's own key, on every call
         self.stub = pb_grpc.RegistryStub(self.channel)
         # FetchAdapter with its chunks left as wire bytes: `chunk_data` finds the artifact bytes in each
         # as a view, where protobuf's parse and the `.data.data` read copied every MiB twice (0.17 ms a
         # MiB on the 2-core VM, 14 ms of an 84 MB fetch)
-        self._fetch_raw = self.channel.unary_stream(
-            "/loramux.v1.Registry/FetchAdapter", request_serializer=pb.FetchAdapterRequest.SerializeToString
-        )
+        self._fetch_raw = self.channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchAdapterRequest.SerializeToString)
+        # The artifacts' bytes come through a process of its own (engine/fetch_process.py) where the
+        # platform allows: here every chunk needed this process's GIL, which the engine's step thread
+        # holds most of the time (4 fetches at once went 1863 MB/s alone, 164 beside a busy thread).
+        self.process = FetchProcess(address, api_key, tls) if fetch_process and fetch_process_supported() else None
         self._resolved: dict[tuple[str, int], AdapterRecord] = {}
         self._generation: dict[str, int] = {}  # bumped by every event of a name (and a fresh watch)
         self._epoch = 0
@@ -105,6 +96,8 @@ class RegistryLink:
 
     async def start(self) -> None:
         """Try to register the base model now; keep trying (and watching) in the background."""
+        if self.process is not None:
+            self.process.start()  # its interpreter starts while the base model registers
         try:
             await self._register_base_model()
         except grpc.aio.AioRpcError as exc:
@@ -119,6 +112,8 @@ class RegistryLink:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
+        if self.process is not None:
+            await self.process.close()
         await self.channel.close()
 
     # ---- resolution --------------------------------------------------------------------------
@@ -227,46 +222,14 @@ class RegistryLink:
         raise Unavailable(f"adapter {record.ref!r}: the fetched artifact does not match its digest")
 
     async def _fetch_once(self, record: AdapterRecord) -> tuple[memoryview, str]:
-        """The artifact and its sha256. The event loop only finds each chunk's bytes in its message;
-        a worker thread hashes the chunk and copies it into place while the next one arrives (hashlib
-        and numpy let go of the GIL), into memory sized from the stream's leading Adapter message, so
-        the new pages are first touched by that copy too. Appending to a growing bytearray on the
-        event loop held the GIL for 53 ms of an 84 MB fetch on the VM, mostly faulting in new pages."""
-        artifact = _Artifact()
-        taking = None  # the previous chunk's hash and copy; chunks are taken in order
-        try:
-            async for raw in self._artifact_messages(record):
-                try:
-                    data = chunk_data(raw)
-                    if data is None:
-                        artifact.expect(raw)
-                        continue
-                    offset = artifact.place(len(data))
-                except ValueError as exc:
-                    raise Unavailable(f"adapter {record.ref!r}: the registry sent a malformed chunk ({exc})") from None
-                if taking is not None:
-                    await taking
-                taking = asyncio.ensure_future(asyncio.to_thread(artifact.take, offset, data))  # a view of its own message
-            if taking is not None:
-                last, taking = taking, None
-                await last  # the last chunk's copy: its failure is the fetch's too
-        finally:
-            if taking is not None:  # the stream failed: no task left behind, its outcome read
-                await asyncio.wait([taking])
-                if not taking.cancelled():
-                    taking.exception()
-        return artifact.bytes(), artifact.sha.hexdigest()
+        """The artifact and its sha256: from the fetch process when there is one, else on this loop."""
+        if self.process is not None:
+            return await self.process.fetch(record.name, record.version, record.ref)
+        return await receive_artifact(self._artifact_messages(record), Artifact(), record.ref)
 
-    async def _artifact_messages(self, record: AdapterRecord) -> AsyncIterator[bytes]:
+    def _artifact_messages(self, record: AdapterRecord) -> AsyncIterator[bytes]:
         """FetchAdapter's messages in wire format."""
-        request = pb.FetchAdapterRequest(name=record.name, version=record.version)
-        try:
-            async for raw in self._fetch_raw(request, timeout=FETCH_TIMEOUT_S, metadata=self.metadata):
-                yield raw
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise NotFound(f"adapter {record.ref!r} is not registered") from None
-            raise unavailable(f"adapter {record.ref!r}", exc) from None
+        return artifact_messages(self._fetch_raw, record.name, record.version, record.ref, self.metadata)
 
     # ---- watching ----------------------------------------------------------------------------
 
@@ -336,103 +299,3 @@ class RegistryLink:
 
     async def _pinned_adapters(self) -> list[AdapterRecord]:
         return [record_of(a) for a in await self._adapters() if a.pinned]
-
-
-class _Artifact:
-    """An artifact's bytes as they arrive, in order: `place` reserves each chunk's range on the event
-    loop, `take` hashes and copies the chunk in a worker thread. The size the stream's leading Adapter
-    message declares sizes the memory up front (untouched until the copies); a stream that declares
-    none grows a bytearray instead."""
-
-    def __init__(self):
-        self.sha = hashlib.sha256()
-        self.received = 0
-        self._array: np.ndarray | None = None  # sized as declared
-        self._grown = bytearray()
-
-    def expect(self, raw: bytes) -> None:
-        """Size the memory from an Adapter message (before any data: the registry sends it first)."""
-        try:
-            size = pb.AdapterChunk.FromString(raw).adapter.size_bytes
-        except DecodeError as exc:
-            raise ValueError(f"an Adapter message that does not decode: {exc}") from None
-        if size and self._array is None and not self.received:
-            try:
-                self._array = np.empty(size, np.uint8)
-            except MemoryError:
-                raise ValueError(f"a declared size of {size} bytes, more than this host can hold") from None
-
-    def place(self, length: int) -> int:
-        """The offset of the next chunk of `length` bytes; ValueError when it overruns the declared size."""
-        offset = self.received
-        if self._array is not None and offset + length > len(self._array):
-            raise ValueError(f"{offset + length} bytes of an artifact of {len(self._array)}")
-        self.received += length
-        return offset
-
-    def take(self, offset: int, data: memoryview) -> None:
-        self.sha.update(data)
-        if self._array is None:
-            self._grown += data
-        else:
-            self._array[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
-
-    def bytes(self) -> memoryview:
-        """The bytes received, writable (the safetensors reader's tensors are views of them)."""
-        if self._array is None:
-            return memoryview(self._grown)
-        return memoryview(self._array[: self.received])
-
-
-def chunk_data(raw: bytes) -> memoryview | None:
-    """The artifact bytes an `AdapterChunk` in wire format carries, as a view into `raw` (no copy), or
-    None when it carries its other item; as protobuf's parse reads them, a repeated field's last value
-    wins and unknown fields (a known number with another wire type included) are skipped
-    (registry/servicer.py `encode_data_chunk` writes these). Raises ValueError on malformed input and
-    on group fields, which nothing writing an AdapterChunk emits."""
-    data = None
-    for number, wire, value in _wire_fields(memoryview(raw)):
-        if number == 1 and wire == 2:  # the adapter item: the oneof's other member
-            data = None
-        elif number == 2 and wire == 2:  # DataChunk
-            data = memoryview(b"") if data is None else data
-            for inner_number, inner_wire, inner in _wire_fields(value):
-                if inner_number == 2 and inner_wire == 2:
-                    data = inner
-    return data
-
-
-def _wire_fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
-    """(field number, wire type, value) of each field of one protobuf message: an int for a varint,
-    a view for the other wire types."""
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise ValueError("a field numbered 0")
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire in (1, 2, 5):
-            size, pos = (8, pos) if wire == 1 else (4, pos) if wire == 5 else _varint(buf, pos)
-            if pos + size > len(buf):
-                raise ValueError(f"field {number} runs past the message's {len(buf)} bytes")
-            value, pos = buf[pos : pos + size], pos + size
-        else:
-            raise ValueError(f"field {number} has wire type {wire}")
-        yield number, wire, value
-
-
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while pos < len(buf):
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            break
-    raise ValueError("a truncated or overlong varint")
-

@@ -71,6 +71,16 @@ def test_fetch_cap_reaches_the_engine_config_from_the_flag_or_its_variable():
         EngineConfig(model_dir="m", max_concurrent_fetches=0)
 
 
+def test_the_fetch_process_is_on_unless_the_flag_or_its_variable_turns_it_off():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).disable_fetch_process is False
+    assert engine_config(cli.build_parser({}).parse_args([*serve, "--disable-fetch-process"]), "m", 0).disable_fetch_process is True
+    args = cli.build_parser({"LORAMUX_DISABLE_FETCH_PROCESS": "1"}).parse_args(serve)
+    assert engine_config(args, "m", 0).disable_fetch_process is True
+
+
 def test_adapter_prep_threads_reach_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

@@ -311,6 +311,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="registry fetches of adapters in flight at most; the rest wait their turn in arrival order",
     )
     p.add_argument(
+        "--disable-fetch-process", action="store_true", default=env("--disable-fetch-process", "") not in ("", "0", "false"),
+        help="receive adapters from the registry on the engine's event loop instead of in a process of its own"
+        " (Linux; there the chunks do not wait for the engine's GIL)",
+    )
+    p.add_argument(
         "--adapter-prep-threads", type=_int_in(1, 64), default=int(env("--adapter-prep-threads", DEFAULT_ADAPTER_PREP_THREADS)),
         help="threads that check and pack fetched adapters; one alone falls behind a burst of new adapters,"
         " and each one takes the GIL from the engine loop while it packs",

@@ -4,7 +4,10 @@ put back."""
 
 import sys
 
+import pytest
+
 from benchmarks import fetch_contention
+from engine.fetch_process import fetch_process_supported
 
 
 def test_fetch_contention_smoke():
@@ -17,6 +20,16 @@ def test_fetch_contention_smoke():
     assert len({r["mb"] for r in rows}) == 1 and rows[0]["mb"] > 0
     assert all(r["mb_s"] > 0 for r in rows)
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.skipif(not fetch_process_supported(), reason="the fetch process needs Linux")
+def test_fetch_contention_through_the_fetch_process_too():
+    rows = fetch_contention.main([
+        "--shape", "tiny", "--adapters", "2", "--concurrency", "2", "--switch-interval-ms", "1", "--busy-loop-ms", "0",
+        "--fetchers", "loop", "process",
+    ])  # fmt: skip
+    assert [(r["fetcher"], r["busy_thread"]) for r in rows] == [("loop", False), ("process", False), ("loop", True), ("process", True)]
+    assert len({r["mb"] for r in rows}) == 1 and all(r["mb_s"] > 0 for r in rows)
 
 
 def test_fetch_contention_without_the_busy_loop():

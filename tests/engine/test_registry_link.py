@@ -12,9 +12,9 @@ import time
 import grpc
 import pytest
 
+from engine.artifact_stream import chunk_data
 from engine.config import EngineConfig
 from engine.errors import Unavailable
-from engine.registry_link import chunk_data
 from engine.server import start_engine
 from loramux.engine_client import generate_request
 from loramux.v1 import engine_pb2 as epb
@@ -27,21 +27,35 @@ from tests.registry.harness import running_registry
 PROMPT = "The registry feeds the engine"
 
 
-@pytest.fixture
-async def stack(tmp_path, tiny_llama_dir):
+@contextlib.asynccontextmanager
+async def registry_and_engine(tmp_path, model_dir, **config):
     """(registry harness, engine server, engine stub); the base model is registered by the engine."""
     async with running_registry(tmp_path / "registry") as registry:
-        config = EngineConfig(
-            model_dir=str(tiny_llama_dir), port=0, registry=registry.server.address, max_loras_per_batch=2,
-            base_model_name="tiny",
-        )
-        engine = await start_engine(config)
+        engine = await start_engine(EngineConfig(
+            model_dir=str(model_dir), port=0, registry=registry.server.address, max_loras_per_batch=2,
+            base_model_name="tiny", **config,
+        ))  # fmt: skip
         channel = grpc.aio.insecure_channel(engine.address)
         try:
             yield registry, engine, epb_grpc.EngineStub(channel)
         finally:
             await channel.close()
             await engine.stop(grace=0.5)
+
+
+@pytest.fixture
+async def stack(tmp_path, tiny_llama_dir):
+    """An engine fetching through its fetch process (where the platform has one)."""
+    async with registry_and_engine(tmp_path, tiny_llama_dir) as parts:
+        yield parts
+
+
+@pytest.fixture
+async def loop_stack(tmp_path, tiny_llama_dir):
+    """An engine fetching on its event loop: the tests that change the messages it receives."""
+    async with registry_and_engine(tmp_path, tiny_llama_dir, disable_fetch_process=True) as parts:
+        assert parts[1].core.link.process is None
+        yield parts
 
 
 async def generate(stub, adapter: str = "", max_new_tokens: int = 8, **kwargs):
@@ -213,8 +227,8 @@ async def test_load_and_unload_rpcs(stack, make_adapter):
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_digest_mismatch_is_refused_and_retried(stack, make_adapter):
-    registry, engine, stub = stack
+async def test_digest_mismatch_is_refused_and_retried(loop_stack, make_adapter):
+    registry, engine, stub = loop_stack
     await registry.register("tamper", make_adapter("link-tamper", r=4, lora_alpha=8, seed=58))
     link = engine.core.link
     real_messages = link._artifact_messages
@@ -238,11 +252,11 @@ async def test_digest_mismatch_is_refused_and_retried(stack, make_adapter):
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "digest" in info.value.details()
 
 
-async def test_a_stream_that_overruns_or_omits_its_declared_size(stack, make_adapter):
+async def test_a_stream_that_overruns_or_omits_its_declared_size(loop_stack, make_adapter):
     """The leading Adapter message sizes the artifact's memory: a registry sending more bytes than it
     declared is refused as malformed (nothing written past the end), one sending fewer fails the digest
     check, and a stream that declares no size (no Adapter message) still gives the exact bytes."""
-    registry, engine, _ = stack
+    registry, engine, _ = loop_stack
     adapter = await registry.register("sized", make_adapter("link-sized", r=4, lora_alpha=8, seed=60))
     link = engine.core.link
     record = await link.resolve("sized")
@@ -277,17 +291,17 @@ async def test_a_stream_that_overruns_or_omits_its_declared_size(stack, make_ada
         await link._fetch_once(record)
 
 
-async def test_a_failed_copy_of_the_last_chunk_fails_the_fetch(stack, make_adapter, monkeypatch):
+async def test_a_failed_copy_of_the_last_chunk_fails_the_fetch(loop_stack, make_adapter, monkeypatch):
     """The worker thread's copy of each chunk, the last one too, is awaited: a copy that fails is the
     fetch's failure, not an artifact with an unwritten tail that hashed as whole."""
-    registry, engine, _ = stack
+    registry, engine, _ = loop_stack
     await registry.register("tail", make_adapter("link-tail", r=4, lora_alpha=8, seed=61))
     link = engine.core.link
     record = await link.resolve("tail")
     num_chunks = sum(chunk_data(raw) is not None for raw in [raw async for raw in link._artifact_messages(record)])
-    from engine import registry_link
+    from engine.artifact_stream import Artifact
 
-    real_take, taken = registry_link._Artifact.take, []
+    real_take, taken = Artifact.take, []
 
     def take(self, offset, data):
         taken.append(offset)
@@ -296,7 +310,7 @@ async def test_a_failed_copy_of_the_last_chunk_fails_the_fetch(stack, make_adapt
             raise OSError("copy failed")
         real_take(self, offset, data)
 
-    monkeypatch.setattr(registry_link._Artifact, "take", take)
+    monkeypatch.setattr(Artifact, "take", take)
     with pytest.raises(OSError, match="copy failed"):
         await link._fetch_once(record)
     assert len(taken) == num_chunks

@@ -1,0 +1,309 @@
+"""Registry fetches in a process of their own, so that an artifact's chunks never wait for the engine's GIL.
+
+In the engine's process every FetchAdapter chunk needs the GIL several times (gRPC's completion, the
+event loop, the hash-and-copy thread), and the engine's step thread holds it most of the time: on the
+H200 host four fetches at once went 1863 MB/s alone and 164 MB/s beside a thread running Python, and
+the cold Zipf pass of benchmarks/serve.py waited a median 1.1 s for its fetches. Here a child process
+(`python -m engine.fetch_process`, which imports neither torch nor the model code) runs its own gRPC
+channel to the registry and receives each artifact into a memfd; the engine gets the descriptor over a
+Unix socket (SCM_RIGHTS) and maps the same pages, so the bytes are neither copied nor sent twice.
+
+The engine keeps everything else: which fetches run (its fetch turns), sharing one fetch between the
+callers of a digest, the sha256 check against the registry's digest (the child reports what it hashed)
+and its retries. A child that dies fails the fetches it had with UNAVAILABLE; the next fetch starts a
+new one. The child ends when the engine's end of the socket closes, the engine's death included.
+
+Protocol, one datagram each way (SOCK_SEQPACKET keeps them whole): first the engine's configuration
+`{"address", "tls", "api_key"}`, then requests `{"id", "name", "version", "ref"}`; each answer is
+`{"id", "size", "sha256"}` with the memfd attached (none for an empty artifact) or `{"id", "error",
+"message"}` with `error` NOT_FOUND or UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from engine.artifact_stream import Artifact, artifact_messages, receive_artifact
+from engine.errors import NotFound, Unavailable
+from loramux.security import TlsFiles, auth_metadata, open_channel
+from loramux.v1 import registry_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+FETCH_METHOD = "/loramux.v1.Registry/FetchAdapter"
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 8 << 20),
+    # come back quickly after a registry restart (gRPC's default backoff grows to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+_DATAGRAM = 1 << 16  # the largest message either side sends (names are far shorter)
+_ROOT = Path(__file__).resolve().parents[1]  # holds the engine, loramux and loraformat packages
+_STOP_S = 5.0  # how long close() waits for the child before killing it
+_UNTRACKED = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # no duplicate descriptor per mapping
+
+
+def fetch_process_supported() -> bool:
+    """memfd and descriptor passing: Linux."""
+    return sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+
+class FetchProcess:
+    """The engine's side: starts the child, sends it fetches, maps the artifacts it answers with."""
+
+    def __init__(self, address: str, api_key: str = "", tls: TlsFiles | None = None):
+        self._config = {"address": address, "api_key": api_key, "tls": dataclasses.asdict(tls) if tls is not None else None}
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen | None = None
+        self._pending: dict[int, asyncio.Future] = {}  # request id -> (answer, descriptor or None)
+        self._ids = itertools.count(1)
+        self._closed = False
+        self.num_starts = 0
+        self.num_unclaimed = 0  # answers whose caller had gone (cancelled): their memfds closed unmapped
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._sock is not None and self._proc is not None else None
+
+    def start(self) -> None:
+        """Start the child unless it runs; returns at once (its interpreter starts in the background)."""
+        if self._sock is not None:
+            return
+        if self._closed:
+            raise Unavailable("the engine is stopping: adapters are no longer fetched")
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(_ROOT), os.environ.get("PYTHONPATH")))))
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.fetch_process", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+            ours.send(json.dumps(self._config).encode())  # the key travels here, not in argv or the environment
+        except OSError as exc:
+            ours.close()
+            raise Unavailable(f"the adapter fetch process does not start: {exc}") from None
+        finally:
+            theirs.close()
+        self._sock, self._proc = ours, proc
+        self.num_starts += 1
+        threading.Thread(target=self._read_answers, args=(ours, loop), name="loramux-fetch-answers", daemon=True).start()
+
+    async def fetch(self, name: str, version: int, ref: str) -> tuple[memoryview, str]:
+        """The artifact of name@version (writable, mapped from the child's memfd) and its sha256."""
+        self.start()
+        assert self._sock is not None
+        key = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._pending[key] = answer
+        try:
+            self._sock.send(json.dumps({"id": key, "name": name, "version": version, "ref": ref}).encode())
+        except OSError as exc:
+            self._pending.pop(key, None)
+            raise Unavailable(f"adapter {ref!r}: the fetch process is gone ({exc})") from None
+        try:
+            reply, fd = await answer
+        except asyncio.CancelledError:
+            if answer.done() and not answer.cancelled() and answer.exception() is None:
+                self.num_unclaimed += 1
+                _close(answer.result()[1])  # answered as this caller was cancelled: nobody maps it
+            raise
+        finally:
+            self._pending.pop(key, None)
+        if "error" in reply:
+            _close(fd)
+            raise (NotFound if reply["error"] == "NOT_FOUND" else Unavailable)(reply["message"])
+        return _mapped(fd, reply["size"]), reply["sha256"]
+
+    async def close(self) -> None:
+        """Stop the child: it sees the socket close and exits; killed if it has not within a few seconds."""
+        self._closed = True
+        sock, proc = self._sock, self._proc
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # the reader thread sees the end too, and fails what is pending
+        if proc is not None and proc.poll() is None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(proc.wait), _STOP_S)
+            except TimeoutError:
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+
+    def _read_answers(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        """The reader thread of one child: hands each answer to the loop; at the end, fails what is left."""
+        try:
+            while True:
+                message, fds, _, _ = socket.recv_fds(sock, _DATAGRAM, 1)
+                if not message:
+                    for fd in fds:
+                        os.close(fd)
+                    break
+                try:
+                    loop.call_soon_threadsafe(self._answered, message, fds[0] if fds else None)
+                except RuntimeError:  # the loop is closed: nobody will map it
+                    for fd in fds:
+                        os.close(fd)
+                    break
+        except OSError:
+            pass
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._lost, sock)
+
+    def _answered(self, message: bytes, fd: int | None) -> None:
+        reply = json.loads(message)
+        answer = self._pending.pop(reply["id"], None)
+        if answer is None or answer.done():  # its caller was cancelled
+            self.num_unclaimed += 1
+            _close(fd)
+            return
+        answer.set_result((reply, fd))
+
+    def _lost(self, sock: socket.socket) -> None:
+        """The child's socket ended (it exited, or close() shut the socket): what it had fails."""
+        if self._sock is not sock:
+            return
+        proc = self._proc
+        code = proc.poll() if proc is not None else None
+        self._sock = None
+        sock.close()
+        if not self._closed:
+            log.warning("the adapter fetch process exited (code %s); the next fetch starts another", code)
+        pending, self._pending = self._pending, {}
+        for answer in pending.values():
+            if not answer.done():
+                answer.set_exception(Unavailable(f"the adapter fetch process exited (code {code}) during the fetch"))
+
+
+def _mapped(fd: int | None, size: int) -> memoryview:
+    """The memfd's first `size` bytes, writable and shared with the child's pages (no copy). The
+    mapping keeps the memory until the view and its readers let go (before Python 3.13 it also keeps a
+    duplicate of the descriptor, closed with it)."""
+    if fd is None:
+        return memoryview(bytearray(size))  # size 0: nothing was attached
+    try:
+        return memoryview(mmap.mmap(fd, size, **_UNTRACKED))  # refuses a size past the memfd's end
+    finally:
+        os.close(fd)
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+# ---- the child ---------------------------------------------------------------------------------
+
+
+class _SharedArtifact:
+    """An artifact's memory in a memfd: what `Artifact` fills and the engine maps."""
+
+    def __init__(self):
+        self.fd: int | None = None
+        self.mapping: mmap.mmap | None = None
+
+    def allocate(self, size: int) -> np.ndarray:
+        try:
+            self.fd = os.memfd_create("loramux-artifact", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, size)
+            if size == 0:
+                return np.empty(0, np.uint8)
+            self.mapping = mmap.mmap(self.fd, size)
+        except OSError as exc:
+            raise MemoryError(str(exc)) from None  # Artifact reports the declared size as more than the host holds
+        return np.frombuffer(self.mapping, np.uint8)
+
+    def descriptor_for(self, data: memoryview) -> int | None:
+        """A memfd whose first len(data) bytes are `data`: the one filled in place, or a new one for a
+        stream that declared no size (its bytes grew in a bytearray)."""
+        if self.mapping is None and len(data):
+            self.allocate(len(data))
+            np.frombuffer(self.mapping, np.uint8)[:] = np.frombuffer(data, np.uint8)
+        return self.fd
+
+    def release(self) -> None:
+        if self.mapping is not None:
+            with contextlib.suppress(BufferError):  # a view still alive: the collector unmaps it
+                self.mapping.close()
+        _close(self.fd)
+        self.fd, self.mapping = None, None
+
+
+async def _fetch_one(sock: socket.socket, fetch_raw, metadata, request: dict) -> None:
+    reply: dict = {"id": request["id"]}
+    ref = request["ref"]
+    shared = _SharedArtifact()
+    try:
+        try:
+            messages = artifact_messages(fetch_raw, request["name"], request["version"], ref, metadata)
+            data, digest = await receive_artifact(messages, Artifact(shared.allocate), ref)
+            fd = shared.descriptor_for(data)
+            reply.update(size=len(data), sha256=digest)
+            del data
+        except (NotFound, Unavailable) as exc:
+            fd = None
+            reply.update(error=exc.code.name, message=str(exc))
+        except Exception as exc:  # whatever it was, the engine hears of it and the child lives on
+            log.exception("fetching %s failed", ref)
+            fd = None
+            reply.update(error="UNAVAILABLE", message=f"adapter {ref!r}: the fetch failed ({type(exc).__name__}: {exc})")
+        with contextlib.suppress(OSError):  # the engine is gone: the reader sees the end and the child exits
+            socket.send_fds(sock, [json.dumps(reply).encode()], [fd] if fd is not None else [])
+    finally:
+        shared.release()
+
+
+async def _serve(sock: socket.socket, config: dict) -> None:
+    loop = asyncio.get_running_loop()
+    tls = TlsFiles(**config["tls"]) if config.get("tls") else None
+    channel = open_channel(config["address"], tls, CHANNEL_OPTIONS, aio=True)
+    fetch_raw = channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchAdapterRequest.SerializeToString)
+    metadata = auth_metadata(config.get("api_key", ""))
+    requests: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def read() -> None:
+        with contextlib.suppress(OSError):
+            while message := sock.recv(_DATAGRAM):
+                loop.call_soon_threadsafe(requests.put_nowait, message)
+        loop.call_soon_threadsafe(requests.put_nowait, None)
+
+    threading.Thread(target=read, name="requests", daemon=True).start()
+    fetches: set[asyncio.Task] = set()
+    try:
+        while (message := await requests.get()) is not None:
+            task = asyncio.create_task(_fetch_one(sock, fetch_raw, metadata, json.loads(message)))
+            fetches.add(task)
+            task.add_done_callback(fetches.discard)
+    finally:
+        for task in fetches:
+            task.cancel()
+        await asyncio.gather(*fetches, return_exceptions=True)
+        await channel.close()
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the engine's to handle; it closes the socket
+    logging.basicConfig(level=logging.WARNING, format="loramux fetch process: %(levelname)s %(message)s")
+    sock = socket.socket(fileno=int(argv[0]))
+    message = sock.recv(_DATAGRAM)
+    if not message:
+        return
+    asyncio.run(_serve(sock, json.loads(message)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

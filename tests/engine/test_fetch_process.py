@@ -1,0 +1,160 @@
+"""The engine's fetch process (engine/fetch_process.py) against a live registry: the bytes it maps are
+the registry's, chunk for chunk as the event loop's path gets them; the registry's refusals keep their
+kinds; a child that dies fails only what it had and the next fetch starts another; a cancelled fetch
+leaves no descriptor behind; close() ends the child."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from engine.errors import NotFound, Unavailable
+from engine.fetch_process import fetch_process_supported
+from engine.registry_link import RegistryLink, record_of
+from loramux.v1 import registry_pb2 as pb
+from tests.registry.harness import running_registry
+
+pytestmark = pytest.mark.skipif(not fetch_process_supported(), reason="the fetch process needs memfd and SCM_RIGHTS (Linux)")
+
+HANG_S = 60.0  # turns a hang into a failure; nothing here is about speed
+
+
+async def _ignore(kind, record):
+    pass
+
+
+@contextlib.asynccontextmanager
+async def link_to(address: str, fetch_process: bool = True):
+    link = RegistryLink(address, "tiny", "{}", _ignore, fetch_process=fetch_process)
+    try:
+        yield link
+    finally:
+        await link.close()
+
+
+async def eventually(predicate, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + HANG_S
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+def open_artifact_memfds() -> int:
+    """This process's descriptors of the child's artifacts (Python's mmap keeps one per mapping before 3.13)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:loramux-artifact")
+    return count
+
+
+async def test_the_process_maps_the_bytes_the_loop_receives(tmp_path, tiny_llama_dir, make_adapter, monkeypatch):
+    """Many chunks (the registry's chunk made small), received in the child into a memfd, mapped here
+    writable: the same bytes and sha256 as the event loop's own fetch, and the registry's digest."""
+    import registry.service
+
+    monkeypatch.setattr(registry.service, "ARTIFACT_CHUNK_BYTES", 1024)
+    async with running_registry(tmp_path / "registry") as registry_harness:
+        await registry_harness.register_base("tiny", tiny_llama_dir)
+        adapter = await registry_harness.register("many", make_adapter("fp-many", r=8, lora_alpha=16, seed=201))
+        assert adapter.size_bytes > 8 * 1024
+        record = record_of(adapter)
+        async with link_to(registry_harness.server.address) as link, link_to(registry_harness.server.address, False) as loop_link:
+            assert link.process is not None and loop_link.process is None
+            data = await link.fetch(record)
+            expected = await loop_link.fetch(record)
+            assert bytes(data) == bytes(expected) and len(data) == adapter.size_bytes
+            assert isinstance(data.obj, mmap.mmap) and not data.readonly  # the child's pages, no copy
+            child = link.process.pid
+            assert child is not None and child != os.getpid()
+            assert link.num_fetches == 1 and link.process.num_starts == 1
+
+
+async def test_refusals_keep_their_kind_and_the_child_lives_on(tmp_path, tiny_llama_dir, make_adapter):
+    async with running_registry(tmp_path / "registry") as registry_harness:
+        await registry_harness.register_base("tiny", tiny_llama_dir)
+        adapter = await registry_harness.register("there", make_adapter("fp-there", r=4, lora_alpha=8, seed=202))
+        async with link_to(registry_harness.server.address) as link:
+            missing = record_of(pb.Adapter(name="missing", version=1, digest="0" * 64, base_model="tiny"))
+            with pytest.raises(NotFound, match="'missing@1' is not registered"):
+                await link.fetch(missing)
+            assert len(await link.fetch(record_of(adapter))) == adapter.size_bytes
+            assert link.process.num_starts == 1
+    async with link_to("127.0.0.1:1") as link:  # nothing listens there
+        with pytest.raises(Unavailable, match="the registry is unavailable"):
+            await link.process.fetch("there", 1, "there@1")
+
+
+async def test_a_child_that_dies_fails_its_fetches_and_the_next_fetch_starts_another(tmp_path, tiny_llama_dir, make_adapter):
+    """A fetch held by a peer that accepts the connection and never answers is in flight in the child
+    when the child is killed: it fails UNAVAILABLE (not a hang); the next fetch, from a real registry,
+    starts a new child."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        async with link_to(f"127.0.0.1:{silent.getsockname()[1]}") as link:
+            held = asyncio.create_task(link.process.fetch("held", 1, "held@1"))
+            await eventually(lambda: link.process.pid is not None, "the child started")
+            await asyncio.sleep(0.5)
+            assert not held.done()
+            os.kill(link.process.pid, signal.SIGKILL)
+            with pytest.raises(Unavailable, match="fetch process exited"):
+                await asyncio.wait_for(held, HANG_S)
+            await eventually(lambda: link.process.pid is None, "the child's end was seen")
+    finally:
+        silent.close()
+    async with running_registry(tmp_path / "registry") as registry_harness:
+        await registry_harness.register_base("tiny", tiny_llama_dir)
+        adapter = await registry_harness.register("after", make_adapter("fp-after", r=4, lora_alpha=8, seed=203))
+        async with link_to(registry_harness.server.address) as link:
+            link.process.start()
+            os.kill(link.process.pid, signal.SIGKILL)
+            await eventually(lambda: link.process.pid is None, "the child's end was seen")
+            data = await link.fetch(record_of(adapter))
+            assert len(data) == adapter.size_bytes and link.process.num_starts == 2
+
+
+async def test_a_cancelled_fetch_leaves_no_descriptor(tmp_path, tiny_llama_dir, make_adapter):
+    async with running_registry(tmp_path / "registry") as registry_harness:
+        await registry_harness.register_base("tiny", tiny_llama_dir)
+        adapter = await registry_harness.register("gone", make_adapter("fp-gone", r=4, lora_alpha=8, seed=204))
+        async with link_to(registry_harness.server.address) as link:
+            before = open_artifact_memfds()  # earlier tests' mappings the collector has not reached
+            data = await link.fetch(record_of(adapter))
+            mapped = open_artifact_memfds()
+            assert mapped == before + (1 if sys.version_info < (3, 13) else 0)  # the mapping's own, if any
+            for _ in range(5):
+                task = asyncio.create_task(link.process.fetch("gone", adapter.version, "gone@1"))
+                await asyncio.sleep(0)  # sent
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            # the answers still come, each with a memfd nobody maps: closed on arrival
+            await eventually(lambda: link.process.num_unclaimed == 5, "the cancelled fetches were answered")
+            assert open_artifact_memfds() == mapped
+            del data  # the last view of the mapping: unmapped, its descriptor closed
+            assert open_artifact_memfds() == before
+
+
+async def test_close_ends_the_child_and_later_fetches_are_refused(tmp_path, tiny_llama_dir):
+    async with running_registry(tmp_path / "registry") as registry_harness:
+        link = RegistryLink(registry_harness.server.address, "tiny", "{}", _ignore)
+        link.process.start()
+        proc = link.process._proc
+        await link.close()
+        assert proc.poll() is not None  # exited (it saw the socket close), and reaped
+        with pytest.raises(Unavailable, match="stopping"):
+            await link.process.fetch("any", 1, "any@1")
+
+
+def test_the_child_imports_no_torch():
+    """The child is a small interpreter: no torch, no model code."""
+    code = "import sys, engine.fetch_process; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=HANG_S)
