@@ -81,7 +81,10 @@ class FetchProcess:
         return self._proc.pid if self._sock is not None and self._proc is not None else None
 
     def start(self) -> None:
-        """Start the child unless it runs; returns at once (its interpreter starts in the background)."""
+        """Start the child unless it runs; returns at once (its interpreter starts in the background).
+        A child that has exited is replaced here, even before its reader thread has said so."""
+        if self._sock is not None and self._proc is not None and self._proc.poll() is not None:
+            self._lost(self._sock)
         if self._sock is not None:
             return
         if self._closed:
@@ -89,14 +92,19 @@ class FetchProcess:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(_ROOT), os.environ.get("PYTHONPATH")))))
+        proc = None
         try:
+            # -P: nothing in the engine's working directory shadows the child's modules
             proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.fetch_process", str(theirs.fileno())],
+                [sys.executable, "-P", "-m", "engine.fetch_process", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
             )  # fmt: skip
             ours.send(json.dumps(self._config).encode())  # the key travels here, not in argv or the environment
         except OSError as exc:
             ours.close()
+            if proc is not None:
+                proc.kill()
+                proc.wait()
             raise Unavailable(f"the adapter fetch process does not start: {exc}") from None
         finally:
             theirs.close()
@@ -106,16 +114,22 @@ class FetchProcess:
 
     async def fetch(self, name: str, version: int, ref: str) -> tuple[memoryview, str]:
         """The artifact of name@version (writable, mapped from the child's memfd) and its sha256."""
-        self.start()
-        assert self._sock is not None
         key = next(self._ids)
+        request = json.dumps({"id": key, "name": name, "version": version, "ref": ref}).encode()
         answer = asyncio.get_running_loop().create_future()
-        self._pending[key] = answer
-        try:
-            self._sock.send(json.dumps({"id": key, "name": name, "version": version, "ref": ref}).encode())
-        except OSError as exc:
-            self._pending.pop(key, None)
-            raise Unavailable(f"adapter {ref!r}: the fetch process is gone ({exc})") from None
+        for attempt in (1, 2):  # a child found gone at the send is replaced once
+            self.start()
+            sock = self._sock
+            self._pending[key] = answer
+            try:
+                await _send(sock, request)
+                break
+            except OSError as exc:
+                self._pending.pop(key, None)
+                if sock is self._sock:
+                    self._lost(sock)
+                if attempt == 2:
+                    raise Unavailable(f"adapter {ref!r}: the fetch process is gone ({exc})") from None
         try:
             reply, fd = await answer
         except asyncio.CancelledError:
@@ -128,7 +142,10 @@ class FetchProcess:
         if "error" in reply:
             _close(fd)
             raise (NotFound if reply["error"] == "NOT_FOUND" else Unavailable)(reply["message"])
-        return _mapped(fd, reply["size"]), reply["sha256"]
+        try:
+            return _mapped(fd, reply["size"]), reply["sha256"]
+        except (OSError, ValueError) as exc:  # a size past the memfd's end, no memory to map it
+            raise Unavailable(f"adapter {ref!r}: the fetched artifact cannot be mapped ({exc})") from None
 
     async def close(self) -> None:
         """Stop the child: it sees the socket close and exits; killed if it has not within a few seconds."""
@@ -145,7 +162,8 @@ class FetchProcess:
                 await asyncio.to_thread(proc.wait)
 
     def _read_answers(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
-        """The reader thread of one child: hands each answer to the loop; at the end, fails what is left."""
+        """The reader thread of one child: hands each answer to the loop; at the end, fails what is left.
+        With the loop gone, it closes the socket, so the child ends too."""
         try:
             while True:
                 message, fds, _, _ = socket.recv_fds(sock, _DATAGRAM, 1)
@@ -158,15 +176,23 @@ class FetchProcess:
                 except RuntimeError:  # the loop is closed: nobody will map it
                     for fd in fds:
                         os.close(fd)
-                    break
+                    sock.close()
+                    return
         except OSError:
             pass
-        with contextlib.suppress(RuntimeError):
+        try:
             loop.call_soon_threadsafe(self._lost, sock)
+        except RuntimeError:
+            sock.close()
 
     def _answered(self, message: bytes, fd: int | None) -> None:
-        reply = json.loads(message)
-        answer = self._pending.pop(reply["id"], None)
+        try:
+            reply = json.loads(message)
+            answer = self._pending.pop(reply["id"], None)
+        except (ValueError, KeyError, TypeError):
+            log.error("the adapter fetch process sent an answer that does not parse: %r", message[:200])
+            _close(fd)
+            return
         if answer is None or answer.done():  # its caller was cancelled
             self.num_unclaimed += 1
             _close(fd)
@@ -179,22 +205,35 @@ class FetchProcess:
             return
         proc = self._proc
         code = proc.poll() if proc is not None else None
+        ended = "ended" if code is None else f"exited (code {code})"
         self._sock = None
         sock.close()
         if not self._closed:
-            log.warning("the adapter fetch process exited (code %s); the next fetch starts another", code)
+            log.warning("the adapter fetch process %s; the next fetch starts another", ended)
         pending, self._pending = self._pending, {}
         for answer in pending.values():
             if not answer.done():
-                answer.set_exception(Unavailable(f"the adapter fetch process exited (code {code}) during the fetch"))
+                answer.set_exception(Unavailable(f"the adapter fetch process {ended} during the fetch"))
+
+
+async def _send(sock: socket.socket, data: bytes) -> None:
+    """One datagram, without blocking the event loop when the socket's buffer is full (a child that
+    is still starting reads nothing yet); the socket itself stays blocking for its reader thread."""
+    while True:
+        try:
+            sock.send(data, socket.MSG_DONTWAIT)
+            return
+        except BlockingIOError:
+            await asyncio.sleep(0.001)
 
 
 def _mapped(fd: int | None, size: int) -> memoryview:
     """The memfd's first `size` bytes, writable and shared with the child's pages (no copy). The
     mapping keeps the memory until the view and its readers let go (before Python 3.13 it also keeps a
     duplicate of the descriptor, closed with it)."""
-    if fd is None:
-        return memoryview(bytearray(size))  # size 0: nothing was attached
+    if fd is None or size == 0:
+        _close(fd)
+        return memoryview(bytearray(size))  # size 0 (mmap would map the whole memfd)
     try:
         return memoryview(mmap.mmap(fd, size, **_UNTRACKED))  # refuses a size past the memfd's end
     finally:
@@ -229,8 +268,10 @@ class _SharedArtifact:
 
     def descriptor_for(self, data: memoryview) -> int | None:
         """A memfd whose first len(data) bytes are `data`: the one filled in place, or a new one for a
-        stream that declared no size (its bytes grew in a bytearray)."""
-        if self.mapping is None and len(data):
+        stream that declared no size (its bytes grew in a bytearray); None for no bytes."""
+        if not len(data):
+            return None
+        if self.mapping is None:
             self.allocate(len(data))
             np.frombuffer(self.mapping, np.uint8)[:] = np.frombuffer(data, np.uint8)
         return self.fd
@@ -261,8 +302,13 @@ async def _fetch_one(sock: socket.socket, fetch_raw, metadata, request: dict) ->
             log.exception("fetching %s failed", ref)
             fd = None
             reply.update(error="UNAVAILABLE", message=f"adapter {ref!r}: the fetch failed ({type(exc).__name__}: {exc})")
-        with contextlib.suppress(OSError):  # the engine is gone: the reader sees the end and the child exits
+        try:
             socket.send_fds(sock, [json.dumps(reply).encode()], [fd] if fd is not None else [])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the engine is gone: the reader sees the end and the child exits
+        except OSError as exc:  # an answer that cannot be sent: end, so that the engine fails what it waits for
+            log.error("an answer for %s cannot be sent (%s); exiting", ref, exc)
+            os._exit(1)
     finally:
         shared.release()
 

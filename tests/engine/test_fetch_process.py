@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import mmap
 import os
 import signal
@@ -16,6 +18,7 @@ import sys
 
 import pytest
 
+from engine import fetch_process
 from engine.errors import NotFound, Unavailable
 from engine.fetch_process import fetch_process_supported
 from engine.registry_link import RegistryLink, record_of
@@ -158,3 +161,107 @@ def test_the_child_imports_no_torch():
     """The child is a small interpreter: no torch, no model code."""
     code = "import sys, engine.fetch_process; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=HANG_S)
+
+
+def test_the_fetch_process_runs_on_linux():
+    """On Linux the engine fetches through the child: a check that wrongly failed would only fall back."""
+    assert fetch_process_supported() == sys.platform.startswith("linux")
+
+
+class _Stream:
+    """FetchAdapter's messages in wire format, as a channel's unparsed method would yield them."""
+
+    def __init__(self, messages: list[bytes]):
+        self.messages = messages
+
+    def __call__(self, request, timeout, metadata):
+        return self._each()
+
+    async def _each(self):
+        for raw in self.messages:
+            yield raw
+
+
+def _adapter_message(size: int) -> bytes:
+    return pb.AdapterChunk(adapter=pb.Adapter(name="a", version=1, size_bytes=size)).SerializeToString()
+
+
+PAYLOAD = bytes(range(256)) * 40  # 10240 bytes
+
+
+def _chunks(data: bytes, size: int = 4096) -> list[bytes]:
+    from registry.servicer import encode_data_chunk
+
+    return [encode_data_chunk(offset, data[offset : offset + size]) for offset in range(0, len(data), size)]
+
+
+@pytest.mark.parametrize(
+    "messages, received",
+    [
+        pytest.param([_adapter_message(len(PAYLOAD)), *_chunks(PAYLOAD)], PAYLOAD, id="declared"),
+        pytest.param(_chunks(PAYLOAD), PAYLOAD, id="undeclared: copied into a memfd at the end"),
+        pytest.param([_adapter_message(len(PAYLOAD)), *_chunks(PAYLOAD)[:-1]], PAYLOAD[:8192], id="short of its declared size"),
+        pytest.param([_adapter_message(len(PAYLOAD))], b"", id="declared, nothing sent: no descriptor"),
+    ],
+)
+async def test_the_childs_answer_maps_to_exactly_the_bytes_received(messages, received):
+    """The child's side (`_fetch_one`) over a socket pair, the engine's mapping of its answer: the
+    bytes received, whatever the stream declared, and the sha256 of those bytes."""
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 7, "name": "a", "version": 1, "ref": "a@1"})
+        message, fds, _, _ = socket.recv_fds(ours, 1 << 16, 1)
+    reply = json.loads(message)
+    assert reply == {"id": 7, "size": len(received), "sha256": hashlib.sha256(received).hexdigest()}
+    assert len(fds) == (1 if received else 0)
+    data = fetch_process._mapped(fds[0] if fds else None, reply["size"])
+    assert bytes(data) == received and not data.readonly
+
+
+@pytest.mark.parametrize(
+    "messages, error",
+    [
+        pytest.param([_adapter_message(100), *_chunks(PAYLOAD)], "bytes of an artifact of 100", id="overrun"),
+        pytest.param([_adapter_message(2**62), *_chunks(PAYLOAD)], "a declared size of 4611686018427387904 bytes", id="huge"),
+    ],
+)
+async def test_the_child_answers_a_malformed_stream_with_unavailable(messages, error):
+    before = open_artifact_memfds()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 3, "name": "a", "version": 1, "ref": "a@1"})
+        message, fds, _, _ = socket.recv_fds(ours, 1 << 16, 1)
+    reply = json.loads(message)
+    assert reply["id"] == 3 and reply["error"] == "UNAVAILABLE" and fds == []
+    assert "malformed chunk" in reply["message"] and error in reply["message"]
+    assert open_artifact_memfds() == before  # the child's memfd for the refused artifact was closed
+
+
+async def test_close_fails_the_fetches_in_flight():
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        link = RegistryLink(f"127.0.0.1:{silent.getsockname()[1]}", "tiny", "{}", _ignore)
+        held = [asyncio.create_task(link.process.fetch(f"held{i}", 1, f"held{i}@1")) for i in range(3)]
+        await asyncio.sleep(0.5)
+        assert not any(task.done() for task in held)
+        await asyncio.wait_for(link.close(), HANG_S)
+        for task in held:
+            with pytest.raises(Unavailable, match="fetch process"):
+                await asyncio.wait_for(task, HANG_S)
+    finally:
+        silent.close()
+
+
+async def test_a_fetch_right_after_the_child_died_starts_another(tmp_path, tiny_llama_dir, make_adapter):
+    """The child is dead (reaped) before its reader thread's news reaches the loop: the fetch replaces it."""
+    async with running_registry(tmp_path / "registry") as registry_harness:
+        await registry_harness.register_base("tiny", tiny_llama_dir)
+        adapter = await registry_harness.register("next", make_adapter("fp-next", r=4, lora_alpha=8, seed=205))
+        async with link_to(registry_harness.server.address) as link:
+            link.process.start()
+            proc = link.process._proc
+            proc.kill()
+            proc.wait()  # on the loop's thread: the reader's news cannot have been handled yet
+            data = await link.fetch(record_of(adapter))
+            assert len(data) == adapter.size_bytes and link.process.num_starts == 2

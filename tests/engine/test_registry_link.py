@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import sys
 import threading
 import time
 
@@ -45,8 +46,9 @@ async def registry_and_engine(tmp_path, model_dir, **config):
 
 @pytest.fixture
 async def stack(tmp_path, tiny_llama_dir):
-    """An engine fetching through its fetch process (where the platform has one)."""
+    """An engine fetching through its fetch process (on Linux)."""
     async with registry_and_engine(tmp_path, tiny_llama_dir) as parts:
+        assert (parts[1].core.link.process is not None) == sys.platform.startswith("linux")
         yield parts
 
 
