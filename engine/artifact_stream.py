@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import numpy as np
@@ -73,14 +73,14 @@ class Artifact:
     """An artifact's bytes as they arrive, in order: `place` reserves each chunk's range on the event
     loop, `take` hashes and copies the chunk in a worker thread. The size the stream's leading Adapter
     message declares sizes the memory up front (untouched until the copies); a stream that declares
-    none grows a bytearray instead. `allocate(size)` gives the declared size's memory (a numpy array of
-    uint8; the fetch process's is shared memory)."""
+    none grows a bytearray instead. The memory is a numpy array here; `_reserve` and `_write` are what
+    another kind of memory overrides (the fetch process's memfd)."""
 
-    def __init__(self, allocate: Callable[[int], np.ndarray] = lambda size: np.empty(size, np.uint8)):
+    def __init__(self):
         self.sha = hashlib.sha256()
         self.received = 0
-        self._allocate = allocate
-        self._array: np.ndarray | None = None  # sized as declared
+        self.size: int | None = None  # as declared, once the memory is reserved
+        self._array: np.ndarray | None = None
         self._grown = bytearray()
 
     def expect(self, raw: bytes) -> None:
@@ -89,32 +89,40 @@ class Artifact:
             size = pb.AdapterChunk.FromString(raw).adapter.size_bytes
         except DecodeError as exc:
             raise ValueError(f"an Adapter message that does not decode: {exc}") from None
-        if size and self._array is None and not self.received:
+        if size and self.size is None and not self.received:
             try:
-                self._array = self._allocate(size)
+                self._reserve(size)
             except MemoryError:
                 raise ValueError(f"a declared size of {size} bytes, more than this host can hold") from None
+            self.size = size
 
     def place(self, length: int) -> int:
         """The offset of the next chunk of `length` bytes; ValueError when it overruns the declared size."""
         offset = self.received
-        if self._array is not None and offset + length > len(self._array):
-            raise ValueError(f"{offset + length} bytes of an artifact of {len(self._array)}")
+        if self.size is not None and offset + length > self.size:
+            raise ValueError(f"{offset + length} bytes of an artifact of {self.size}")
         self.received += length
         return offset
 
     def take(self, offset: int, data: memoryview) -> None:
         self.sha.update(data)
-        if self._array is None:
+        if self.size is None:
             self._grown += data
         else:
-            self._array[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+            self._write(offset, data)
 
     def bytes(self) -> memoryview:
         """The bytes received, writable (the safetensors reader's tensors are views of them)."""
         if self._array is None:
             return memoryview(self._grown)
         return memoryview(self._array[: self.received])
+
+    def _reserve(self, size: int) -> None:
+        """Memory for `size` bytes (MemoryError when the host cannot give it)."""
+        self._array = np.empty(size, np.uint8)
+
+    def _write(self, offset: int, data: memoryview) -> None:
+        self._array[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
 
 
 def chunk_data(raw: bytes) -> memoryview | None:

@@ -36,8 +36,6 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
-
 from engine.artifact_stream import Artifact, artifact_messages, receive_artifact
 from engine.errors import NotFound, Unavailable
 from loramux.security import TlsFiles, auth_metadata, open_channel
@@ -55,6 +53,7 @@ CHANNEL_OPTIONS = (
 _DATAGRAM = 1 << 16  # the largest message either side sends (names are far shorter)
 _ROOT = Path(__file__).resolve().parents[1]  # holds the engine, loramux and loraformat packages
 _STOP_S = 5.0  # how long close() waits for the child before killing it
+_HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 1 << 62
 _UNTRACKED = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # no duplicate descriptor per mapping
 
 
@@ -248,53 +247,53 @@ def _close(fd: int | None) -> None:
 # ---- the child ---------------------------------------------------------------------------------
 
 
-class _SharedArtifact:
-    """An artifact's memory in a memfd: what `Artifact` fills and the engine maps."""
+class _MemfdArtifact(Artifact):
+    """An artifact received into a memfd with pwrite: the kernel fills fresh shared pages as it copies,
+    where a mapping took a page fault for each (0.74 against 1.45 GB/s for 14 MiB on the 2-core VM)."""
 
     def __init__(self):
+        super().__init__()
         self.fd: int | None = None
-        self.mapping: mmap.mmap | None = None
 
-    def allocate(self, size: int) -> np.ndarray:
+    def _reserve(self, size: int) -> None:
+        if size > _HOST_BYTES:  # a memfd's size is only a bound: refuse it here, as numpy's allocation would
+            raise MemoryError(f"{size} bytes")
         try:
             self.fd = os.memfd_create("loramux-artifact", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, size)
-            if size == 0:
-                return np.empty(0, np.uint8)
-            self.mapping = mmap.mmap(self.fd, size)
         except OSError as exc:
             raise MemoryError(str(exc)) from None  # Artifact reports the declared size as more than the host holds
-        return np.frombuffer(self.mapping, np.uint8)
 
-    def descriptor_for(self, data: memoryview) -> int | None:
-        """A memfd whose first len(data) bytes are `data`: the one filled in place, or a new one for a
-        stream that declared no size (its bytes grew in a bytearray); None for no bytes."""
-        if not len(data):
+    def _write(self, offset: int, data: memoryview) -> None:
+        while data:
+            written = os.pwrite(self.fd, data, offset)
+            data, offset = data[written:], offset + written
+
+    def descriptor(self) -> int | None:
+        """A memfd whose first `received` bytes are the artifact: the one written in place, or a new one
+        for a stream that declared no size (its bytes grew in a bytearray); None for no bytes."""
+        if not self.received:
             return None
-        if self.mapping is None:
-            self.allocate(len(data))
-            np.frombuffer(self.mapping, np.uint8)[:] = np.frombuffer(data, np.uint8)
+        if self.size is None:
+            self._reserve(len(self._grown))
+            self._write(0, memoryview(self._grown))
         return self.fd
 
     def release(self) -> None:
-        if self.mapping is not None:
-            with contextlib.suppress(BufferError):  # a view still alive: the collector unmaps it
-                self.mapping.close()
         _close(self.fd)
-        self.fd, self.mapping = None, None
+        self.fd = None
 
 
 async def _fetch_one(sock: socket.socket, fetch_raw, metadata, request: dict) -> None:
     reply: dict = {"id": request["id"]}
     ref = request["ref"]
-    shared = _SharedArtifact()
+    artifact = _MemfdArtifact()
     try:
         try:
             messages = artifact_messages(fetch_raw, request["name"], request["version"], ref, metadata)
-            data, digest = await receive_artifact(messages, Artifact(shared.allocate), ref)
-            fd = shared.descriptor_for(data)
-            reply.update(size=len(data), sha256=digest)
-            del data
+            _, digest = await receive_artifact(messages, artifact, ref)
+            fd = artifact.descriptor()
+            reply.update(size=artifact.received, sha256=digest)
         except (NotFound, Unavailable) as exc:
             fd = None
             reply.update(error=exc.code.name, message=str(exc))
@@ -310,7 +309,7 @@ async def _fetch_one(sock: socket.socket, fetch_raw, metadata, request: dict) ->
             log.error("an answer for %s cannot be sent (%s); exiting", ref, exc)
             os._exit(1)
     finally:
-        shared.release()
+        artifact.release()
 
 
 async def _serve(sock: socket.socket, config: dict) -> None:
