@@ -108,7 +108,7 @@ async def test_a_child_that_dies_fails_its_fetches_and_the_next_fetch_starts_ano
             await asyncio.sleep(0.5)
             assert not held.done()
             os.kill(link.process.pid, signal.SIGKILL)
-            with pytest.raises(Unavailable, match="fetch process (ended|exited)"):
+            with pytest.raises(Unavailable, match=r"fetch process (ended|exited)"):
                 await asyncio.wait_for(held, HANG_S)
             await eventually(lambda: link.process.pid is None, "the child's end was seen")
     finally:
