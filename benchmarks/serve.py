@@ -421,15 +421,34 @@ class InProcessClient:
             return {}
         row: dict = {"loads_timed": len(timings)}
         for stage in ("fetch", "pack_wait", "pack"):
-            ms = np.array([getattr(t, stage) for t in timings]) * 1e3
-            row |= {f"load_{stage}_ms_p50": float(np.percentile(ms, 50)), f"load_{stage}_ms_p99": float(np.percentile(ms, 99)),
-                    f"load_{stage}_ms_max": float(ms.max())}  # fmt: skip
+            row |= _spread(f"load_{stage}_ms", np.array([getattr(t, stage) for t in timings]) * 1e3)
+        link = self.core.link
+        if link is not None and link.fetch_timings:
+            row |= fetch_report(list(link.fetch_timings))
+            link.fetch_timings.clear()
         return row
 
     async def close(self) -> None:
         if self.trace is not None:
             gc.callbacks.remove(self.trace._on_gc)
         await self.server.stop()
+
+
+def _spread(name: str, values: np.ndarray) -> dict:
+    return {f"{name}_p50": float(np.percentile(values, 50)), f"{name}_p99": float(np.percentile(values, 99)), f"{name}_max": float(values.max())}
+
+
+def fetch_report(fetches: list) -> dict:
+    """The registry fetches of a scenario (RegistryLink.fetch_timings): the wait for a fetch turn and
+    each transfer (p50 / p99 / max ms), and the bytes of all of them over the time from the first
+    transfer's start to the last one's end (MB/s): which of the two bounds the fetching."""
+    waits = np.array([f.started - f.asked for f in fetches]) * 1e3
+    transfers = np.array([f.done - f.started for f in fetches]) * 1e3
+    span = max(f.done for f in fetches) - min(f.started for f in fetches)
+    return {
+        "fetches": len(fetches), **_spread("fetch_turn_wait_ms", waits), **_spread("fetch_transfer_ms", transfers),
+        "fetch_mb_s": sum(f.size for f in fetches) / 1e6 / span if span > 0 else None,
+    }  # fmt: skip
 
 
 class GrpcClient:

@@ -12,8 +12,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -30,6 +33,21 @@ from loramux.v1 import registry_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 10.0
 RECONNECT_S = (0.2, 5.0)  # first and longest pause between reconnection attempts
+
+MAX_FETCH_TIMINGS = 4096  # the newest fetches RegistryLink.fetch_timings keeps
+
+
+@dataclass(frozen=True)
+class FetchTiming:
+    """One checked fetch on time.perf_counter's clock: when the artifact was asked for, when its
+    (last) attempt got a fetch turn, when its bytes were checked; and their size. benchmarks/serve.py
+    reads them: the wait for a turn, each transfer's time, and the rate of all transfers together."""
+
+    asked: float
+    started: float
+    done: float
+    size: int
+
 
 # (REGISTERED | DELETED | PINNED | UNPINNED, record), awaited in event order
 EventHandler = Callable[[str, AdapterRecord], Awaitable[None]]
@@ -91,6 +109,7 @@ class RegistryLink:
         self.last_event_id = 0
         self.is_connected = False
         self.num_fetches = 0
+        self.fetch_timings: collections.deque[FetchTiming] = collections.deque(maxlen=MAX_FETCH_TIMINGS)  # newest last
         self.num_lookups = 0
         self.num_digest_mismatches = 0
 
@@ -207,8 +226,10 @@ class RegistryLink:
         return await asyncio.shield(task)
 
     async def _fetch_checked(self, record: AdapterRecord, attempts: int) -> memoryview:
+        asked = time.perf_counter()
         for attempt in range(1, attempts + 1):
             async with self._fetch_turns:
+                started = time.perf_counter()
                 self.num_fetches_in_flight += 1
                 try:
                     data, digest = await self._fetch_once(record)
@@ -216,6 +237,7 @@ class RegistryLink:
                     self.num_fetches_in_flight -= 1
             if digest == record.digest:
                 self.num_fetches += 1
+                self.fetch_timings.append(FetchTiming(asked, started, time.perf_counter(), len(data)))
                 return data
             self.num_digest_mismatches += 1
             log.error("artifact of %s failed its sha256 check (attempt %d of %d)", record.ref, attempt, attempts)

@@ -86,10 +86,28 @@ def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
     for stage in ("fetch", "pack_wait", "pack"):
         assert 0 <= cold[f"load_{stage}_ms_p50"] <= cold[f"load_{stage}_ms_p99"] <= cold[f"load_{stage}_ms_max"], stage
     assert cold["load_fetch_ms_max"] > 0 and cold["load_pack_ms_max"] > 0
+    # the registry fetches themselves: the turn waited for, the transfer, the rate of all together
+    assert cold["fetches"] == 2 and "fetches" not in warm
+    for part in ("turn_wait", "transfer"):
+        assert 0 <= cold[f"fetch_{part}_ms_p50"] <= cold[f"fetch_{part}_ms_p99"] <= cold[f"fetch_{part}_ms_max"], part
+    assert cold["fetch_transfer_ms_max"] > 0 and cold["fetch_mb_s"] > 0
+    assert cold["fetch_transfer_ms_max"] <= cold["load_fetch_ms_max"]  # a load's fetch holds its transfer
     assert warm["host_cache_hits"] == 4 and warm["output_tokens"] == 12
     assert warm["lora_vs_base"] == warm["output_tok_s"] / rows[("base", 2)]["output_tok_s"]
     config = json.loads((tmp_path / "work" / "adapters" / "bench-qv-1" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["q_proj", "v_proj"]
+
+
+def test_fetch_report_separates_the_wait_for_a_turn_from_the_transfer():
+    from engine.registry_link import FetchTiming
+
+    # two turns: a and b transfer side by side, c waits for a's turn; 30 MB over 0.3 s in all
+    fetches = [FetchTiming(0.0, 0.0, 0.2, 10**7), FetchTiming(0.0, 0.0, 0.1, 10**7), FetchTiming(0.0, 0.1, 0.3, 10**7)]
+    row = serve.fetch_report(fetches)
+    assert row["fetches"] == 3
+    assert row["fetch_turn_wait_ms_max"] == pytest.approx(100) and row["fetch_turn_wait_ms_p50"] == 0
+    assert row["fetch_transfer_ms_p50"] == pytest.approx(200) and row["fetch_transfer_ms_max"] == pytest.approx(200)
+    assert row["fetch_mb_s"] == pytest.approx(100)
 
 
 @pytest.mark.parametrize("fetches", [None, "8"])

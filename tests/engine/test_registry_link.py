@@ -96,6 +96,8 @@ async def test_adapter_by_name_through_the_registry(stack, make_adapter, tmp_pat
     assert engine.core.link.num_fetches == 1
     await asyncio.gather(*(generate(stub, "bot") for _ in range(5)))
     assert engine.core.link.num_fetches == 1  # cached on the host
+    (timing,) = engine.core.link.fetch_timings  # the one fetch, timed: asked, given a turn, checked
+    assert timing.asked <= timing.started < timing.done and timing.size > 0
 
 
 async def test_adapters_in_slots_are_not_fetched_again_past_the_host_cache_bound(tmp_path, tiny_llama_dir, make_adapter):
@@ -431,6 +433,9 @@ async def test_fetches_beyond_the_cap_wait_their_turn_in_order(tmp_path, tiny_ll
         results = await asyncio.gather(*calls)
         assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
         assert started == names and link.num_fetches == 4 and link.num_fetches_in_flight == 0
+        # two fetches had a turn at once (a free turn is taken without waiting); two waited through the pause
+        waits = sorted(t.started - t.asked for t in link.fetch_timings)
+        assert waits[1] < 0.1 and waits[2] >= 0.2, waits
 
 
 @pytest.mark.parametrize("prep_threads", [1, 2])
