@@ -37,10 +37,10 @@ async def artifact_messages(fetch_raw, name: str, version: int, ref: str, metada
         raise unavailable(f"adapter {ref!r}", exc) from None
 
 
-async def receive_artifact(messages: AsyncIterator[bytes], artifact: Artifact, ref: str) -> tuple[memoryview, str]:
-    """The artifact and its sha256 from FetchAdapter's messages in wire format. The event loop only
-    finds each chunk's bytes in its message; a worker thread hashes the chunk and copies it into place
-    while the next one arrives (hashlib and numpy let go of the GIL), into memory sized from the
+async def receive_artifact(messages: AsyncIterator[bytes], artifact: Artifact, ref: str) -> str:
+    """Receives FetchAdapter's messages in wire format into `artifact` and returns their sha256. The
+    event loop only finds each chunk's bytes in its message; a worker thread hashes the chunk and
+    copies it into place while the next one arrives (hashlib and numpy let go of the GIL), into memory sized from the
     stream's leading Adapter message, so the new pages are first touched by that copy too. Appending to
     a growing bytearray on the event loop held the GIL for 53 ms of an 84 MB fetch on the VM, mostly
     faulting in new pages. A malformed message is UNAVAILABLE naming `ref`."""
@@ -66,7 +66,7 @@ async def receive_artifact(messages: AsyncIterator[bytes], artifact: Artifact, r
             await asyncio.wait([taking])
             if not taking.cancelled():
                 taking.exception()
-    return artifact.bytes(), artifact.sha.hexdigest()
+    return artifact.sha.hexdigest()
 
 
 class Artifact:

@@ -29,12 +29,13 @@ from engine.config import EngineConfig
 from engine.drain import StarvationDrain
 from engine.engine_loop import EngineLoop
 from engine.errors import FailedPrecondition, NotFound, Unavailable
+from engine.host_memory import host_memory_bytes
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
 from engine.lora_pool import PackedAdapter, fused_targets, served_modules
 from engine.model_config import ModelConfig
 from engine.parallel import TensorParallel, local_config
-from engine.pinned_arena import PinnedArena, auto_arena_bytes, host_memory_bytes
+from engine.pinned_arena import PinnedArena, auto_arena_bytes
 from engine.radix_cache import RadixCache
 from engine.registry_link import RegistryLink
 from engine.request import Request, Sink

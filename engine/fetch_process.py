@@ -38,6 +38,7 @@ from pathlib import Path
 
 from engine.artifact_stream import Artifact, artifact_messages, receive_artifact
 from engine.errors import NotFound, Unavailable
+from engine.host_memory import host_memory_bytes
 from loramux.security import TlsFiles, auth_metadata, open_channel
 from loramux.v1 import registry_pb2 as pb
 
@@ -53,7 +54,6 @@ CHANNEL_OPTIONS = (
 _DATAGRAM = 1 << 16  # the largest message either side sends (names are far shorter)
 _ROOT = Path(__file__).resolve().parents[1]  # holds the engine, loramux and loraformat packages
 _STOP_S = 5.0  # how long close() waits for the child before killing it
-_HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 1 << 62
 _UNTRACKED = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # no duplicate descriptor per mapping
 
 
@@ -251,12 +251,13 @@ class _MemfdArtifact(Artifact):
     """An artifact received into a memfd with pwrite: the kernel fills fresh shared pages as it copies,
     where a mapping took a page fault for each (0.74 against 1.45 GB/s for 14 MiB on the 2-core VM)."""
 
-    def __init__(self):
+    def __init__(self, host_bytes: int):
         super().__init__()
         self.fd: int | None = None
+        self.host_bytes = host_bytes  # what this process may use (0: unknown)
 
     def _reserve(self, size: int) -> None:
-        if size > _HOST_BYTES:  # a memfd's size is only a bound: refuse it here, as numpy's allocation would
+        if self.host_bytes and size > self.host_bytes:  # a memfd's size is only a bound: refuse it as numpy would
             raise MemoryError(f"{size} bytes")
         try:
             self.fd = os.memfd_create("loramux-artifact", os.MFD_CLOEXEC)
@@ -284,22 +285,21 @@ class _MemfdArtifact(Artifact):
         self.fd = None
 
 
-async def _fetch_one(sock: socket.socket, fetch_raw, metadata, request: dict) -> None:
+async def _fetch_one(sock: socket.socket, fetch_raw, metadata, request: dict, host_bytes: int) -> None:
     reply: dict = {"id": request["id"]}
     ref = request["ref"]
-    artifact = _MemfdArtifact()
+    artifact = _MemfdArtifact(host_bytes)
+    fd = None
     try:
         try:
             messages = artifact_messages(fetch_raw, request["name"], request["version"], ref, metadata)
-            _, digest = await receive_artifact(messages, artifact, ref)
+            digest = await receive_artifact(messages, artifact, ref)
             fd = artifact.descriptor()
             reply.update(size=artifact.received, sha256=digest)
         except (NotFound, Unavailable) as exc:
-            fd = None
             reply.update(error=exc.code.name, message=str(exc))
         except Exception as exc:  # whatever it was, the engine hears of it and the child lives on
             log.exception("fetching %s failed", ref)
-            fd = None
             reply.update(error="UNAVAILABLE", message=f"adapter {ref!r}: the fetch failed ({type(exc).__name__}: {exc})")
         try:
             socket.send_fds(sock, [json.dumps(reply).encode()], [fd] if fd is not None else [])
@@ -319,6 +319,7 @@ async def _serve(sock: socket.socket, config: dict) -> None:
     fetch_raw = channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchAdapterRequest.SerializeToString)
     metadata = auth_metadata(config.get("api_key", ""))
     requests: asyncio.Queue[bytes | None] = asyncio.Queue()
+    host_bytes = host_memory_bytes()  # once: it bounds every declared size
 
     def read() -> None:
         with contextlib.suppress(OSError):
@@ -330,7 +331,7 @@ async def _serve(sock: socket.socket, config: dict) -> None:
     fetches: set[asyncio.Task] = set()
     try:
         while (message := await requests.get()) is not None:
-            task = asyncio.create_task(_fetch_one(sock, fetch_raw, metadata, json.loads(message)))
+            task = asyncio.create_task(_fetch_one(sock, fetch_raw, metadata, json.loads(message), host_bytes))
             fetches.add(task)
             task.add_done_callback(fetches.discard)
     finally:

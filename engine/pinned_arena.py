@@ -19,11 +19,9 @@ event has passed. Blocks are handed out first fit, in whole granules, and neighb
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -43,25 +41,6 @@ def auto_arena_bytes(adapter_bytes: int, num_adapters: int, host_bytes: int, gra
     memory this process may use; each engine process takes its own); 0: no arena."""
     return max(0, min(AUTO_MAX_BYTES, host_bytes // 8, block_size(adapter_bytes, granule) * num_adapters))
 
-
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
-
-
-def host_memory_bytes(limits: tuple[str, ...] = CGROUP_LIMITS) -> int:
-    """The memory this process may use: the host's physical memory, or its container's (cgroup) limit
-    where that is lower; 0 where the OS does not say."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        total = 0
-    for path in limits:
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # "max" (v2) or a huge number (v1): no limit
-            total = min(total, int(text)) if total else int(text)
-    return total
 
 
 @dataclass

@@ -247,7 +247,9 @@ class RegistryLink:
         """The artifact and its sha256: from the fetch process when there is one, else on this loop."""
         if self.process is not None:
             return await self.process.fetch(record.name, record.version, record.ref)
-        return await receive_artifact(self._artifact_messages(record), Artifact(), record.ref)
+        artifact = Artifact()
+        digest = await receive_artifact(self._artifact_messages(record), artifact, record.ref)
+        return artifact.bytes(), digest
 
     def _artifact_messages(self, record: AdapterRecord) -> AsyncIterator[bytes]:
         """FetchAdapter's messages in wire format."""

@@ -21,6 +21,7 @@ import pytest
 from engine import fetch_process
 from engine.errors import NotFound, Unavailable
 from engine.fetch_process import fetch_process_supported
+from engine.host_memory import host_memory_bytes
 from engine.registry_link import RegistryLink, record_of
 from loramux.v1 import registry_pb2 as pb
 from tests.registry.harness import running_registry
@@ -210,7 +211,7 @@ async def test_the_childs_answer_maps_to_exactly_the_bytes_received(messages, re
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours, theirs:
-        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 7, "name": "a", "version": 1, "ref": "a@1"})
+        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 7, "name": "a", "version": 1, "ref": "a@1"}, host_memory_bytes())
         message, fds, _, _ = socket.recv_fds(ours, 1 << 16, 1)
     reply = json.loads(message)
     assert reply == {"id": 7, "size": len(received), "sha256": hashlib.sha256(received).hexdigest()}
@@ -230,7 +231,7 @@ async def test_the_child_answers_a_malformed_stream_with_unavailable(messages, e
     before = open_artifact_memfds()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours, theirs:
-        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 3, "name": "a", "version": 1, "ref": "a@1"})
+        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 3, "name": "a", "version": 1, "ref": "a@1"}, host_memory_bytes())
         message, fds, _, _ = socket.recv_fds(ours, 1 << 16, 1)
     reply = json.loads(message)
     assert reply["id"] == 3 and reply["error"] == "UNAVAILABLE" and fds == []

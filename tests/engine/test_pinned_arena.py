@@ -276,7 +276,7 @@ def test_full_rank_adapters_fill_the_default_arena_exactly(tmp_path):
 
 
 def test_host_memory_is_the_lower_of_the_host_and_its_container_limit(tmp_path):
-    from engine.pinned_arena import host_memory_bytes
+    from engine.host_memory import host_memory_bytes
 
     physical = host_memory_bytes(limits=())
     assert physical > 0
