@@ -17,7 +17,7 @@ import json
 import torch
 import triton.testing
 
-from kernels.decode_attention import DecodeAttentionWorkspace, decode_attention, default_num_splits
+from lorakernels.decode_attention import DecodeAttentionWorkspace, decode_attention, default_num_splits
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 BATCHES = (1, 32, 64)

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 import triton.testing
 
 from engine.lora_inputs import lora_segments
-from kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
-from kernels.rope_kv import rope_kv_write, rope_kv_write_ref
-from kernels.sgmv import sgmv_shrink
-from kernels.sgmv_decode import sgmv_delta_auto, sgmv_shrink_decode
-from kernels.sgmv_ref import SgmvMeta
-from kernels.silu_mul import silu_mul
+from lorakernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
+from lorakernels.rope_kv import rope_kv_write, rope_kv_write_ref
+from lorakernels.sgmv import sgmv_shrink
+from lorakernels.sgmv_decode import sgmv_delta_auto, sgmv_shrink_decode
+from lorakernels.sgmv_ref import SgmvMeta
+from lorakernels.silu_mul import silu_mul
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 SHRINKS = {"qkv": (4096, 3), "o": (4096, 1), "gate_up": (4096, 2), "down": (14336, 1)}  # in_dim, num_stack

@@ -40,7 +40,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.text import StopMatcher
 from engine.worker import WorkerSpec, start_workers
-from kernels import tuned
+from lorakernels import tuned
 
 # Llama-3-70B: 80 layers, hidden 8192, 64 heads / 8 KV heads, MLP 28672, vocab 128256 (70.6 B parameters)
 LLAMA3_70B = replace(NAMED_SHAPES["llama3-8b"], hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64)

@@ -17,8 +17,8 @@ import json
 import torch
 import triton.testing
 
-from kernels.attention_sdpa import SdpaPlan, sdpa_extend_attention
-from kernels.extend_attention import ExtendPlan, extend_attention
+from lorakernels.attention_sdpa import SdpaPlan, sdpa_extend_attention
+from lorakernels.extend_attention import ExtendPlan, extend_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 

@@ -68,7 +68,7 @@ from engine.config import (
 from engine.request import Finished, TokenDelta
 from engine.sampling import SamplingParams
 from engine.server import start_engine
-from kernels import tuned
+from lorakernels import tuned
 from loramux.demo_model import LLAMA3_8B_CONFIG, write_llama_checkpoint
 from loramux.engine_client import generate_request
 from loramux.registry_client import RegistryClient
@@ -720,7 +720,7 @@ def environment(device: str) -> dict:
         "commit": commit.stdout.strip() or None,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         **{name: version(name) for name in ("torch", "triton", "transformers", "peft")},
-        "lora_tiles": tuned.describe(torch.device(device)),  # kernels/tuned.py: the tuned file, or built-in
+        "lora_tiles": tuned.describe(torch.device(device)),  # lorakernels/tuned.py: the tuned file, or built-in
     }
 
 

@@ -17,9 +17,9 @@ import json
 import torch
 import triton.testing
 
-from kernels.sgmv import sgmv_expand, sgmv_shrink
-from kernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked
-from kernels.sgmv_ref import SgmvMeta
+from lorakernels.sgmv import sgmv_expand, sgmv_shrink
+from lorakernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked
+from lorakernels.sgmv_ref import SgmvMeta
 
 # name -> (in_dim, output_slices): Llama-3-8B, fused q/k/v and gate/up
 PROJECTIONS = {

@@ -15,9 +15,9 @@ import json
 import torch
 from triton.testing import do_bench
 
-from kernels.sgmv import sgmv_expand
-from kernels.sgmv_ref import SgmvMeta
-from kernels.silu_mul import launch_silu_mul_expand, silu_mul, silu_mul_expand
+from lorakernels.sgmv import sgmv_expand
+from lorakernels.sgmv_ref import SgmvMeta
+from lorakernels.silu_mul import launch_silu_mul_expand, silu_mul, silu_mul_expand
 
 
 def main() -> None:

@@ -1,21 +1,21 @@
 """Tune the LoRA kernels' tiles for this GPU and a model shape, and write them where the engine looks
-them up (kernels/tuned.py: `kernels/configs/<device>.json`, or --out DIR for --kernel-configs).
+them up (lorakernels/tuned.py: `lorakernels/configs/<device>.json`, or --out DIR for --kernel-configs).
 
     python benchmarks/tune_lora_tiles.py --shape llama3-8b --max-rank 64 [--kernels shrink expand]
 
 For each fused target of the shape, each kernel and each token count, every candidate tile runs as the
 engine's CUDA graphs run it; ten projections, each over its own copy of the weights (as a step's layers
 read theirs from memory, not from L2), are captured in one graph and replayed:
-- decode steps ("shrink", "expand": kernels/sgmv_decode.py) as `LoraInputs.project_deferred` runs them:
+- decode steps ("shrink", "expand": lorakernels/sgmv_decode.py) as `LoraInputs.project_deferred` runs them:
   the base GEMM on the main stream under the SM carve-out, the shrink and the delta on a side stream
   forked before it, the main stream joining. The rows spread over --adapters adapters, sorted by slot
   and merged into runs of at most DECODE_RUN rows, the segments padded to the batch: a decode graph's
   layout (engine/cuda_graphs.py).
-- prefill and mixed steps ("sgmv_shrink", "sgmv_expand": kernels/sgmv.py) in line, the shrink then the
+- prefill and mixed steps ("sgmv_shrink", "sgmv_expand": lorakernels/sgmv.py) in line, the shrink then the
   expand into the projection's output: --prefill-segments prompts of one adapter each, and a mixed step
   (63 decode rows beside one prompt chunk), with the metadata a step graph captures for steps up to
   --graph-max-tokens (every segment slot, max_seg_len the token count: engine/step_graphs.py). gate/up's
-  expand is not tuned at ranks the SiLU-mul kernel takes it over (kernels/silu_mul.py).
+  expand is not tuned at ranks the SiLU-mul kernel takes it over (lorakernels/silu_mul.py).
 A tile's score is the geometric mean over those groupings of its time over the built-in tile's. The
 shrink is chosen first (with the built-in expand), then the expand. The first pass's leaders are timed
 again; a leader is chosen only if it beats the built-in tile by MARGIN and is not more than WORST slower
@@ -52,9 +52,9 @@ from engine.lora_inputs import lora_segments, sm_carveout, usable_sm_carveout
 from engine.lora_pool import FusedTarget, fused_targets
 from engine.named_shapes import NAMED_SHAPES
 from engine.parallel import TensorParallel, local_config
-from kernels import tuned
-from kernels.sgmv import builtin_tile, sgmv_expand, sgmv_shrink
-from kernels.sgmv_decode import (
+from lorakernels import tuned
+from lorakernels.sgmv import builtin_tile, sgmv_expand, sgmv_shrink
+from lorakernels.sgmv_decode import (
     BUILTIN_EXPAND,
     DECODE_MAX_TOKENS,
     _num_sms,
@@ -62,9 +62,9 @@ from kernels.sgmv_decode import (
     sgmv_expand_decode,
     sgmv_shrink_decode,
 )
-from kernels.sgmv_ref import SgmvMeta
-from kernels.silu_mul import FUSED_MAX_RANK
-from kernels.tuned import ExpandTile, SgmvTile, ShrinkTile
+from lorakernels.sgmv_ref import SgmvMeta
+from lorakernels.silu_mul import FUSED_MAX_RANK
+from lorakernels.tuned import ExpandTile, SgmvTile, ShrinkTile
 
 GRAPH_CALLS = 10  # projections a captured graph holds
 RETIMED = 4  # first-pass leaders timed again
@@ -374,7 +374,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT)
     parser.add_argument("--reps", type=int, default=5, help="graph replays a timing (the leaders get 3x)")
     parser.add_argument("--quick", action="store_true", help="a few candidates only")
-    parser.add_argument("--out", default="", help="directory to write <device>.json in (default: kernels/configs)")
+    parser.add_argument("--out", default="", help="directory to write <device>.json in (default: lorakernels/configs)")
     args = parser.parse_args(argv)
     if any(not 1 <= t <= DECODE_MAX_TOKENS for t in args.tokens) or min(args.adapters + args.prefill_segments) < 1:
         parser.error(f"--tokens must be 1-{DECODE_MAX_TOKENS}, --adapters and --prefill-segments >= 1")

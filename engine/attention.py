@@ -9,9 +9,9 @@ the model calls in every layer (the model never asks which kernel runs):
 
     metadata.attend(q [T, H, D], k_cache [S, Hkv, D], v_cache [S, Hkv, D], scale) -> o [T, H, D]
 
-`ref` (kernels/attention_ref.py, any step), `sdpa` (kernels/attention_sdpa.py, any step), `triton`
-(kernels/extend_attention.py, any step: a FlashAttention-style Triton kernel over the paged cache, made
-for prefill) and `decode` (kernels/decode_attention.py, all-decode steps only, graph-safe) are the backends.
+`ref` (lorakernels/attention_ref.py, any step), `sdpa` (lorakernels/attention_sdpa.py, any step), `triton`
+(lorakernels/extend_attention.py, any step: a FlashAttention-style Triton kernel over the paged cache, made
+for prefill) and `decode` (lorakernels/decode_attention.py, all-decode steps only, graph-safe) are the backends.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Protocol
 
 import torch
 
-from kernels.attention_ref import extend_attention_ref
-from kernels.attention_sdpa import SdpaPlan, sdpa_extend_attention
+from lorakernels.attention_ref import extend_attention_ref
+from lorakernels.attention_sdpa import SdpaPlan, sdpa_extend_attention
 
 
 class AttentionMetadata(Protocol):
@@ -60,12 +60,12 @@ class TritonMetadata:
     req_rows: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
-    # kernels.extend_attention.ExtendPlan, built by the first layer (it needs the head grouping); a step
+    # lorakernels.extend_attention.ExtendPlan, built by the first layer (it needs the head grouping); a step
     # graph gives its static plan (ExtendPlanBuffers.plan) instead, and the lists above go unread
     plan: object = None
 
     def attend(self, q, k_cache, v_cache, scale):
-        from kernels.extend_attention import ExtendPlan, extend_attention  # Triton: imported on use
+        from lorakernels.extend_attention import ExtendPlan, extend_attention  # Triton: imported on use
 
         if self.plan is None:
             group = q.shape[1] // k_cache.shape[1]
@@ -79,10 +79,10 @@ class DecodeKernelMetadata:
     req_rows: torch.Tensor  # [B] int64 static buffer
     seq_lens: torch.Tensor  # [B] int32 static buffer: tokens to attend to, the new one included; 0 = padding
     max_context: int
-    workspace: object  # kernels.decode_attention.DecodeAttentionWorkspace (Triton: imported on CUDA only)
+    workspace: object  # lorakernels.decode_attention.DecodeAttentionWorkspace (Triton: imported on CUDA only)
 
     def attend(self, q, k_cache, v_cache, scale):
-        from kernels.decode_attention import decode_attention
+        from lorakernels.decode_attention import decode_attention
 
         return decode_attention(
             q, k_cache, v_cache, self.req_to_token, self.req_rows, self.seq_lens, scale,
@@ -131,7 +131,7 @@ class DecodeKernelBackend:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
 
     def capture_metadata(self, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> DecodeKernelMetadata:
-        from kernels.decode_attention import DecodeAttentionWorkspace, default_num_splits
+        from lorakernels.decode_attention import DecodeAttentionWorkspace, default_num_splits
 
         batch, device, max_context = req_rows.shape[0], self.req_to_token.device, self.req_to_token.shape[1]
         num_splits = default_num_splits(batch, self.num_kv_heads, max_context, device)

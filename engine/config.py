@@ -74,12 +74,12 @@ class EngineConfig:
     # LoRA kernels no longer wait for whole SMs; 0 = the GEMMs take every SM
     lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT
     # On CUDA with the Triton SGMV ops, the fused targets ("qkv", "gate_up") whose LoRA expand a decode
-    # step runs in the kernel that reads the projection next (RoPE with the KV write, kernels/rope_kv.py;
-    # SiLU-mul, kernels/silu_mul.py) instead of beside the base GEMM on the side stream: that kernel
+    # step runs in the kernel that reads the projection next (RoPE with the KV write, lorakernels/rope_kv.py;
+    # SiLU-mul, lorakernels/silu_mul.py) instead of beside the base GEMM on the side stream: that kernel
     # reads the slots' B as it loads the projection. None by default until measured (BENCHMARKS.md)
     lora_decode_fused_expand: tuple[str, ...] = ()
-    # a directory of tuned LoRA-kernel tile files (kernels/tuned.py; benchmarks/tune_lora_tiles.py writes
-    # them); "" = the package's kernels/configs
+    # a directory of tuned LoRA-kernel tile files (lorakernels/tuned.py; benchmarks/tune_lora_tiles.py writes
+    # them); "" = the package's lorakernels/configs
     kernel_configs: str = ""
     lora_eviction_policy: str = "lru"  # or "fifo"
     lora_load_ahead: int = DEFAULT_LORA_LOAD_AHEAD  # queued requests' adapters loaded a step ahead; 0 = off

@@ -21,7 +21,7 @@ import torch
 
 from engine.forward_inputs import StagingFence
 from engine.lora_pool import LoraSlotPool
-from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
+from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 
 # A decode step merges each adapter's neighbouring requests into segments of at most this many rows: the
 # decode kernels read the adapter once per segment, and 16-row segments still spread one popular
@@ -31,21 +31,21 @@ DECODE_RUN = 16
 
 def sgmv_ops(backend: str) -> tuple[Callable, Callable, Callable]:
     """(shrink, expand, delta) of a backend: 'ref' (PyTorch, the CPU default), 'triton', 'chunked', or
-    'splitk' (Triton, the CUDA default: the split-K shrink and the decode expand of kernels/sgmv_decode.py
+    'splitk' (Triton, the CUDA default: the split-K shrink and the decode expand of lorakernels/sgmv_decode.py
     for decode-sized steps, i.e. decode steps, their CUDA graphs and small mixed steps; `sgmv_*` for
     prefill-sized ones). delta(v, B, meta, output_slices=) is the expand into a new tensor."""
     if backend == "ref":
         return sgmv_shrink_ref, sgmv_expand_ref, _delta(sgmv_expand_ref)
     if backend == "triton":
-        from kernels.sgmv import sgmv_expand, sgmv_shrink
+        from lorakernels.sgmv import sgmv_expand, sgmv_shrink
 
         return sgmv_shrink, sgmv_expand, _delta(sgmv_expand)
     if backend == "chunked":
-        from kernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked
+        from lorakernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked
 
         return sgmv_shrink_chunked, sgmv_expand_chunked, _delta(sgmv_expand_chunked)
     if backend == "splitk":
-        from kernels.sgmv_decode import sgmv_delta_auto, sgmv_expand_auto, sgmv_shrink_auto
+        from lorakernels.sgmv_decode import sgmv_delta_auto, sgmv_expand_auto, sgmv_shrink_auto
 
         return sgmv_shrink_auto, sgmv_expand_auto, sgmv_delta_auto
     raise ValueError(f"lora backend must be 'ref', 'triton', 'chunked' or 'splitk', not {backend!r}")
@@ -86,7 +86,7 @@ def lora_segments(lens: list[int], slots: list[int], max_len: int = 0) -> tuple[
 class PendingExpand:
     """A projection's LoRA expand not yet run: the shrink's v, the slots' B and the step's segments, for
     the kernel that reads the projection's output next to add as it loads it (gate/up: SiLU-mul,
-    kernels/silu_mul.py `silu_mul_expand`; a decode step's q/k/v: kernels/rope_kv.py `rope_kv_write`),
+    lorakernels/silu_mul.py `silu_mul_expand`; a decode step's q/k/v: lorakernels/rope_kv.py `rope_kv_write`),
     so the output is not read and written once more first."""
 
     v: torch.Tensor  # [T, num_stack * R]
@@ -142,7 +142,7 @@ class LoraInputs:
         target in `fused_expand`) comes back as a PendingExpand for the next kernel. On the side stream (CUDA
         decode steps) the delta comes back apart, rounded to x's dtype as peft rounds it, and the main
         stream already waits for it: the kernel that reads y next adds it as it loads y
-        (kernels/rope_kv.py, silu_mul.py, rmsnorm.py take a `delta`), one kernel launch less per
+        (lorakernels/rope_kv.py, silu_mul.py, rmsnorm.py take a `delta`), one kernel launch less per
         projection than `y.add_(delta)` and the same rounding."""
         if target in self.idle or target not in self.pool.targets:  # not adapted here, or no buffers for it
             return linear(x), None
@@ -202,7 +202,7 @@ def decode_fused_targets(targets: Collection[str], device: torch.device, lora_ba
     """LoraInputs.decode_fused_expand of an engine: the targets asked for where the kernels that read
     them can take the expand (CUDA, the Triton SGMV ops, a rank capacity the SiLU-mul kernel loads
     whole); none elsewhere."""
-    from kernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
+    from lorakernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
 
     fits = device.type == "cuda" and lora_backend in ("triton", "splitk") and max_rank <= FUSED_MAX_RANK
     return frozenset(targets) if fits else frozenset()
@@ -210,9 +210,9 @@ def decode_fused_targets(targets: Collection[str], device: torch.device, lora_ba
 
 def _fuses_expand(meta: SgmvMeta, num_tokens: int, max_rank: int) -> bool:
     """Whether the next kernel takes a fused target's expand: not in a step whose expand is small
-    (kernels/sgmv_decode.py's rule for decode-sized steps), nor past the fused kernel's rank capacity."""
-    from kernels.sgmv_decode import is_decode_sized  # Triton: only where fused_expand is set
-    from kernels.silu_mul import FUSED_MAX_RANK
+    (lorakernels/sgmv_decode.py's rule for decode-sized steps), nor past the fused kernel's rank capacity."""
+    from lorakernels.sgmv_decode import is_decode_sized  # Triton: only where fused_expand is set
+    from lorakernels.silu_mul import FUSED_MAX_RANK
 
     return max_rank <= FUSED_MAX_RANK and not is_decode_sized(meta, num_tokens)
 

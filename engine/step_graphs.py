@@ -2,7 +2,7 @@
 
 A step of T tokens from B requests replays the graph captured for the smallest token bucket >= T (and
 LoRA on/off). Every input the graph reads lives in static buffers allocated once for the largest
-bucket: token ids, positions and KV slots of each new token; the attention plan (kernels/
+bucket: token ids, positions and KV slots of each new token; the attention plan (lorakernels/
 extend_attention.py, `ExtendPlanBuffers`: each request's row, prefix and extend length and the list of
 query blocks); the LoRA segments (`SgmvMetaBuffers`); the rows whose logits are sampled. A replay copies
 the step's values in and pads the rest:
@@ -12,7 +12,7 @@ the step's values in and pads the rest:
                          garbage there that no real row reads
     query blocks         past the step's: a padding request with no token and no key (no work)
     LoRA segments        past the step's: empty; each kernel launches for any segmentation of its rows
-                         (kernels/sgmv.py finds a program's segment on the device)
+                         (lorakernels/sgmv.py finds a program's segment on the device)
     sample rows          past the step's: row 0, dropped (the LM head runs after the replay, on the
                          sampling rows only)
 
@@ -64,7 +64,7 @@ class StepGraphs:
         buckets: tuple[int, ...] | None = None,  # padded token counts to capture; default TOKEN_BUCKETS
         capture: bool = True,  # False: run the same static-buffer step eagerly (a CPU test of the padding)
     ):
-        from kernels.extend_attention import ExtendPlanBuffers  # Triton: imported on use
+        from lorakernels.extend_attention import ExtendPlanBuffers  # Triton: imported on use
 
         self.model, self.kv, self.req_to_token = model, kv, req_to_token
         self.lora_pool, self.lora_ops = lora_pool, lora_ops
@@ -148,7 +148,7 @@ class StepGraphs:
         if with_lora:
             pool = self.lora_pool
             # every segment a step can have (empty ones included) and any length: the kernels' grids
-            # then cover every segmentation a replay brings (kernels/sgmv.py)
+            # then cover every segmentation a replay brings (lorakernels/sgmv.py)
             meta = self.lora_meta.fill([0] * rows, [pool.base_slot] * rows, pool.ranks, pool.scalings, pool.target_ranks)
             meta = dataclasses.replace(meta, max_seg_len=bucket, host_seg_lens=None, host_slots=None)  # replays differ
             lora = LoraInputs(pool, meta, *self.lora_ops, by_target=self.lora_meta.by_target(meta), fused_expand=frozenset({"gate_up"}))

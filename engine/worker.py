@@ -44,7 +44,7 @@ from engine.model_runner import ModelRunner, SampledTokens
 from engine.parallel import SINGLE, TensorParallel
 from engine.step_plan import StepPlan
 from engine.weights import load_model, random_model
-from kernels import tuned
+from lorakernels import tuned
 
 log = logging.getLogger(__name__)
 CPU_KV_SLOTS = 16384
@@ -101,7 +101,7 @@ class ModelWorker:
             torch.backends.cuda.preferred_blas_library("cublaslt")
             if not config.disable_custom_all_reduce:
                 tp = tp.with_peer_all_reduce(device)
-        # the LoRA kernels' tuned tiles (kernels/tuned.py): a file its parser refuses fails the start, not a step
+        # the LoRA kernels' tuned tiles (lorakernels/tuned.py): a file its parser refuses fails the start, not a step
         tuned.use_dir(config.kernel_configs or None)
         tuned.device_tiles(device)
         dtype = getattr(torch, config.dtype) if config.dtype else None

@@ -6,6 +6,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import torch
+
+# Without CUDA, Triton kernels run in its CPU interpreter, which Triton reads once, when it is first
+# imported; transformers (through Hugging Face's `kernels` package) imports Triton, so any test module
+# that imports peft or transformers first would otherwise leave the kernel tests no interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path

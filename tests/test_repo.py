@@ -30,13 +30,13 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_layout_has_no_back_edges():
-    """kernels/ imports nothing of engine/ or registry/; registry/ imports nothing of engine/; the adapter
+    """lorakernels/ imports nothing of engine/ or registry/; registry/ imports nothing of engine/; the adapter
     format (loraformat/) imports neither service nor the shell; the engine takes the adapter format from
     loraformat/ and talks to the registry over gRPC, so it imports nothing of registry/."""
     forbidden = {
-        "kernels": ("engine", "registry"),
+        "lorakernels": ("engine", "registry"),
         "registry": ("engine",),
-        "loraformat": ("engine", "registry", "loramux", "kernels"),
+        "loraformat": ("engine", "registry", "loramux", "lorakernels"),
         "engine": ("registry",),
     }
     for package, banned in forbidden.items():
@@ -50,7 +50,7 @@ def test_layout_has_no_back_edges():
 def _first_party_imports() -> dict[str, set[str]]:
     """module -> the first-party modules it imports anywhere in its body (lazy imports included)."""
     files = {}
-    for package in ("loramux", "loraformat", "registry", "engine", "kernels"):
+    for package in ("loramux", "loraformat", "registry", "engine", "lorakernels"):
         for path in (ROOT / package).rglob("*.py"):
             if not {"v1", "migrations"} & set(path.relative_to(ROOT).parts):
                 files[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path

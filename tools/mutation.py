@@ -46,7 +46,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "sampling": ("engine/sampling.py", ["tests/engine/test_sampling.py"]),
     "peft_compile": ("loraformat/peft_compile.py", ["tests/loraformat/test_peft_compile.py"]),
     "catalog": ("registry/catalog.py", ["tests/registry/test_catalog.py"]),
-    "tuned": ("kernels/tuned.py", ["tests/kernels/test_tuned.py"]),
+    "tuned": ("lorakernels/tuned.py", ["tests/lorakernels/test_tuned.py"]),
 }
 
 SWAPS: dict[type, type] = {

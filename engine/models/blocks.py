@@ -58,9 +58,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, delta: Pending = None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: [T, hidden] -> (normed, residual + x)
         """Add x (plus its pending LoRA delta) to the residual stream (None: x starts it) and normalise
-        the sum; one kernel on CUDA, rounding where the PyTorch path rounds (kernels/rmsnorm.py)."""
+        the sum; one kernel on CUDA, rounding where the PyTorch path rounds (lorakernels/rmsnorm.py)."""
         if x.is_cuda:
-            from kernels.rmsnorm import add_rmsnorm  # Triton: imported only where it runs
+            from lorakernels.rmsnorm import add_rmsnorm  # Triton: imported only where it runs
 
             return add_rmsnorm(x, residual, self.weight, self.eps, delta)
         x = _plus(x, delta)
@@ -90,7 +90,7 @@ class Attention(nn.Module):
         return q, k
 
     def _can_fuse_rope(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """RoPE and the KV write in one kernel (kernels/rope_kv.py): on CUDA, when nothing transforms q
+        """RoPE and the KV write in one kernel (lorakernels/rope_kv.py): on CUDA, when nothing transforms q
         and k between the projection and RoPE and the cache holds the model dtype."""
         return qkv.is_cuda and type(self).norm_qk is Attention.norm_qk and k_cache.dtype == qkv.dtype
 
@@ -107,7 +107,7 @@ class Attention(nn.Module):
         qkv, delta = self.project_qkv(x, lora)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         if self._can_fuse_rope(qkv, k_cache):
-            from kernels.rope_kv import rope_kv_write  # Triton: imported only where it runs
+            from lorakernels.rope_kv import rope_kv_write  # Triton: imported only where it runs
 
             # a pending expand (a decode step's, engine/lora_inputs.py) is done by the kernel itself
             expand = (delta.v, delta.b, delta.meta) if isinstance(delta, PendingExpand) else None
@@ -152,7 +152,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> tuple[torch.Tensor, Pending]:  # x: [T, hidden]
         gate_up, delta = self.project_gate_up(x, lora)  # [T, 2 * inter]
         if gate_up.is_cuda:
-            from kernels.silu_mul import silu_mul, silu_mul_expand  # Triton: imported only where it runs
+            from lorakernels.silu_mul import silu_mul, silu_mul_expand  # Triton: imported only where it runs
 
             if isinstance(delta, PendingExpand):
                 out = silu_mul_expand(gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices)

@@ -27,7 +27,7 @@ from benchmarks.tune_lora_tiles import (
     sgmv_tiles,
     write,
 )
-from kernels import tuned
+from lorakernels import tuned
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke run; the GPU tunes for real")
 
@@ -104,7 +104,7 @@ def test_a_bare_cuda_device_gets_an_index():
 def test_every_candidate_is_a_tile_the_parser_takes(monkeypatch, quick, num_sms):
     """What the tuner may write, the engine's parser reads: candidates for an H200's 132 SMs and for 8."""
     import benchmarks.tune_lora_tiles as tuner
-    import kernels.sgmv_decode as sgmv_decode
+    import lorakernels.sgmv_decode as sgmv_decode
 
     for module in (tuner, sgmv_decode):
         monkeypatch.setattr(module, "_num_sms", lambda _device: num_sms)

@@ -143,7 +143,7 @@ def test_sdpa_and_sgmv_backends_give_the_reference_tokens(tiny_llama_dir, adapte
 
 def test_triton_prefill_attention_gives_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, monkeypatch):
     """The Triton extend-attention kernel serves every eager step (prefill, prefix hits, decode)."""
-    from kernels import extend_attention as module
+    from lorakernels import extend_attention as module
 
     calls, real = [], module.extend_attention
     monkeypatch.setattr(module, "extend_attention", lambda *args: calls.append(args[4].num_tokens) or real(*args))
@@ -253,7 +253,7 @@ def test_decode_fused_expand_is_the_asked_targets_where_the_kernels_can_take_it(
     """--lora-decode-fused-expand fuses the decode expands asked for only on CUDA, with the Triton SGMV
     ops, for slots the SiLU-mul kernel loads whole; anywhere else it is a no-op, never an error."""
     from engine.lora_inputs import decode_fused_targets
-    from kernels.silu_mul import FUSED_MAX_RANK
+    from lorakernels.silu_mul import FUSED_MAX_RANK
 
     cuda, cpu, both = torch.device("cuda", 0), torch.device("cpu"), ("qkv", "gate_up")
     assert decode_fused_targets(both, cuda, "splitk", 16) == decode_fused_targets(both, cuda, "triton", FUSED_MAX_RANK) == set(both)

@@ -117,14 +117,14 @@ def test_cuda_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, lora_back
 @pytest.mark.parametrize("lora_backend", ["splitk", "triton"])
 def test_cuda_long_prompts_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, lora_backend, graphs):
     """Prompts longer than a decode-sized segment (64 tokens): their prefill steps leave gate/up's LoRA
-    expand to the SiLU-mul kernel (kernels/silu_mul.py `silu_mul_expand`), eagerly or in step graphs.
+    expand to the SiLU-mul kernel (lorakernels/silu_mul.py `silu_mul_expand`), eagerly or in step graphs.
     Greedy tokens equal the CPU reference's, and the fused kernel did run."""
-    import kernels.silu_mul
+    import lorakernels.silu_mul
 
     adapters = three_adapters(make_adapter, "long", seed=60)
     prompts = ["The quick brown fox jumps over the lazy dog " * 12, "café 日本語 " * 20, "Hello world, this is"]
     calls = []
-    real = kernels.silu_mul.silu_mul_expand
+    real = lorakernels.silu_mul.silu_mul_expand
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
@@ -141,7 +141,7 @@ def test_cuda_long_prompts_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_pa
         return generate_all(core, 8, records, prompts=prompts)
 
     expected = run("cpu", "ref")
-    monkeypatch.setattr(kernels.silu_mul, "silu_mul_expand", counted)
+    monkeypatch.setattr(lorakernels.silu_mul, "silu_mul_expand", counted)
     assert run("cuda", lora_backend) == expected
     assert calls and max(calls) > 64
 
@@ -149,14 +149,14 @@ def test_cuda_long_prompts_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_pa
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_cuda_decode_fused_expand_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
     """--lora-decode-fused-expand qkv gate_up: decode steps leave q/k/v's LoRA expand to the RoPE/KV-write
-    kernel (kernels/rope_kv.py) and gate/up's to the SiLU-mul kernel (kernels/silu_mul.py), in the decode
+    kernel (lorakernels/rope_kv.py) and gate/up's to the SiLU-mul kernel (lorakernels/silu_mul.py), in the decode
     graphs or eagerly (no graphs at all: with step graphs alone, they would take the decode steps).
     Greedy tokens equal the CPU reference's with and without it, and both kernels took expands."""
-    import kernels.rope_kv
-    import kernels.silu_mul
+    import lorakernels.rope_kv
+    import lorakernels.silu_mul
 
     adapters = three_adapters(make_adapter, "decode-fused", seed=70)
-    real_silu, real_rope = kernels.silu_mul.silu_mul_expand, kernels.rope_kv.rope_kv_write
+    real_silu, real_rope = lorakernels.silu_mul.silu_mul_expand, lorakernels.rope_kv.rope_kv_write
 
     def run(device: str, fused: tuple[str, ...], calls: dict[str, int]) -> list[list[int]]:
         def silu(*args, **kwargs):
@@ -167,8 +167,8 @@ def test_cuda_decode_fused_expand_matches_cpu(tiny_llama_dir, make_adapter, tmp_
             calls["rope_kv"] = calls.get("rope_kv", 0) + (kwargs.get("expand") is not None)
             return real_rope(*args, **kwargs)
 
-        monkeypatch.setattr(kernels.silu_mul, "silu_mul_expand", silu)
-        monkeypatch.setattr(kernels.rope_kv, "rope_kv_write", rope)
+        monkeypatch.setattr(lorakernels.silu_mul, "silu_mul_expand", silu)
+        monkeypatch.setattr(lorakernels.rope_kv, "rope_kv_write", rope)
         config = EngineConfig(
             model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
             work_dir=str(tmp_path / f"{device}-{len(fused)}"), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",

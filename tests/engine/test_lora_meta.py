@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.lora_inputs import SgmvMetaBuffers, lora_segments
-from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
+from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 
 
 def test_refill_keeps_addresses_and_matches_from_lists():
@@ -54,7 +54,7 @@ def test_lora_segments_merge_neighbouring_requests_of_one_slot():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_replay_sees_refilled_metadata():
-    from kernels.sgmv import sgmv_expand, sgmv_shrink
+    from lorakernels.sgmv import sgmv_expand, sgmv_shrink
 
     torch.manual_seed(0)
     num_slots, rank, in_dim, out_dim, tokens = 5, 16, 256, 384, 8

@@ -23,7 +23,7 @@ from engine.lora_inputs import LoraInputs, sgmv_ops
 from engine.request import Finished, TokenDelta
 from engine.sampling import SamplingParams
 from engine.step_plan import StepPlan
-from kernels.sgmv_ref import SgmvMeta
+from lorakernels.sgmv_ref import SgmvMeta
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {

@@ -17,9 +17,9 @@ from engine.lora_manager import LoraManager
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets, served_modules
 from engine.named_shapes import NAMED_SHAPES
 from engine.parallel import TensorParallel
-from kernels.sgmv_ref import SgmvMeta
 from loraformat.architectures import Split
 from loraformat.peft_compile import CanonicalAdapter
+from lorakernels.sgmv_ref import SgmvMeta
 
 CONFIG = NAMED_SHAPES["tiny"]
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

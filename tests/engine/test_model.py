@@ -20,8 +20,8 @@ from engine.models.blocks import DecoderModel
 from engine.named_shapes import NAMED_SHAPES
 from engine.rope import cos_sin_cache
 from engine.weights import load_model, random_model
-from kernels.attention_ref import extend_attention_ref
 from loraformat.errors import FailedPrecondition
+from lorakernels.attention_ref import extend_attention_ref
 from loramux.demo_model import LLAMA3_8B_CONFIG, write_llama_checkpoint
 
 ATOL = 1e-4  # fp32 logits of std ~1; observed differences are ~1e-6
@@ -46,7 +46,7 @@ VARIANTS: dict[str, dict] = {  # name -> write_llama_checkpoint kwargs; "llama" 
     "sharded": {"num_shards": 3},
 }
 PROMPT_LENS = (7, 19, 12)
-BACKENDS = ("ref", "sdpa")  # attention: kernels/attention_ref.py, kernels/attention_sdpa.py
+BACKENDS = ("ref", "sdpa")  # attention: lorakernels/attention_ref.py, lorakernels/attention_sdpa.py
 
 
 # ---------------------------------------------------------------- fixtures and the paged-KV harness

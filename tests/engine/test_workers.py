@@ -96,7 +96,7 @@ def test_nothing_below_the_plan_reads_a_request():
 def test_a_bad_tuned_tile_file_fails_the_worker_build_and_a_good_one_is_used(tiny_llama_dir, tmp_path):
     """--kernel-configs: the worker reads the decode LoRA kernels' tiles for its device at its build, so
     a malformed file stops the start with the file's name instead of failing a step later."""
-    from kernels import tuned
+    from lorakernels import tuned
 
     (tmp_path / "cpu.json").write_text(json.dumps({"entries": [{"kernel": "expand"}]}))
     config = EngineConfig(model_dir=str(tiny_llama_dir), device="cpu", max_running_requests=4, num_kv_slots=256, kernel_configs=str(tmp_path))

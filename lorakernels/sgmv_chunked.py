@@ -1,7 +1,7 @@
-"""Chunked SGMV backend: the same ops and signatures as kernels/sgmv.py over re-segmented metadata.
+"""Chunked SGMV backend: the same ops and signatures as lorakernels/sgmv.py over re-segmented metadata.
 
 Before launching, the batch is re-segmented on the host from Python lists (`SgmvMeta.chunked`, see
-`chunk_segments` in kernels/sgmv_ref.py): adjacent segments of one slot merge, runs of base-model rows
+`chunk_segments` in lorakernels/sgmv_ref.py): adjacent segments of one slot merge, runs of base-model rows
 merge into one skipped gap, and segments longer than `chunk_size` split. Every program then works on at
 most chunk_size rows of one adapter, so a skewed batch (one long prompt, many short decodes) keeps the
 GPU evenly busy and the grid's M extent is cdiv(chunk_size, BLOCK_M). No GPU sync: the new metadata is
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sgmv import sgmv_expand, sgmv_shrink
-from kernels.sgmv_ref import SgmvMeta
+from lorakernels.sgmv import sgmv_expand, sgmv_shrink
+from lorakernels.sgmv_ref import SgmvMeta
 
 DEFAULT_CHUNK_SIZE = 16  # SGLang's default max_lora_chunk_size; one BLOCK_M=16 tile per program
 

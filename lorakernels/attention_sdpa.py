@@ -1,6 +1,6 @@
 """Batched PyTorch attention over a paged KV cache: the semantics of `extend_attention_ref`, through SDPA.
 
-Same equation as kernels/attention_ref.py (request b: prefix p, extend e, rows s[b] .. s[b]+e-1 of q, KV
+Same equation as lorakernels/attention_ref.py (request b: prefix p, extend e, rows s[b] .. s[b]+e-1 of q, KV
 slots req_to_token[row_b, 0 : p+e]; new token j sees positions <= p+j; query head h reads KV head h // g):
 
     decodes (e == 1), all together, one SDPA call:
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.attention_ref import check_shapes
+from lorakernels.attention_ref import check_shapes
 
 # cuDNN's SDPA builds an execution plan on the host for every new shape: 1.6 ms of CPU per call on an
 # H200 host (torch 2.11), 57% of a Llama-3-8B decode step, so it is left out of the candidates.

@@ -24,10 +24,10 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from engine.rope import apply_rope  # noqa: E402
-from kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref  # noqa: E402
-from kernels.rope_kv import rope_kv_write, rope_kv_write_ref  # noqa: E402
-from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref  # noqa: E402
-from kernels.silu_mul import FUSED_MAX_RANK, silu_mul, silu_mul_expand, silu_mul_ref  # noqa: E402
+from lorakernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref  # noqa: E402
+from lorakernels.rope_kv import rope_kv_write, rope_kv_write_ref  # noqa: E402
+from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref  # noqa: E402
+from lorakernels.silu_mul import FUSED_MAX_RANK, silu_mul, silu_mul_expand, silu_mul_ref  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -249,9 +249,9 @@ def test_silu_mul_expand_takes_a_decode_graphs_segments(dtype):
 def test_silu_mul_expand_launches_its_kernel_once(kernel_launches):
     """One launch a call: 32ac0d4 left a second, identical launch behind the first, which gave the same
     output (the kernel leaves gate_up as it was) at twice the time, so only a count shows it."""
-    import kernels.silu_mul
+    import lorakernels.silu_mul
 
-    grids = kernel_launches(kernels.silu_mul, "_silu_mul_expand_kernel")
+    grids = kernel_launches(lorakernels.silu_mul, "_silu_mul_expand_kernel")
     gate_up, v, B, meta = expand_case(torch.float32, [5, 20], [2, 0], 11)
     silu_mul_expand(gate_up, torch.nan_to_num(v), B, meta)
     assert len(grids) == 1

@@ -1,7 +1,7 @@
 """Paged decode attention in Triton, split-KV (flash-decoding), with a launch that CUDA graphs can capture.
 
 Semantics, for request b < B with L_b = min(seq_lens[b], max_context) and KV slots
-slots_b = req_to_token[req_rows[b], 0 : L_b] (the paged layout of kernels/attention_ref.py, decode case):
+slots_b = req_to_token[req_rows[b], 0 : L_b] (the paged layout of lorakernels/attention_ref.py, decode case):
 
     K_b = k_cache[slots_b]                                        # [L_b, Hkv, D]
     V_b = v_cache[slots_b]                                        # [L_b, Hkv, D]
@@ -246,7 +246,7 @@ def _config(q: torch.Tensor, group: int, head_dim: int) -> dict:
         "BLOCK_N": 16 if on_cpu else 64,
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "INPUT_PRECISION": "ieee",  # only fp32 operands look at it: exact fp32, no TF32
-        # Triton's CPU interpreter gets bf16 tl.dot wrong (see kernels/sgmv.py): upcast there.
+        # Triton's CPU interpreter gets bf16 tl.dot wrong (see lorakernels/sgmv.py): upcast there.
         "UPCAST_DOT": on_cpu and q.dtype == torch.bfloat16,
         "num_warps": 4,
         "num_stages": 2,

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels.decode_attention import (  # noqa: E402
+from lorakernels.decode_attention import (  # noqa: E402
     DecodeAttentionWorkspace,
     decode_attention,
     decode_attention_ref,
@@ -151,7 +151,7 @@ def test_workspace_reused_and_out_buffer():
 def test_one_chunk_writes_the_output_itself(dtype, monkeypatch, kernel_launches):
     """num_splits 1: stage 1 writes o (padding rows zeroed over garbage) and the merge is not launched;
     the result is the two-kernel path's bit for bit (that path forced through `_one_pass`)."""
-    import kernels.decode_attention as da
+    import lorakernels.decode_attention as da
 
     case = make_case(SEQ_LENS, 8, 2, 64, dtype, max_context=128, seed=11)
     merges = kernel_launches(da, "_decode_attention_merge_kernel")

@@ -17,8 +17,8 @@ that is 0.94 GB a layer):
 
     g[seg, :] = round(gate_up[seg, :] + scalings[w] * v[seg, k*R : k*R + r] @ B[w, :, :r]^T)   k = gate, up
 
-rounded once, as `sgmv_expand` rounds y (kernels/sgmv.py); the SiLU-mul of g then as above. Its grid
-walks segment-aligned row blocks (kernels/sgmv.py's `row_block`, found on the device, so one launch
+rounded once, as `sgmv_expand` rounds y (lorakernels/sgmv.py); the SiLU-mul of g then as above. Its grid
+walks segment-aligned row blocks (lorakernels/sgmv.py's `row_block`, found on the device, so one launch
 covers any segmentation and CUDA graphs replay it) and then the rows past the last segment (a graph's
 padding), which get no LoRA.
 """
@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pending_delta import load_plus_delta
-from kernels.sgmv import SEGMENT_CHUNK, block_m_for, check_expand_args, row_block, row_blocks
-from kernels.sgmv_ref import SgmvMeta
+from lorakernels.pending_delta import load_plus_delta
+from lorakernels.sgmv import SEGMENT_CHUNK, block_m_for, check_expand_args, row_block, row_blocks
+from lorakernels.sgmv_ref import SgmvMeta
 
 BLOCK = 1024
 # silu_mul_expand loads a row block's whole v and a column block's whole B (no loop over the rank): up to
@@ -202,7 +202,7 @@ def launch_silu_mul_expand(
         gate_up.stride(0), v.stride(0), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(B.shape[2])),
         BLOCK_S=SEGMENT_CHUNK,
-        INPUT_PRECISION="ieee",  # as kernels/sgmv.py: fp32 operands exact, no TF32
+        INPUT_PRECISION="ieee",  # as lorakernels/sgmv.py: fp32 operands exact, no TF32
         UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
         num_warps=num_warps,
     )  # fmt: skip

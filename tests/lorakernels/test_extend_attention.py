@@ -1,4 +1,4 @@
-"""kernels/extend_attention.py (the Triton prefill kernel) against the fp32 reference
+"""lorakernels/extend_attention.py (the Triton prefill kernel) against the fp32 reference
 extend_attention_ref, over batch shapes (prefill, prefill on cached prefixes, decode rows, mixed, requests
 spanning several query and key blocks), head layouts (MHA, GQA with power-of-two and other groups, MQA),
 head sizes (a power of two and not), dtypes, and scattered KV slots with junk past each request.
@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels.attention_ref import extend_attention_ref  # noqa: E402
-from kernels.extend_attention import ExtendPlan, ExtendPlanBuffers, block_size_m, extend_attention  # noqa: E402
+from lorakernels.attention_ref import extend_attention_ref  # noqa: E402
+from lorakernels.extend_attention import ExtendPlan, ExtendPlanBuffers, block_size_m, extend_attention  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 NUM_SLOTS, MAX_CONTEXT = 4096, 320

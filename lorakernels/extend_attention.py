@@ -1,7 +1,7 @@
 """Causal attention of a step's new tokens over a paged KV cache, in Triton, FlashAttention-style: the
 prefill and chunked-prefill kernel (extend steps with cached prefixes), on tensor cores.
 
-Semantics are `extend_attention_ref`'s (kernels/attention_ref.py): request b's new tokens j = 0..e-1
+Semantics are `extend_attention_ref`'s (lorakernels/attention_ref.py): request b's new tokens j = 0..e-1
 sit at positions p+j and attend to positions 0..p+j, whose K/V lie in the cache at
 `req_to_token[row_b, 0 : p+e]` (the step writes the new tokens' K/V before attention runs).
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_ref import check_shapes
+from lorakernels.attention_ref import check_shapes
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _extend_attention_kernel(
     BLOCK_D: tl.constexpr,  # >= HEAD_DIM, a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,  # the CPU interpreter gets bf16 tl.dot wrong (see kernels/sgmv.py): fp32 there
+    UPCAST_DOT: tl.constexpr,  # the CPU interpreter gets bf16 tl.dot wrong (see lorakernels/sgmv.py): fp32 there
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -23,7 +23,7 @@ q/k/v LoRA expand (engine/lora_inputs.py, --lora-decode-fused-expand), each head
     w, r: the slot of row t's segment (found in meta.seg_indptr on the device) and its rank; rows past
     the last segment (a graph's padding) get none; v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R]
 
-rounded as the decode expand rounds the delta it writes (kernels/sgmv_decode.py), so the sum is what the
+rounded as the decode expand rounds the delta it writes (lorakernels/sgmv_decode.py), so the sum is what the
 delta path gives up to the order of the rank's fp32 sum.
 
 Grid (T, H + Hkv): program (t, h) rotates query head h, or (h >= H) key head h - H and copies its value
@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pending_delta import load_plus_delta
-from kernels.sgmv import SEGMENT_CHUNK, check_expand_args
-from kernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
+from lorakernels.pending_delta import load_plus_delta
+from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args
+from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
 
 
 @triton.jit
@@ -241,7 +241,7 @@ def _qkv_slices(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[tuple
 
 
 def _check_expand(qkv: torch.Tensor, expand, delta, slices: tuple[tuple[int, int], ...]) -> None:
-    """(v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R], meta): what every expand takes (kernels/sgmv.py
+    """(v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R], meta): what every expand takes (lorakernels/sgmv.py
     `check_expand_args`), in qkv's dtype, with contiguous rank columns."""
     if delta is not None:
         raise ValueError("give a LoRA delta or its expand, not both")

@@ -2,12 +2,12 @@
 
 `benchmarks/tune_lora_tiles.py` times candidate tiles on a GPU the way the engine runs them (a decode
 step's kernels beside the base GEMM, a prefill step's in line) and writes the fastest to
-`kernels/configs/<device>.json`, the device named as `torch.cuda.get_device_name` names it with every
+`lorakernels/configs/<device>.json`, the device named as `torch.cuda.get_device_name` names it with every
 run of other characters made one `_` ("NVIDIA H200" -> `NVIDIA_H200.json`). The kernels look their
 launch up here by host ints only (the shape and the step's token count), so a captured CUDA graph keeps
 the tile it was captured with; with no file for the device, or no entry for the shape, they keep their
-built-in tiles. The kernels: "shrink" and "expand" of decode-sized steps (kernels/sgmv_decode.py),
-"sgmv_shrink" and "sgmv_expand" of prefill-sized ones (kernels/sgmv.py).
+built-in tiles. The kernels: "shrink" and "expand" of decode-sized steps (lorakernels/sgmv_decode.py),
+"sgmv_shrink" and "sgmv_expand" of prefill-sized ones (lorakernels/sgmv.py).
 
 A file, one entry per kernel, shape and token count (`tokens`: the step's rows; a step of T rows takes
 the entry of the largest tuned count <= T, and none, so the built-in tile, when T is below every tuned
@@ -47,20 +47,20 @@ SGMV_ELEMENT_BYTES = 2  # bf16/fp16, what the engine serves
 
 
 @dataclass(frozen=True)
-class ShrinkTile:  # the decode shrink (kernels/sgmv_decode.py)
+class ShrinkTile:  # the decode shrink (lorakernels/sgmv_decode.py)
     num_programs: int  # programs per stacked target that share the step's segments' splits
     block_k: int  # input columns a tensor-core dot covers
     num_warps: int
 
 
 @dataclass(frozen=True)
-class ExpandTile:  # the decode expand (kernels/sgmv_decode.py)
+class ExpandTile:  # the decode expand (lorakernels/sgmv_decode.py)
     block_n: int  # output columns a program covers
     num_warps: int
 
 
 @dataclass(frozen=True)
-class SgmvTile:  # the shrink and expand of prefill-sized steps (kernels/sgmv.py)
+class SgmvTile:  # the shrink and expand of prefill-sized steps (lorakernels/sgmv.py)
     block_m: int  # a segment's rows a program covers (fewer where segments are shorter)
     block_n: int
     block_k: int

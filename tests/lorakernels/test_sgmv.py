@@ -22,10 +22,10 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels.sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
-from kernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked  # noqa: E402
-from kernels.sgmv_decode import sgmv_shrink_decode  # noqa: E402
-from kernels.sgmv_ref import SgmvMeta, chunk_segments, sgmv_expand_ref, sgmv_shrink_ref  # noqa: E402
+from lorakernels.sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
+from lorakernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked  # noqa: E402
+from lorakernels.sgmv_decode import sgmv_shrink_decode  # noqa: E402
+from lorakernels.sgmv_ref import SgmvMeta, chunk_segments, sgmv_expand_ref, sgmv_shrink_ref  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -165,7 +165,7 @@ def test_one_launch_size_serves_any_segmentation(monkeypatch, segment_chunk):
     """A mixed-step CUDA graph launches with the host ints of its capture (max_seg_len = T rows,
     num_segments = its capacity) and replays other segmentations of the same rows: one long prefill and
     many decode rows, rows in no segment (padding), empty segments between and after live ones."""
-    import kernels.sgmv as sgmv
+    import lorakernels.sgmv as sgmv
 
     monkeypatch.setattr(sgmv, "SEGMENT_CHUNK", segment_chunk)
     in_dim, output_slices, out_dim = TARGETS["qkv"]

@@ -1,6 +1,6 @@
 """SGMV shrink and expand in Triton: many LoRA adapters in one batch, one program per (row block, tile).
 
-Semantics (the reference, the metadata and the v contract are in kernels/sgmv_ref.py):
+Semantics (the reference, the metadata and the v contract are in lorakernels/sgmv_ref.py):
 
     shrink:  v[seg, k*R : k*R + r]   = x[seg] @ A[w, k*R : k*R + r, :]^T                (fp32 accumulate)
     expand:  y[seg, o_k : o_k + n_k] += scalings[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T
@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sgmv_ref import SgmvMeta
-from kernels.tuned import SgmvTile, device_tiles
+from lorakernels.sgmv_ref import SgmvMeta
+from lorakernels.tuned import SgmvTile, device_tiles
 
 MAX_STACK = 3  # q/k/v; the slice table below is passed as scalars so launching needs no device tensor
 # Segments a program scans at once when it looks up its row block: fixed, so steps with other segment
@@ -160,7 +160,7 @@ def block_m_for(max_seg_len: int) -> int:
 
 
 def builtin_tile(is_shrink: bool, max_rank: int) -> SgmvTile:
-    """The tile where kernels/tuned.py has none for the device and shape: a shrink's columns are the
+    """The tile where lorakernels/tuned.py has none for the device and shape: a shrink's columns are the
     slot's ranks (a tile of at most 64), an expand's K is the rank."""
     rank_tile = min(max(triton.next_power_of_2(max_rank), 16), 64)
     return SgmvTile(64, rank_tile, 128, 4, 3) if is_shrink else SgmvTile(64, 128, rank_tile, 4, 2)
@@ -249,7 +249,7 @@ def sgmv_shrink(
     *,
     num_stack: int,
     out: torch.Tensor | None = None,  # [T, num_stack * R], x.dtype
-    tile: SgmvTile | None = None,  # None: the device's tuned tile (kernels/tuned.py), else the built-in one
+    tile: SgmvTile | None = None,  # None: the device's tuned tile (lorakernels/tuned.py), else the built-in one
 ) -> torch.Tensor:  # v [T, num_stack * R], x.dtype; entries outside the LoRA rows/ranks left as they were
     """v[seg, k*R : k*R + r] = x[seg] @ A[w, k*R : k*R + r, :]^T for every target k < num_stack."""
     out = shrink_output(x, A, meta, num_stack, out)
@@ -268,7 +268,7 @@ def sgmv_expand(
     y: torch.Tensor,  # [T, out_dim], updated in place
     *,
     output_slices: tuple[tuple[int, int], ...],  # ((offset, size), ...) one per stacked target
-    tile: SgmvTile | None = None,  # None: the device's tuned tile (kernels/tuned.py), else the built-in one
+    tile: SgmvTile | None = None,  # None: the device's tuned tile (lorakernels/tuned.py), else the built-in one
 ) -> None:
     """y[seg, o_k : o_k + n_k] += scalings[w] * v[seg, k*R : k*R + r] @ B[w, o_k : o_k + n_k, :r]^T."""
     check_expand_args(v, B, meta, y, output_slices)

@@ -1,4 +1,4 @@
-"""The load every fused kernel that takes a pending LoRA delta shares (kernels/rope_kv.py, silu_mul.py,
+"""The load every fused kernel that takes a pending LoRA delta shares (lorakernels/rope_kv.py, silu_mul.py,
 rmsnorm.py): a CUDA decode step computes each projection's delta beside its base GEMM and hands it to
 the kernel that reads the projection's output next (engine/lora_inputs.py, `project_deferred`).
 """

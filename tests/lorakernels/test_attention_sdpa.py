@@ -1,12 +1,12 @@
-"""kernels/attention_sdpa.py against the fp32 reference extend_attention_ref, over a grid of batch shapes
+"""lorakernels/attention_sdpa.py against the fp32 reference extend_attention_ref, over a grid of batch shapes
 (all decode, all prefill, mixed with a cached prefix, one request), head layouts (MHA, GQA, MQA) and
 KV layouts (contiguous and scattered slots)."""
 
 import pytest
 import torch
 
-from kernels.attention_ref import extend_attention_ref
-from kernels.attention_sdpa import SdpaPlan, sdpa_extend_attention
+from lorakernels.attention_ref import extend_attention_ref
+from lorakernels.attention_sdpa import SdpaPlan, sdpa_extend_attention
 
 HEAD_DIM, NUM_SLOTS, MAX_CONTEXT, SCALE = 16, 4096, 96, 0.25
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (6, 1)}  # name -> (num_heads, num_kv_heads)

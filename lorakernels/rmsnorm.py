@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pending_delta import load_plus_delta
+from lorakernels.pending_delta import load_plus_delta
 
 MAX_HIDDEN = 16384
 

@@ -26,9 +26,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from engine.lora_inputs import lora_segments  # noqa: E402
-from kernels import sgmv_decode  # noqa: E402
-from kernels.sgmv import sgmv_expand  # noqa: E402
-from kernels.sgmv_decode import (  # noqa: E402
+from lorakernels import sgmv_decode  # noqa: E402
+from lorakernels.sgmv import sgmv_expand  # noqa: E402
+from lorakernels.sgmv_decode import (  # noqa: E402
     decode_config,
     sgmv_delta_auto,
     sgmv_expand_auto,
@@ -36,8 +36,8 @@ from kernels.sgmv_decode import (  # noqa: E402
     sgmv_shrink_auto,
     sgmv_shrink_decode,
 )
-from kernels.sgmv_ref import SgmvMeta  # noqa: E402
-from kernels.tuned import ExpandTile  # noqa: E402
+from lorakernels.sgmv_ref import SgmvMeta  # noqa: E402
+from lorakernels.tuned import ExpandTile  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 MAX_RANK = 64

@@ -2,7 +2,7 @@
 segments, tensor-core tiles over each segment's rows, and work that follows each adapter's rank rather
 than the slot capacity R.
 
-Semantics and the contract on v are those of `sgmv_shrink` / `sgmv_expand` (kernels/sgmv_ref.py; the
+Semantics and the contract on v are those of `sgmv_shrink` / `sgmv_expand` (lorakernels/sgmv_ref.py; the
 `*_ref` functions are the reference of both):
 
     v[seg, k*R : k*R + r]    = x[seg] @ A[w, k*R : k*R + r, :]^T                          r = lora_ranks[w]
@@ -49,16 +49,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sgmv import MAX_STACK, check_expand_args, sgmv_expand, sgmv_shrink, shrink_output
-from kernels.sgmv_ref import SgmvMeta
-from kernels.tuned import ExpandTile, ShrinkTile, device_tiles
+from lorakernels.sgmv import MAX_STACK, check_expand_args, sgmv_expand, sgmv_shrink, shrink_output
+from lorakernels.sgmv_ref import SgmvMeta
+from lorakernels.tuned import ExpandTile, ShrinkTile, device_tiles
 
 DECODE_MAX_SEG_LEN = 64  # a decode step's merged run of one adapter's requests (engine/lora_inputs.py)
 DECODE_MAX_TOKENS = 512  # the split workspace is [splits, T, stack * R] fp32: bounded for prefill-sized T
 MAX_DECODE_SEGMENTS = 4096  # seg_indptr is read in one vector load
 ROWS = 16  # rows of a segment per tensor-core tile (tl.dot's least M)
 BLOCK_R = 16
-BLOCK_K = 128  # built-in tiles, where kernels/tuned.py has none for the device and shape
+BLOCK_K = 128  # built-in tiles, where lorakernels/tuned.py has none for the device and shape
 BUILTIN_EXPAND = ExpandTile(128, 4)
 PROGRAMS_PER_SM = 2  # measured on an H200: 2 beats 4, 8 and 16 in all but one case (BENCHMARKS.md)
 
@@ -211,7 +211,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def builtin_shrink_tile(num_stack: int, device: torch.device) -> ShrinkTile:
-    """The shrink's tile where kernels/tuned.py has none: about PROGRAMS_PER_SM programs per SM in all."""
+    """The shrink's tile where lorakernels/tuned.py has none: about PROGRAMS_PER_SM programs per SM in all."""
     return ShrinkTile(max(1, PROGRAMS_PER_SM * _num_sms(device) // num_stack), BLOCK_K, 4)
 
 
@@ -221,7 +221,7 @@ def decode_config(
 ) -> dict:  # fmt: skip
     """The shrink's launch: its program count per stacked target, its BLOCK_K and warps, and the most
     splits any segment can get (the partial workspace's depth). `tile` when given; else the device's
-    tuned tile for this shape and token count (kernels/tuned.py), if any; else about PROGRAMS_PER_SM
+    tuned tile for this shape and token count (lorakernels/tuned.py), if any; else about PROGRAMS_PER_SM
     programs per SM in all, BLOCK_K and 4 warps. A nonzero num_programs overrides the tile's count.
 
     Example (H200, 132 SMs, no tuned file; q/k/v, in_dim 4096, so 88 programs a target): 32 segments of

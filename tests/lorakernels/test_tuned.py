@@ -1,4 +1,4 @@
-"""Tuned decode LoRA tiles (kernels/tuned.py): the file format and its refusals, the lookup by shape and
+"""Tuned decode LoRA tiles (lorakernels/tuned.py): the file format and its refusals, the lookup by shape and
 token count, and the decode kernels launching with a file's tiles and still computing the fp64 result.
 
 Without CUDA the kernels run in Triton's CPU interpreter, whose device is named "cpu": a `cpu.json` in
@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kernels import sgmv_decode, tuned
-from kernels.tuned import ExpandTile, ShrinkTile
-from tests.kernels.test_sgmv_decode import DEVICE, check_expand, check_shrink, decode_batch, merged
+from lorakernels import sgmv_decode, tuned
+from lorakernels.tuned import ExpandTile, ShrinkTile
+from tests.lorakernels.test_sgmv_decode import DEVICE, check_expand, check_shrink, decode_batch, merged
 
 
 def shrink_entry(tokens, num_programs, block_k=128, num_warps=4, in_dim=520, num_stack=2, max_rank=64):
@@ -229,10 +229,10 @@ def test_the_expand_and_the_delta_launch_with_the_tuned_tile_and_match_fp64(tune
 
 @pytest.mark.parametrize("shrink_block_m, launched_m", [(32, 32), (128, 64)], ids=["tile_rows", "segments_shorter"])
 def test_prefill_kernels_launch_with_the_tuned_tile_and_match_fp64(tuned_dir, monkeypatch, shrink_block_m, launched_m):
-    """kernels/sgmv.py's shrink and expand (prefill-sized steps) take the tuned tile of their shape; a
+    """lorakernels/sgmv.py's shrink and expand (prefill-sized steps) take the tuned tile of their shape; a
     tile's rows apply where the step's longest segment (33 rows here) has them, else the built-in rows."""
-    from kernels import sgmv
-    from tests.kernels.test_sgmv import run_case
+    from lorakernels import sgmv
+    from tests.lorakernels.test_sgmv import run_case
 
     write_tiles(tuned_dir, [
         sgmv_entry("sgmv_shrink", 64, 32, shrink_block_m, 16, 32, num_warps=2, num_stages=2),
@@ -253,7 +253,7 @@ def test_prefill_kernels_launch_with_the_tuned_tile_and_match_fp64(tuned_dir, mo
 
 @pytest.mark.parametrize("kernel", sorted(tuned.KINDS))
 def test_every_allowed_value_of_every_field_parses_and_its_neighbours_do_not(kernel):
-    """The parser's choices are exactly the tables in kernels/tuned.py (a changed bound is a changed test),
+    """The parser's choices are exactly the tables in lorakernels/tuned.py (a changed bound is a changed test),
     and tiles are hashable: the tuner keys its timings by them."""
     shape_keys, tile_class, fields = tuned.KINDS[kernel]
     least = {name: min(choices) for name, choices in fields.items()}
@@ -286,7 +286,7 @@ def test_the_allowed_tile_sizes_are_what_the_kernels_take():
 
 
 def test_the_shipped_files_parse_and_are_named_for_their_device():
-    """Every file in kernels/configs is one the engine will take whole (a broken entry would refuse the
+    """Every file in lorakernels/configs is one the engine will take whole (a broken entry would refuse the
     file at the worker's start) and sits under the name its device's lookup reads."""
     files = sorted(tuned.DEFAULT_DIR.glob("*.json"))
     assert "NVIDIA_H200.json" in [f.name for f in files]
