@@ -11,7 +11,9 @@ for every chunk it takes: beside a thread that holds the GIL, each of those wait
 interval (the engine's --gil-switch-interval-ms); beside a busy loop, each chunk also waits for the
 loop's turn. Through the fetch process (--fetchers process) the chunks meet neither: only each
 artifact's answer needs this process's GIL. Adapters are q/v rank-16 (PEFT's default targets),
-each fetched twice a pass over a warm link; one JSON line a pass.
+each fetched once a round, --rounds rounds a pass over a warm link; one JSON line a pass, whose rate
+counts the bytes the fetches received (before 2026-12-03 the pass asked for every adapter twice at
+once, the link shared one fetch between the two calls, and the rate counted both: twice the real one).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ SHAPES = {"llama3-8b": LLAMA3_8B_CONFIG, "tiny": TINY_LLAMA_CONFIG}
 
 
 async def fetch_pass(
-    address: str, adapters: list[pb.Adapter], concurrency: int, busy_loop_ms: float = 0.0, fetch_process: bool = False
+    address: str, adapters: list[pb.Adapter], concurrency: int, busy_loop_ms: float = 0.0, fetch_process: bool = False,
+    rounds: int = 2,
 ) -> tuple[float, int]:
-    """(seconds, bytes) of fetching every adapter twice, `concurrency` at a time, over one warm link;
+    """(seconds, bytes received) of fetching every adapter once a round, `concurrency` at a time, over one warm link;
     with `busy_loop_ms`, beside a task that runs Python on the link's event loop in slices of that
     long, as admission and the streams' deliveries do in the engine's process; with `fetch_process`,
     through the engine's fetch process (engine/fetch_process.py) instead of on the link's loop."""
@@ -56,9 +59,14 @@ async def fetch_pass(
         await link.fetch(record_of(adapters[0]))  # opens the connection
         if busy_loop_ms:
             busy = asyncio.create_task(busy_loop(busy_loop_ms / 1e3))
-        start = time.perf_counter()
-        artifacts = await asyncio.gather(*(link.fetch(record_of(a)) for a in adapters * 2))
-        return time.perf_counter() - start, sum(len(a) for a in artifacts)
+        before, start = link.num_fetches, time.perf_counter()
+        for _ in range(rounds):  # a round fetches each adapter once: calls for one digest at once share a fetch
+            await asyncio.gather(*(link.fetch(record_of(a)) for a in adapters))
+        seconds = time.perf_counter() - start
+        timings = list(link.fetch_timings)[before - link.num_fetches :] if link.num_fetches > before else []
+        if len(timings) != rounds * len(adapters):
+            raise RuntimeError(f"{len(timings)} fetches made, {rounds * len(adapters)} asked for")
+        return seconds, sum(t.size for t in timings)
     finally:
         if busy is not None:
             busy.cancel()
@@ -99,6 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--rounds", type=int, default=2, help="fetches of every adapter a pass, one round after another")
     p.add_argument("--switch-interval-ms", type=float, nargs="+", default=[5.0, 1.0, 0.5])
     p.add_argument("--busy-loop-ms", type=float, default=1.0, help="also fetch beside a busy event loop, in slices this long (0: not)")
     p.add_argument(
@@ -106,6 +115,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="where the link receives the bytes: its event loop, the engine's fetch process (Linux), or both in turn",
     )  # fmt: skip
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.busy_loop_ms < 0:
         p.error(f"--busy-loop-ms must be >= 0, got {args.busy_loop_ms}")
     config, rows = SHAPES[args.shape], []
@@ -130,11 +141,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 sys.setswitchinterval(interval_ms / 1e3 if interval_ms else before)
                 with BusyThread() if busy else contextlib.nullcontext():
                     for fetcher, concurrency in itertools.product(args.fetchers, args.concurrency):
-                        seconds, size = asyncio.run(fetch_pass(server.address, adapters, concurrency, loop_ms, fetcher == "process"))
+                        seconds, size = asyncio.run(fetch_pass(server.address, adapters, concurrency, loop_ms, fetcher == "process", args.rounds))
                         row = {
                             "fetcher": fetcher, "busy_thread": busy, "busy_loop_ms": loop_ms,
                             "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3), "concurrency": concurrency,
-                            "mb": round(size / 1e6, 3), "seconds": round(seconds, 3), "mb_s": round(size / 1e6 / seconds, 3),
+                            "fetches": args.rounds * len(adapters), "mb": round(size / 1e6, 3), "seconds": round(seconds, 3), "mb_s": round(size / 1e6 / seconds, 3),
                         }  # fmt: skip
                         print(json.dumps(row), flush=True)
                         rows.append(row)

@@ -8,15 +8,21 @@ the cold Zipf pass of benchmarks/serve.py waited a median 1.1 s for its fetches.
 channel to the registry and receives each artifact into a memfd; the engine gets the descriptor over a
 Unix socket (SCM_RIGHTS) and maps the same pages, so the bytes are neither copied nor sent twice.
 
-The engine keeps everything else: which fetches run (its fetch turns), sharing one fetch between the
-callers of a digest, the sha256 check against the registry's digest (the child reports what it hashed)
-and its retries. A child that dies fails the fetches it had with UNAVAILABLE; the next fetch starts a
-new one. The child ends when the engine's end of the socket closes, the engine's death included.
+The engine sends each fetch as soon as it is asked for; the child runs at most `max_concurrent` at once
+and starts the longest-waiting one the moment another ends, so the next transfer never waits for the
+engine's event loop (which waits for the engine's GIL) to hand out the turn. The engine keeps the rest:
+sharing one fetch between the callers of a digest, the sha256 check against the registry's digest (the
+child reports what it hashed) and its retries. A child that dies fails the fetches it had with
+UNAVAILABLE; the next fetch starts a new one. The child ends when the engine's end of the socket
+closes, the engine's death included.
 
 Protocol, one datagram each way (SOCK_SEQPACKET keeps them whole): first the engine's configuration
-`{"address", "tls", "api_key"}`, then requests `{"id", "name", "version", "ref"}`; each answer is
-`{"id", "size", "sha256"}` with the memfd attached (none for an empty artifact) or `{"id", "error",
-"message"}` with `error` NOT_FOUND or UNAVAILABLE.
+`{"address", "tls", "api_key", "max_concurrent"}`, then requests `{"id", "name", "version", "ref"}` and
+`{"cancel": id}` (a fetch whose caller has gone: dropped if it has not started, stopped if it has, and
+not answered); each answer is `{"id", "size", "sha256", "started"}` with the memfd attached (none for
+an empty artifact) or `{"id", "error", "message"}` with `error` NOT_FOUND or UNAVAILABLE. `started` is
+when the transfer began, on time.perf_counter's clock, which is CLOCK_MONOTONIC and so the same in
+both processes on Linux.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.artifact_stream import Artifact, artifact_messages, receive_artifact
@@ -57,6 +65,16 @@ _STOP_S = 5.0  # how long close() waits for the child before killing it
 _UNTRACKED = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # no duplicate descriptor per mapping
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """An artifact the child received: its bytes (writable, mapped from the child's memfd), their
+    sha256, and when the child began the transfer (time.perf_counter)."""
+
+    data: memoryview
+    sha256: str
+    started: float
+
+
 def fetch_process_supported() -> bool:
     """memfd and descriptor passing: Linux."""
     return sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
@@ -65,8 +83,13 @@ def fetch_process_supported() -> bool:
 class FetchProcess:
     """The engine's side: starts the child, sends it fetches, maps the artifacts it answers with."""
 
-    def __init__(self, address: str, api_key: str = "", tls: TlsFiles | None = None):
-        self._config = {"address": address, "api_key": api_key, "tls": dataclasses.asdict(tls) if tls is not None else None}
+    def __init__(self, address: str, api_key: str = "", tls: TlsFiles | None = None, max_concurrent: int = 4):
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        self._config = {
+            "address": address, "api_key": api_key, "tls": dataclasses.asdict(tls) if tls is not None else None,
+            "max_concurrent": max_concurrent,
+        }  # fmt: skip
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen | None = None
         self._pending: dict[int, asyncio.Future] = {}  # request id -> (answer, descriptor or None)
@@ -74,6 +97,7 @@ class FetchProcess:
         self._closed = False
         self.num_starts = 0
         self.num_unclaimed = 0  # answers whose caller had gone (cancelled): their memfds closed unmapped
+        self.num_cancels = 0  # cancels sent for fetches whose caller went before the answer
 
     @property
     def pid(self) -> int | None:
@@ -111,8 +135,13 @@ class FetchProcess:
         self.num_starts += 1
         threading.Thread(target=self._read_answers, args=(ours, loop), name="loramux-fetch-answers", daemon=True).start()
 
-    async def fetch(self, name: str, version: int, ref: str) -> tuple[memoryview, str]:
-        """The artifact of name@version (writable, mapped from the child's memfd) and its sha256."""
+    @property
+    def num_pending(self) -> int:
+        """Fetches sent and not yet answered: running in the child or waiting there for a turn."""
+        return len(self._pending)
+
+    async def fetch(self, name: str, version: int, ref: str) -> Fetched:
+        """The artifact of name@version; the child runs it when one of its turns is free."""
         key = next(self._ids)
         request = json.dumps({"id": key, "name": name, "version": version, "ref": ref}).encode()
         answer = asyncio.get_running_loop().create_future()
@@ -135,6 +164,10 @@ class FetchProcess:
             if answer.done() and not answer.cancelled() and answer.exception() is None:
                 self.num_unclaimed += 1
                 _close(answer.result()[1])  # answered as this caller was cancelled: nobody maps it
+            elif sock is self._sock:  # the child still has it: its turn goes to the next fetch
+                self.num_cancels += 1
+                with contextlib.suppress(OSError):  # a child that is gone has dropped it anyway
+                    sock.send(json.dumps({"cancel": key}).encode(), socket.MSG_DONTWAIT)
             raise
         finally:
             self._pending.pop(key, None)
@@ -142,7 +175,7 @@ class FetchProcess:
             _close(fd)
             raise (NotFound if reply["error"] == "NOT_FOUND" else Unavailable)(reply["message"])
         try:
-            return _mapped(fd, reply["size"]), reply["sha256"]
+            return Fetched(_mapped(fd, reply["size"]), reply["sha256"], reply["started"])
         except (OSError, ValueError) as exc:  # a size past the memfd's end, no memory to map it
             raise Unavailable(f"adapter {ref!r}: the fetched artifact cannot be mapped ({exc})") from None
 
@@ -285,15 +318,19 @@ class _MemfdArtifact(Artifact):
         self.fd = None
 
 
-async def _fetch_one(sock: socket.socket, fetch_raw, metadata, request: dict, host_bytes: int) -> None:
+async def _fetch_one(sock: socket.socket, fetch_raw, metadata, request: dict, host_bytes: int, turns: asyncio.Semaphore) -> None:
+    """One fetch, once a turn is free (asyncio's semaphore wakes its waiters in order), answered on
+    `sock`; a cancelled one (the engine's cancel, or the child's end) is not answered."""
     reply: dict = {"id": request["id"]}
     ref = request["ref"]
     artifact = _MemfdArtifact(host_bytes)
     fd = None
     try:
         try:
-            messages = artifact_messages(fetch_raw, request["name"], request["version"], ref, metadata)
-            digest = await receive_artifact(messages, artifact, ref)
+            async with turns:
+                reply["started"] = time.perf_counter()
+                messages = artifact_messages(fetch_raw, request["name"], request["version"], ref, metadata)
+                digest = await receive_artifact(messages, artifact, ref)
             fd = artifact.descriptor()
             reply.update(size=artifact.received, sha256=digest)
         except (NotFound, Unavailable) as exc:
@@ -320,6 +357,7 @@ async def _serve(sock: socket.socket, config: dict) -> None:
     metadata = auth_metadata(config.get("api_key", ""))
     requests: asyncio.Queue[bytes | None] = asyncio.Queue()
     host_bytes = host_memory_bytes()  # once: it bounds every declared size
+    turns = asyncio.Semaphore(int(config.get("max_concurrent", 4)))
 
     def read() -> None:
         with contextlib.suppress(OSError):
@@ -328,16 +366,23 @@ async def _serve(sock: socket.socket, config: dict) -> None:
         loop.call_soon_threadsafe(requests.put_nowait, None)
 
     threading.Thread(target=read, name="requests", daemon=True).start()
-    fetches: set[asyncio.Task] = set()
+    fetches: dict[int, asyncio.Task] = {}  # request id -> its fetch, until answered or cancelled
     try:
         while (message := await requests.get()) is not None:
-            task = asyncio.create_task(_fetch_one(sock, fetch_raw, metadata, json.loads(message), host_bytes))
-            fetches.add(task)
-            task.add_done_callback(fetches.discard)
+            request = json.loads(message)
+            if "cancel" in request:
+                task = fetches.get(request["cancel"])
+                if task is not None:  # else answered already: the engine closes the memfd
+                    task.cancel()
+                continue
+            key = request["id"]
+            task = asyncio.create_task(_fetch_one(sock, fetch_raw, metadata, request, host_bytes, turns))
+            fetches[key] = task
+            task.add_done_callback(lambda _, key=key: fetches.pop(key, None))
     finally:
-        for task in fetches:
+        for task in list(fetches.values()):
             task.cancel()
-        await asyncio.gather(*fetches, return_exceptions=True)
+        await asyncio.gather(*fetches.values(), return_exceptions=True)
         await channel.close()
 
 

@@ -94,15 +94,18 @@ class RegistryLink:
         # The artifacts' bytes come through a process of its own (engine/fetch_process.py) where the
         # platform allows: here every chunk needed this process's GIL, which the engine's step thread
         # holds most of the time (4 fetches at once went 1863 MB/s alone, 164 beside a busy thread).
-        self.process = FetchProcess(address, api_key, tls) if fetch_process and fetch_process_supported() else None
+        self.process = (
+            FetchProcess(address, api_key, tls, max_concurrent_fetches) if fetch_process and fetch_process_supported() else None
+        )
         self._resolved: dict[tuple[str, int], AdapterRecord] = {}
         self._generation: dict[str, int] = {}  # bumped by every event of a name (and a fresh watch)
         self._epoch = 0
         self._fetches: dict[str, asyncio.Task[memoryview]] = {}
         # Fetches in flight at most; asyncio's semaphore wakes its waiters in order. Unbounded, a burst of
-        # 128 new adapters shared the link's bandwidth and every one of them arrived at the end.
+        # 128 new adapters shared the link's bandwidth and every one of them arrived at the end. The fetch
+        # process keeps its own turns (the next transfer starts there without waiting for this loop).
         self._fetch_turns = asyncio.Semaphore(max_concurrent_fetches)
-        self.num_fetches_in_flight = 0
+        self._num_loop_fetches = 0  # this loop's fetches that hold a turn
         self._lookups = CoalescedCalls(self._lookup)
         self._pins: dict[str, bool] = {}  # "name@N" -> pinned, as last applied to the engine
         self._watch: asyncio.Task | None = None
@@ -225,16 +228,15 @@ class RegistryLink:
             task.add_done_callback(lambda _: self._fetches.pop(record.digest, None))
         return await asyncio.shield(task)
 
+    @property
+    def num_fetches_in_flight(self) -> int:
+        """Fetches asked of the registry and not yet received (the fetch process's waiting ones too)."""
+        return self.process.num_pending if self.process is not None else self._num_loop_fetches
+
     async def _fetch_checked(self, record: AdapterRecord, attempts: int) -> memoryview:
         asked = time.perf_counter()
         for attempt in range(1, attempts + 1):
-            async with self._fetch_turns:
-                started = time.perf_counter()
-                self.num_fetches_in_flight += 1
-                try:
-                    data, digest = await self._fetch_once(record)
-                finally:
-                    self.num_fetches_in_flight -= 1
+            data, digest, started = await self._fetch_once(record)
             if digest == record.digest:
                 self.num_fetches += 1
                 self.fetch_timings.append(FetchTiming(asked, started, time.perf_counter(), len(data)))
@@ -243,13 +245,21 @@ class RegistryLink:
             log.error("artifact of %s failed its sha256 check (attempt %d of %d)", record.ref, attempt, attempts)
         raise Unavailable(f"adapter {record.ref!r}: the fetched artifact does not match its digest")
 
-    async def _fetch_once(self, record: AdapterRecord) -> tuple[memoryview, str]:
-        """The artifact and its sha256: from the fetch process when there is one, else on this loop."""
+    async def _fetch_once(self, record: AdapterRecord) -> tuple[memoryview, str, float]:
+        """The artifact, its sha256 and when its transfer began (once it had a turn): from the fetch
+        process when there is one, else on this loop."""
         if self.process is not None:
-            return await self.process.fetch(record.name, record.version, record.ref)
-        artifact = Artifact()
-        digest = await receive_artifact(self._artifact_messages(record), artifact, record.ref)
-        return artifact.bytes(), digest
+            fetched = await self.process.fetch(record.name, record.version, record.ref)
+            return fetched.data, fetched.sha256, fetched.started
+        async with self._fetch_turns:
+            started = time.perf_counter()
+            self._num_loop_fetches += 1
+            try:
+                artifact = Artifact()
+                digest = await receive_artifact(self._artifact_messages(record), artifact, record.ref)
+            finally:
+                self._num_loop_fetches -= 1
+        return artifact.bytes(), digest, started
 
     def _artifact_messages(self, record: AdapterRecord) -> AsyncIterator[bytes]:
         """FetchAdapter's messages in wire format."""

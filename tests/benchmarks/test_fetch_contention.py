@@ -1,6 +1,6 @@
-"""benchmarks/fetch_contention.py on a tiny shape: every pass fetches every adapter twice, whole, at
-the switch interval it names, beside a busy thread or a busy event loop, and the process's interval is
-put back."""
+"""benchmarks/fetch_contention.py on a tiny shape: every pass fetches every adapter once a round, whole,
+at the switch interval it names, beside a busy thread or a busy event loop, and the process's interval
+is put back; the rate counts the bytes the fetches received."""
 
 import sys
 
@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import fetch_contention
 from engine.fetch_process import fetch_process_supported
+from engine.registry_link import RegistryLink
 
 
 def test_fetch_contention_smoke():
@@ -35,3 +36,30 @@ def test_fetch_contention_through_the_fetch_process_too():
 def test_fetch_contention_without_the_busy_loop():
     rows = fetch_contention.main(["--shape", "tiny", "--adapters", "1", "--concurrency", "1", "--switch-interval-ms", "1", "--busy-loop-ms", "0"])
     assert [(r["busy_thread"], r["busy_loop_ms"]) for r in rows] == [(False, 0), (True, 0)]
+
+
+def test_the_rate_counts_each_fetch_once(monkeypatch):
+    """A pass's bytes are what its fetches received: 2 rounds x 2 adapters, the warm-up fetch not counted
+    (two calls for one digest at once share one fetch, which a pass once counted twice)."""
+    received = []
+    fetch_once = RegistryLink._fetch_once
+
+    async def counted(self, record):
+        data, digest, started = await fetch_once(self, record)
+        received.append(len(data))
+        return data, digest, started
+
+    monkeypatch.setattr(RegistryLink, "_fetch_once", counted)
+    rows = fetch_contention.main([
+        "--shape", "tiny", "--adapters", "2", "--concurrency", "2", "--switch-interval-ms", "1", "--busy-loop-ms", "0",
+        "--rounds", "2",
+    ])  # fmt: skip
+    assert len(rows) == 2 and len(received) == 2 * (1 + 2 * 2)  # per pass: the warm-up, then 2 rounds of 2
+    per_pass = sum(received[1:5])
+    assert rows[0]["mb"] == round(per_pass / 1e6, 3) and rows[0]["fetches"] == 4
+    assert rows[0]["mb_s"] == pytest.approx(per_pass / 1e6 / rows[0]["seconds"], rel=0.05)  # seconds rounded to 1 ms
+
+
+def test_fetch_contention_refuses_no_rounds():
+    with pytest.raises(SystemExit):
+        fetch_contention.main(["--rounds", "0"])

@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
+import grpc
 import pytest
 
 from engine import fetch_process
@@ -24,6 +26,7 @@ from engine.fetch_process import fetch_process_supported
 from engine.host_memory import host_memory_bytes
 from engine.registry_link import RegistryLink, record_of
 from loramux.v1 import registry_pb2 as pb
+from loramux.v1 import registry_pb2_grpc as pb_grpc
 from tests.registry.harness import running_registry
 
 pytestmark = pytest.mark.skipif(not fetch_process_supported(), reason="the fetch process needs memfd and SCM_RIGHTS (Linux)")
@@ -126,6 +129,8 @@ async def test_a_child_that_dies_fails_its_fetches_and_the_next_fetch_starts_ano
 
 
 async def test_a_cancelled_fetch_leaves_no_descriptor(tmp_path, tiny_llama_dir, make_adapter):
+    """Fetches cancelled right after they were sent: the child is told (it drops them, or its answer
+    crossed the cancel and the memfd is closed on arrival); no descriptor is left behind."""
     async with running_registry(tmp_path / "registry") as registry_harness:
         await registry_harness.register_base("tiny", tiny_llama_dir)
         adapter = await registry_harness.register("gone", make_adapter("fp-gone", r=4, lora_alpha=8, seed=204))
@@ -140,11 +145,24 @@ async def test_a_cancelled_fetch_leaves_no_descriptor(tmp_path, tiny_llama_dir, 
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            # the answers still come, each with a memfd nobody maps: closed on arrival
-            await eventually(lambda: link.process.num_unclaimed == 5, "the cancelled fetches were answered")
-            assert open_artifact_memfds() == mapped
+            assert link.process.num_cancels + link.process.num_unclaimed == 5
+            fetched = await link.process.fetch("gone", adapter.version, "gone@1")  # after the cancels, in order
+            del fetched
+            await asyncio.sleep(0.5)  # a straggling answer of a cancelled fetch would have come by now
+            assert open_artifact_memfds() == mapped and link.process.num_pending == 0
             del data  # the last view of the mapping: unmapped, its descriptor closed
             assert open_artifact_memfds() == before
+
+
+async def test_an_answer_nobody_waits_for_has_its_descriptor_closed():
+    """An answer that crossed its fetch's cancel (or names no fetch) is counted and its memfd closed."""
+    process = fetch_process.FetchProcess("127.0.0.1:1")
+    before = open_artifact_memfds()
+    fd = os.memfd_create("loramux-artifact", os.MFD_CLOEXEC)
+    process._answered(json.dumps({"id": 41, "size": 0, "sha256": "", "started": 0.0}).encode(), fd)
+    assert process.num_unclaimed == 1 and open_artifact_memfds() == before
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 async def test_close_ends_the_child_and_later_fetches_are_refused(tmp_path, tiny_llama_dir):
@@ -211,9 +229,11 @@ async def test_the_childs_answer_maps_to_exactly_the_bytes_received(messages, re
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours, theirs:
-        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 7, "name": "a", "version": 1, "ref": "a@1"}, host_memory_bytes())
+        before = time.perf_counter()
+        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 7, "name": "a", "version": 1, "ref": "a@1"}, host_memory_bytes(), asyncio.Semaphore(1))
         message, fds, _, _ = socket.recv_fds(ours, 1 << 16, 1)
     reply = json.loads(message)
+    assert before <= reply.pop("started") <= time.perf_counter()
     assert reply == {"id": 7, "size": len(received), "sha256": hashlib.sha256(received).hexdigest()}
     assert len(fds) == (1 if received else 0)
     data = fetch_process._mapped(fds[0] if fds else None, reply["size"])
@@ -231,7 +251,7 @@ async def test_the_child_answers_a_malformed_stream_with_unavailable(messages, e
     before = open_artifact_memfds()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours, theirs:
-        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 3, "name": "a", "version": 1, "ref": "a@1"}, host_memory_bytes())
+        await fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 3, "name": "a", "version": 1, "ref": "a@1"}, host_memory_bytes(), asyncio.Semaphore(1))
         message, fds, _, _ = socket.recv_fds(ours, 1 << 16, 1)
     reply = json.loads(message)
     assert reply["id"] == 3 and reply["error"] == "UNAVAILABLE" and fds == []
@@ -266,3 +286,115 @@ async def test_a_fetch_right_after_the_child_died_starts_another(tmp_path, tiny_
             proc.wait()  # on the loop's thread: the reader's news cannot have been handled yet
             data = await link.fetch(record_of(adapter))
             assert len(data) == adapter.size_bytes and link.process.num_starts == 2
+
+
+class _GatedRegistry(pb_grpc.RegistryServicer):
+    """A registry whose FetchAdapter waits for the test's gate of each name: it records which fetches
+    started and which were cancelled while it held them; each artifact is its name, repeated."""
+
+    def __init__(self):
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+        self.gates: dict[str, asyncio.Event] = {}
+
+    @staticmethod
+    def artifact(name: str) -> bytes:
+        return name.encode() * 1000
+
+    def gate(self, name: str) -> asyncio.Event:
+        return self.gates.setdefault(name, asyncio.Event())
+
+    async def FetchAdapter(self, request, context):
+        self.started.append(request.name)
+        try:
+            await self.gate(request.name).wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(request.name)
+            raise
+        data = self.artifact(request.name)
+        yield pb.AdapterChunk(adapter=pb.Adapter(name=request.name, version=1, size_bytes=len(data)))
+        yield pb.AdapterChunk(data=pb.DataChunk(offset=0, data=data))
+
+
+@contextlib.asynccontextmanager
+async def gated_registry():
+    server = grpc.aio.server()
+    registry = _GatedRegistry()
+    pb_grpc.add_RegistryServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield registry, f"127.0.0.1:{port}"
+    finally:
+        for gate in registry.gates.values():
+            gate.set()
+        await server.stop(0)
+
+
+async def _send_in_order(process: fetch_process.FetchProcess, names: list[str]) -> dict[str, asyncio.Task]:
+    tasks = {}
+    for name in names:
+        tasks[name] = asyncio.create_task(process.fetch(name, 1, f"{name}@1"))
+        await eventually(lambda: process.num_pending == len(tasks), f"{name} sent")
+    return tasks
+
+
+async def test_the_child_runs_its_turns_in_order_and_starts_the_next_itself():
+    """max_concurrent 2: of four fetches sent at once the child starts two; each one that ends starts the
+    longest-waiting one; every answer is its artifact, started after it was asked for."""
+    async with gated_registry() as (registry, address):
+        process = fetch_process.FetchProcess(address, max_concurrent=2)
+        try:
+            asked = time.perf_counter()
+            tasks = await _send_in_order(process, ["a", "b", "c", "d"])
+            await eventually(lambda: len(registry.started) == 2, "two fetches started")
+            await asyncio.sleep(0.3)  # time for a third to start, were there no cap
+            assert sorted(registry.started) == ["a", "b"] and process.num_pending == 4  # the two race to the registry
+            registry.gate("b").set()
+            fetched_b = await asyncio.wait_for(tasks["b"], HANG_S)
+            await eventually(lambda: len(registry.started) == 3, "the third fetch started")
+            assert registry.started[2] == "c"
+            for name in "acd":
+                registry.gate(name).set()
+            fetched = {"b": fetched_b, **{name: await asyncio.wait_for(tasks[name], HANG_S) for name in "acd"}}
+            for name, got in fetched.items():
+                assert bytes(got.data) == registry.artifact(name)
+                assert got.sha256 == hashlib.sha256(registry.artifact(name)).hexdigest()
+                assert asked <= got.started <= time.perf_counter()
+            assert registry.started[2:] == ["c", "d"] and process.num_pending == 0
+            assert fetched["c"].started > fetched["a"].started and fetched["d"].started >= fetched["c"].started
+        finally:
+            await process.close()
+
+
+async def test_a_cancelled_fetch_frees_its_turn_or_never_starts():
+    """max_concurrent 1: cancelling the running fetch stops it at the registry and the queued one
+    starts; a queued fetch cancelled before its turn never reaches the registry; no answer and no
+    descriptor comes back for either."""
+    async with gated_registry() as (registry, address):
+        process = fetch_process.FetchProcess(address, max_concurrent=1)
+        try:
+            before = open_artifact_memfds()
+            tasks = await _send_in_order(process, ["run", "queued", "dropped", "last"])
+            await eventually(lambda: registry.started == ["run"], "the first fetch started")
+            tasks["dropped"].cancel()
+            tasks["run"].cancel()
+            for name in ("run", "dropped"):
+                with pytest.raises(asyncio.CancelledError):
+                    await tasks[name]
+            await eventually(lambda: registry.started == ["run", "queued"], "the queued fetch started")
+            await eventually(lambda: registry.cancelled == ["run"], "the running fetch was stopped")
+            registry.gate("queued").set()
+            registry.gate("last").set()
+            assert bytes((await asyncio.wait_for(tasks["queued"], HANG_S)).data) == registry.artifact("queued")
+            assert bytes((await asyncio.wait_for(tasks["last"], HANG_S)).data) == registry.artifact("last")
+            assert registry.started == ["run", "queued", "last"]  # "dropped" never started
+            assert process.num_cancels == 2 and process.num_unclaimed == 0 and process.num_pending == 0
+            assert open_artifact_memfds() == before + (2 if sys.version_info < (3, 13) else 0)  # the two mappings' own
+        finally:
+            await process.close()
+
+
+def test_the_fetch_process_refuses_no_turns():
+    with pytest.raises(ValueError, match="max_concurrent"):
+        fetch_process.FetchProcess("127.0.0.1:1", max_concurrent=0)

@@ -279,10 +279,10 @@ async def test_a_stream_that_overruns_or_omits_its_declared_size(loop_stack, mak
     with pytest.raises(Unavailable, match=r"malformed chunk .*bytes of an artifact of"):
         await link._fetch_once(record)
     serving(lambda messages: messages[:-1])
-    data, digest = await link._fetch_once(record)
+    data, digest, _ = await link._fetch_once(record)
     assert digest != record.digest and bytes(data) == expected[: len(data)] and len(data) < len(expected)
     serving(lambda messages: messages[1:])  # no Adapter message: the bytes grow as they come
-    data, digest = await link._fetch_once(record)
+    data, digest, _ = await link._fetch_once(record)
     assert digest == record.digest and bytes(data) == expected
     assert not data.readonly  # the safetensors reader's views want a writable buffer
     # an Adapter message that does not decode, or declares more than the host can allocate
@@ -407,17 +407,22 @@ async def engine_with_adapters(tmp_path, model_dir, make_adapter, prefix: str, c
 
 async def test_fetches_beyond_the_cap_wait_their_turn_in_order(tmp_path, tiny_llama_dir, make_adapter):
     """With --max-concurrent-fetches 2, requests for four uncached adapters start two fetches; each
-    finished fetch lets the longest-waiting one start, and every request is served."""
-    async with engine_with_adapters(tmp_path, tiny_llama_dir, make_adapter, "turn", 4, 70, max_loras_per_batch=2, max_concurrent_fetches=2) as (engine, stub, names):
+    finished fetch lets the longest-waiting one start, and every request is served. The event loop's
+    fetches (the fetch process keeps its own turns: tests/engine/test_fetch_process.py)."""
+    async with engine_with_adapters(
+        tmp_path, tiny_llama_dir, make_adapter, "turn", 4, 70, max_loras_per_batch=2, max_concurrent_fetches=2,
+        disable_fetch_process=True,
+    ) as (engine, stub, names):  # fmt: skip
         link = engine.core.link
-        started, gates, real_fetch = [], {name: asyncio.Event() for name in names}, link._fetch_once
+        started, gates, real_messages = [], {name: asyncio.Event() for name in names}, link._artifact_messages
 
-        async def gated(record):
+        async def gated(record):  # the stream of a fetch that has its turn
             started.append(record.name)
             await gates[record.name].wait()
-            return await real_fetch(record)
+            async for raw in real_messages(record):
+                yield raw
 
-        link._fetch_once = gated
+        link._artifact_messages = gated
         calls = []
         for name in names:  # one at a time, so the order they asked in is known
             calls.append(asyncio.ensure_future(generate(stub, name)))
