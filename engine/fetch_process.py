@@ -47,6 +47,7 @@ from pathlib import Path
 from engine.artifact_stream import Artifact, artifact_messages, receive_artifact
 from engine.errors import NotFound, Unavailable
 from engine.host_memory import host_memory_bytes
+from loramux.heap import keep_freed_chunks
 from loramux.security import TlsFiles, auth_metadata, open_channel
 from loramux.v1 import registry_pb2 as pb
 
@@ -389,6 +390,7 @@ async def _serve(sock: socket.socket, config: dict) -> None:
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the engine's to handle; it closes the socket
     logging.basicConfig(level=logging.WARNING, format="loramux fetch process: %(levelname)s %(message)s")
+    keep_freed_chunks()  # each chunk's message reuses the heap's pages (loramux/heap.py)
     sock = socket.socket(fileno=int(argv[0]))
     message = sock.recv(_DATAGRAM)
     if not message:

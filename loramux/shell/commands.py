@@ -30,9 +30,11 @@ def _registry_client(args) -> RegistryClient:
 
 
 def registry_serve(args) -> int:
+    from loramux.heap import keep_freed_chunks
     from registry.server import serve
 
     _setup_logging()
+    keep_freed_chunks()  # FetchAdapter's 1 MiB chunks reuse the heap's pages (loramux/heap.py)
 
     async def main() -> None:
         await serve(registry_config(args), stop_event_on_signals(), metrics_port=args.metrics_port)
