@@ -14,6 +14,8 @@ artifact's answer needs this process's GIL. Adapters are q/v rank-16 (PEFT's def
 each fetched once a round, --rounds rounds a pass over a warm link; one JSON line a pass, whose rate
 counts the bytes the fetches received (before 2026-12-03 the pass asked for every adapter twice at
 once, the link shared one fetch between the two calls, and the rate counted both: twice the real one).
+Each row also has, on Linux, the CPU seconds a GB and the minor page faults a MB that the registry,
+the fetch process and this process spent in the pass.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -42,14 +45,25 @@ from loramux.v1 import registry_pb2 as pb
 SHAPES = {"llama3-8b": LLAMA3_8B_CONFIG, "tiny": TINY_LLAMA_CONFIG}
 
 
+def process_usage(pid: int) -> tuple[float, int] | None:
+    """(CPU seconds, minor page faults) a process has used so far; None where /proc cannot say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
+
+
 async def fetch_pass(
     address: str, adapters: list[pb.Adapter], concurrency: int, busy_loop_ms: float = 0.0, fetch_process: bool = False,
-    rounds: int = 2,
-) -> tuple[float, int]:
-    """(seconds, bytes received) of fetching every adapter once a round, `concurrency` at a time, over one warm link;
-    with `busy_loop_ms`, beside a task that runs Python on the link's event loop in slices of that
-    long, as admission and the streams' deliveries do in the engine's process; with `fetch_process`,
-    through the engine's fetch process (engine/fetch_process.py) instead of on the link's loop."""
+    rounds: int = 2, registry_pid: int | None = None,
+) -> tuple[float, int, dict[str, tuple[float, int]]]:
+    """(seconds, bytes received, usage) of fetching every adapter once a round, `concurrency` at a time,
+    over one warm link; with `busy_loop_ms`, beside a task that runs Python on the link's event loop in
+    slices of that long, as admission and the streams' deliveries do in the engine's process; with
+    `fetch_process`, through the engine's fetch process (engine/fetch_process.py) instead of on the
+    link's loop. usage: what each process ("registry", "fetch_process", "engine": this one) spent in
+    the pass, (CPU seconds, minor page faults), where /proc says."""
     link = RegistryLink(
         address, adapters[0].base_model, "{}", on_event=lambda event: None, max_concurrent_fetches=concurrency,
         fetch_process=fetch_process,
@@ -59,14 +73,22 @@ async def fetch_pass(
         await link.fetch(record_of(adapters[0]))  # opens the connection
         if busy_loop_ms:
             busy = asyncio.create_task(busy_loop(busy_loop_ms / 1e3))
+        pids = {"registry": registry_pid, "fetch_process": link.process.pid if link.process else None, "engine": os.getpid()}
+        pids = {name: pid for name, pid in pids.items() if pid is not None}
+        used = {name: process_usage(pid) for name, pid in pids.items()}
         before, start = link.num_fetches, time.perf_counter()
         for _ in range(rounds):  # a round fetches each adapter once: calls for one digest at once share a fetch
             await asyncio.gather(*(link.fetch(record_of(a)) for a in adapters))
         seconds = time.perf_counter() - start
+        usage = {}
+        for name, pid in pids.items():
+            now = process_usage(pid)
+            if now is not None and used[name] is not None:
+                usage[name] = (now[0] - used[name][0], now[1] - used[name][1])
         timings = list(link.fetch_timings)[before - link.num_fetches :] if link.num_fetches > before else []
         if len(timings) != rounds * len(adapters):
             raise RuntimeError(f"{len(timings)} fetches made, {rounds * len(adapters)} asked for")
-        return seconds, sum(t.size for t in timings)
+        return seconds, sum(t.size for t in timings), usage
     finally:
         if busy is not None:
             busy.cancel()
@@ -141,12 +163,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 sys.setswitchinterval(interval_ms / 1e3 if interval_ms else before)
                 with BusyThread() if busy else contextlib.nullcontext():
                     for fetcher, concurrency in itertools.product(args.fetchers, args.concurrency):
-                        seconds, size = asyncio.run(fetch_pass(server.address, adapters, concurrency, loop_ms, fetcher == "process", args.rounds))
+                        seconds, size, usage = asyncio.run(
+                            fetch_pass(server.address, adapters, concurrency, loop_ms, fetcher == "process", args.rounds, server.proc.pid)
+                        )
                         row = {
                             "fetcher": fetcher, "busy_thread": busy, "busy_loop_ms": loop_ms,
                             "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3), "concurrency": concurrency,
                             "fetches": args.rounds * len(adapters), "mb": round(size / 1e6, 3), "seconds": round(seconds, 3), "mb_s": round(size / 1e6 / seconds, 3),
                         }  # fmt: skip
+                        for name, (cpu_s, faults) in usage.items():
+                            row[f"{name}_cpu_s_per_gb"] = round(cpu_s / (size / 1e9), 3)
+                            row[f"{name}_faults_per_mb"] = round(faults / (size / 1e6), 1)
                         print(json.dumps(row), flush=True)
                         rows.append(row)
         finally:
