@@ -56,14 +56,14 @@ async def receive_artifact(messages: AsyncIterator[bytes], artifact: Artifact, r
             except ValueError as exc:
                 raise Unavailable(f"adapter {ref!r}: the registry sent a malformed chunk ({exc})") from None
             if taking is not None:
-                await taking
+                await asyncio.shield(taking)  # a cancel must not leave the copy running unwaited
             taking = asyncio.ensure_future(asyncio.to_thread(artifact.take, offset, data))  # a view of its own message
         if taking is not None:
-            last, taking = taking, None
-            await last  # the last chunk's copy: its failure is the fetch's too
+            await asyncio.shield(taking)  # the last chunk's copy: its failure is the fetch's too
+            taking = None
     finally:
-        if taking is not None:  # the stream failed: no task left behind, its outcome read
-            await asyncio.wait([taking])
+        if taking is not None:  # the stream failed or was cancelled: the copy's thread has ended before
+            await asyncio.wait([taking])  # the caller frees the memory it writes; its outcome is read
             if not taking.cancelled():
                 taking.exception()
     return artifact.sha.hexdigest()

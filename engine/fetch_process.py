@@ -12,14 +12,14 @@ The engine sends each fetch as soon as it is asked for; the child runs at most `
 and starts the longest-waiting one the moment another ends, so the next transfer never waits for the
 engine's event loop (which waits for the engine's GIL) to hand out the turn. The engine keeps the rest:
 sharing one fetch between the callers of a digest, the sha256 check against the registry's digest (the
-child reports what it hashed) and its retries. A child that dies fails the fetches it had with
-UNAVAILABLE; the next fetch starts a new one. The child ends when the engine's end of the socket
-closes, the engine's death included.
+child reports what it hashed) and its retries. A child that dies is replaced, and each fetch it had
+(running or waiting for a turn) is sent to the new one, once; a second loss fails it UNAVAILABLE. The
+child ends when the engine's end of the socket closes, the engine's death included.
 
 Protocol, one datagram each way (SOCK_SEQPACKET keeps them whole): first the engine's configuration
 `{"address", "tls", "api_key", "max_concurrent"}`, then requests `{"id", "name", "version", "ref"}` and
-`{"cancel": id}` (a fetch whose caller has gone: dropped if it has not started, stopped if it has, and
-not answered); each answer is `{"id", "size", "sha256", "started"}` with the memfd attached (none for
+`{"cancel": id}` (a fetch cancelled on the engine's side, which the link's shared fetches are only at the
+engine's stop: dropped if it has not started, stopped if it has, and not answered); each answer is `{"id", "size", "sha256", "started"}` with the memfd attached (none for
 an empty artifact) or `{"id", "error", "message"}` with `error` NOT_FOUND or UNAVAILABLE. `started` is
 when the transfer began, on time.perf_counter's clock, which is CLOCK_MONOTONIC and so the same in
 both processes on Linux.
@@ -74,6 +74,10 @@ class Fetched:
     data: memoryview
     sha256: str
     started: float
+
+
+class _ChildLost(Unavailable):
+    """The child went before it answered (or before the request reached it): the fetch may be sent again."""
 
 
 def fetch_process_supported() -> bool:
@@ -142,23 +146,35 @@ class FetchProcess:
         return len(self._pending)
 
     async def fetch(self, name: str, version: int, ref: str) -> Fetched:
-        """The artifact of name@version; the child runs it when one of its turns is free."""
+        """The artifact of name@version; the child runs it when one of its turns is free. A child that
+        is gone at the send, or dies before answering, is replaced and the fetch sent again, once:
+        every fetch waiting in a child that dies would otherwise fail with it."""
+        for attempt in (1, 2):
+            try:
+                return await self._fetch_once(name, version, ref)
+            except _ChildLost as exc:
+                if attempt == 2 or self._closed:
+                    raise Unavailable(f"adapter {ref!r}: {exc}") from None
+                log.warning("adapter %s: %s; sending it to a new fetch process", ref, exc)
+        raise AssertionError("unreachable")
+
+    async def _fetch_once(self, name: str, version: int, ref: str) -> Fetched:
         key = next(self._ids)
         request = json.dumps({"id": key, "name": name, "version": version, "ref": ref}).encode()
         answer = asyncio.get_running_loop().create_future()
-        for attempt in (1, 2):  # a child found gone at the send is replaced once
-            self.start()
-            sock = self._sock
-            self._pending[key] = answer
-            try:
-                await _send(sock, request)
-                break
-            except OSError as exc:
-                self._pending.pop(key, None)
-                if sock is self._sock:
-                    self._lost(sock)
-                if attempt == 2:
-                    raise Unavailable(f"adapter {ref!r}: the fetch process is gone ({exc})") from None
+        self.start()
+        sock = self._sock
+        self._pending[key] = answer
+        try:
+            await _send(sock, request)
+        except OSError as exc:
+            self._pending.pop(key, None)
+            if sock is self._sock:
+                self._lost(sock)
+            raise _ChildLost(f"the fetch process is gone ({exc})") from None
+        except BaseException:  # cancelled while the socket's buffer was full: nothing was sent
+            self._pending.pop(key, None)
+            raise
         try:
             reply, fd = await answer
         except asyncio.CancelledError:
@@ -166,9 +182,9 @@ class FetchProcess:
                 self.num_unclaimed += 1
                 _close(answer.result()[1])  # answered as this caller was cancelled: nobody maps it
             elif sock is self._sock:  # the child still has it: its turn goes to the next fetch
-                self.num_cancels += 1
                 with contextlib.suppress(OSError):  # a child that is gone has dropped it anyway
                     sock.send(json.dumps({"cancel": key}).encode(), socket.MSG_DONTWAIT)
+                    self.num_cancels += 1
             raise
         finally:
             self._pending.pop(key, None)
@@ -246,7 +262,7 @@ class FetchProcess:
         pending, self._pending = self._pending, {}
         for answer in pending.values():
             if not answer.done():
-                answer.set_exception(Unavailable(f"the adapter fetch process {ended} during the fetch"))
+                answer.set_exception(_ChildLost(f"the adapter fetch process {ended} during the fetch"))
 
 
 async def _send(sock: socket.socket, data: bytes) -> None:
@@ -370,13 +386,17 @@ async def _serve(sock: socket.socket, config: dict) -> None:
     fetches: dict[int, asyncio.Task] = {}  # request id -> its fetch, until answered or cancelled
     try:
         while (message := await requests.get()) is not None:
-            request = json.loads(message)
+            try:
+                request = json.loads(message)
+                key = request["cancel"] if "cancel" in request else request["id"]
+            except (ValueError, KeyError, TypeError):  # only the engine writes here; never end every fetch over it
+                log.error("a request that does not parse: %r", message[:200])
+                continue
             if "cancel" in request:
-                task = fetches.get(request["cancel"])
+                task = fetches.get(key)
                 if task is not None:  # else answered already: the engine closes the memfd
                     task.cancel()
                 continue
-            key = request["id"]
             task = asyncio.create_task(_fetch_one(sock, fetch_raw, metadata, request, host_bytes, turns))
             fetches[key] = task
             task.add_done_callback(lambda _, key=key: fetches.pop(key, None))

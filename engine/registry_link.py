@@ -40,7 +40,8 @@ MAX_FETCH_TIMINGS = 4096  # the newest fetches RegistryLink.fetch_timings keeps
 @dataclass(frozen=True)
 class FetchTiming:
     """One checked fetch on time.perf_counter's clock: when the artifact was asked for, when its
-    (last) attempt got a fetch turn, when its bytes were checked; and their size. benchmarks/serve.py
+    (last) attempt got a fetch turn (in the fetch process, whose clock is the same), when its bytes
+    were checked; and their size. benchmarks/serve.py
     reads them: the wait for a turn, each transfer's time, and the rate of all transfers together."""
 
     asked: float

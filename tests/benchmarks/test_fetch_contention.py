@@ -30,7 +30,8 @@ def test_fetch_contention_through_the_fetch_process_too():
         "--fetchers", "loop", "process",
     ])  # fmt: skip
     assert [(r["fetcher"], r["busy_thread"]) for r in rows] == [("loop", False), ("process", False), ("loop", True), ("process", True)]
-    assert all(r["fetch_process_cpu_s_per_gb"] > 0 and r["fetch_process_faults_per_mb"] >= 0 for r in rows if r["fetcher"] == "process")
+    # /proc counts CPU in 10 ms ticks: a tiny pass may use less than one
+    assert all(r["fetch_process_cpu_s_per_gb"] >= 0 and r["fetch_process_faults_per_mb"] >= 0 for r in rows if r["fetcher"] == "process")
     assert len({r["mb"] for r in rows}) == 1 and all(r["mb_s"] > 0 for r in rows)
 
 
@@ -59,9 +60,10 @@ def test_the_rate_counts_each_fetch_once(monkeypatch):
     per_pass = sum(received[1:5])
     assert rows[0]["mb"] == round(per_pass / 1e6, 3) and rows[0]["fetches"] == 4
     if sys.platform.startswith("linux"):  # what each process spent, from /proc
-        assert rows[0]["registry_cpu_s_per_gb"] > 0 and rows[0]["engine_cpu_s_per_gb"] >= 0
+        assert rows[0]["registry_cpu_s_per_gb"] >= 0 and rows[0]["engine_cpu_s_per_gb"] >= 0  # 10 ms ticks
         assert "fetch_process_cpu_s_per_gb" not in rows[0]  # the event loop's fetches: no child
-    assert rows[0]["mb_s"] == pytest.approx(per_pass / 1e6 / rows[0]["seconds"], rel=0.05)  # seconds rounded to 1 ms
+    seconds = rows[0]["seconds"]  # rounded to 1 ms
+    assert rows[0]["mb_s"] == pytest.approx(per_pass / 1e6 / seconds, rel=0.0006 / seconds + 0.001)
 
 
 def test_fetch_contention_refuses_no_rounds():
