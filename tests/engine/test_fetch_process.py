@@ -423,3 +423,38 @@ async def test_a_cancelled_fetch_frees_its_turn_or_never_starts():
 def test_the_fetch_process_refuses_no_turns():
     with pytest.raises(ValueError, match="max_concurrent"):
         fetch_process.FetchProcess("127.0.0.1:1", max_concurrent=0)
+
+
+async def test_a_fetch_cancelled_mid_copy_frees_its_memfd_only_after_the_copy():
+    """The child's fetch is cancelled while a chunk's copy runs on its worker thread: the memfd is
+    closed only once that copy has ended (closing it under the thread could send its write to a
+    descriptor number reused meanwhile)."""
+    events, writing = [], asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    class SlowArtifact(fetch_process._MemfdArtifact):
+        def _write(self, offset, data):
+            loop.call_soon_threadsafe(writing.set)
+            time.sleep(0.3)
+            super()._write(offset, data)
+            events.append("copied")
+
+        def release(self):
+            events.append("released")
+            super().release()
+
+    messages = [_adapter_message(len(PAYLOAD)), *_chunks(PAYLOAD)]
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fetch_process, "_MemfdArtifact", SlowArtifact)
+        task = asyncio.create_task(
+            fetch_process._fetch_one(theirs, _Stream(messages), (), {"id": 5, "name": "a", "version": 1, "ref": "a@1"}, host_memory_bytes(), asyncio.Semaphore(1))
+        )
+        await asyncio.wait_for(writing.wait(), HANG_S)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert events == ["copied", "released"]
+        ours.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            ours.recv(1 << 16)  # a cancelled fetch is not answered
