@@ -24,7 +24,7 @@ from engine.adapters import AdapterRecord
 from engine.artifact_stream import Artifact, artifact_messages, receive_artifact, unavailable
 from engine.coalesce import CoalescedCalls
 from engine.errors import EngineError, FailedPrecondition, NotFound, Unavailable
-from engine.fetch_process import CHANNEL_OPTIONS, FETCH_METHOD, FetchProcess, fetch_process_supported
+from engine.fetch_process import CHANNEL_OPTIONS, FETCH_METHOD, Fetched, FetchProcess, fetch_process_supported
 from loraformat.names import parse_ref
 from loramux.security import Principal, Role, TlsFiles, auth_metadata, open_channel
 from loramux.v1 import registry_pb2 as pb
@@ -237,21 +237,20 @@ class RegistryLink:
     async def _fetch_checked(self, record: AdapterRecord, attempts: int) -> memoryview:
         asked = time.perf_counter()
         for attempt in range(1, attempts + 1):
-            data, digest, started = await self._fetch_once(record)
-            if digest == record.digest:
+            fetched = await self._fetch_once(record)
+            if fetched.sha256 == record.digest:
                 self.num_fetches += 1
-                self.fetch_timings.append(FetchTiming(asked, started, time.perf_counter(), len(data)))
-                return data
+                self.fetch_timings.append(FetchTiming(asked, fetched.started, time.perf_counter(), len(fetched.data)))
+                return fetched.data
             self.num_digest_mismatches += 1
             log.error("artifact of %s failed its sha256 check (attempt %d of %d)", record.ref, attempt, attempts)
         raise Unavailable(f"adapter {record.ref!r}: the fetched artifact does not match its digest")
 
-    async def _fetch_once(self, record: AdapterRecord) -> tuple[memoryview, str, float]:
+    async def _fetch_once(self, record: AdapterRecord) -> Fetched:
         """The artifact, its sha256 and when its transfer began (once it had a turn): from the fetch
         process when there is one, else on this loop."""
         if self.process is not None:
-            fetched = await self.process.fetch(record.name, record.version, record.ref)
-            return fetched.data, fetched.sha256, fetched.started
+            return await self.process.fetch(record.name, record.version, record.ref)
         async with self._fetch_turns:
             started = time.perf_counter()
             self._num_loop_fetches += 1
@@ -260,7 +259,7 @@ class RegistryLink:
                 digest = await receive_artifact(self._artifact_messages(record), artifact, record.ref)
             finally:
                 self._num_loop_fetches -= 1
-        return artifact.bytes(), digest, started
+        return Fetched(artifact.bytes(), digest, started)
 
     def _artifact_messages(self, record: AdapterRecord) -> AsyncIterator[bytes]:
         """FetchAdapter's messages in wire format."""

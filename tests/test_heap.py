@@ -6,10 +6,10 @@ import json
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from benchmarks.fetch_contention import process_usage
 from benchmarks.registry_transfer import write_peft_adapter
 from engine.fetch_process import fetch_process_supported
 from engine.named_shapes import LLAMA3_8B_CONFIG
@@ -20,10 +20,6 @@ from loramux.testing.procs import Service
 from loramux.v1 import registry_pb2 as pb
 
 MAX_FAULTS_PER_MB = 80  # measured 22 (fetch process) and 6 (registry) with the settings, 255 and 377 without
-
-
-def minor_faults(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
 async def _ignore(kind, record):
@@ -47,11 +43,11 @@ async def test_streaming_chunks_reuses_the_heaps_pages(tmp_path):
         try:
             await link.fetch(record_of(adapter))  # warm: both heaps grow once
             child = link.process.pid
-            before = minor_faults(child), minor_faults(registry.proc.pid)
+            before = process_usage(child)[1], process_usage(registry.proc.pid)[1]  # minor page faults
             fetched = 0
             for _ in range(40):
                 fetched += len(await link.fetch(record_of(adapter)))
-            after = minor_faults(child), minor_faults(registry.proc.pid)
+            after = process_usage(child)[1], process_usage(registry.proc.pid)[1]
         finally:
             await link.close()
     finally:

@@ -47,9 +47,9 @@ def test_the_rate_counts_each_fetch_once(monkeypatch):
     fetch_once = RegistryLink._fetch_once
 
     async def counted(self, record):
-        data, digest, started = await fetch_once(self, record)
-        received.append(len(data))
-        return data, digest, started
+        fetched = await fetch_once(self, record)
+        received.append(len(fetched.data))
+        return fetched
 
     monkeypatch.setattr(RegistryLink, "_fetch_once", counted)
     rows = fetch_contention.main([

@@ -279,10 +279,12 @@ async def test_a_stream_that_overruns_or_omits_its_declared_size(loop_stack, mak
     with pytest.raises(Unavailable, match=r"malformed chunk .*bytes of an artifact of"):
         await link._fetch_once(record)
     serving(lambda messages: messages[:-1])
-    data, digest, _ = await link._fetch_once(record)
+    fetched = await link._fetch_once(record)
+    data, digest = fetched.data, fetched.sha256
     assert digest != record.digest and bytes(data) == expected[: len(data)] and len(data) < len(expected)
     serving(lambda messages: messages[1:])  # no Adapter message: the bytes grow as they come
-    data, digest, _ = await link._fetch_once(record)
+    fetched = await link._fetch_once(record)
+    data, digest = fetched.data, fetched.sha256
     assert digest == record.digest and bytes(data) == expected
     assert not data.readonly  # the safetensors reader's views want a writable buffer
     # an Adapter message that does not decode, or declares more than the host can allocate
