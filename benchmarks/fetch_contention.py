@@ -56,33 +56,34 @@ def process_usage(pid: int) -> tuple[float, int] | None:
 
 async def fetch_pass(
     address: str, adapters: list[pb.Adapter], concurrency: int, busy_loop_ms: float = 0.0, fetch_process: bool = False,
-    rounds: int = 2, registry_pid: int | None = None,
+    rounds: int = 2, registry_pid: int | None = None, fetch_processes: int = 1,
 ) -> tuple[float, int, dict[str, tuple[float, int]]]:
     """(seconds, bytes received, usage) of fetching every adapter once a round, `concurrency` at a time,
     over one warm link; with `busy_loop_ms`, beside a task that runs Python on the link's event loop in
     slices of that long, as admission and the streams' deliveries do in the engine's process; with
-    `fetch_process`, through the engine's fetch process (engine/fetch_process.py) instead of on the
-    link's loop. usage: what each process ("registry", "fetch_process", "engine": this one) spent in
-    the pass, (CPU seconds, minor page faults), where /proc says."""
+    `fetch_process`, through the engine's fetch processes (engine/fetch_process.py; `fetch_processes` of
+    them) instead of on the link's loop. usage: what each process ("registry", "fetch_process": all of
+    them, "engine": this one) spent in the pass, (CPU seconds, minor page faults), where /proc says."""
     link = RegistryLink(
         address, adapters[0].base_model, "{}", on_event=lambda event: None, max_concurrent_fetches=concurrency,
-        fetch_process=fetch_process,
+        fetch_process=fetch_process, fetch_processes=fetch_processes,
     )  # fmt: skip
     busy = None
     try:
         await link.fetch(record_of(adapters[0]))  # opens the connection
         if busy_loop_ms:
             busy = asyncio.create_task(busy_loop(busy_loop_ms / 1e3))
-        pids = {"registry": registry_pid, "fetch_process": link.process.pid if link.process else None, "engine": os.getpid()}
-        pids = {name: pid for name, pid in pids.items() if pid is not None}
-        used = {name: process_usage(pid) for name, pid in pids.items()}
+        await asyncio.gather(*(link.fetch(record_of(a)) for a in adapters[: len(link.processes)]))  # each child started
+        pids = {"registry": [registry_pid], "fetch_process": [p.pid for p in link.processes], "engine": [os.getpid()]}
+        pids = {name: ids for name, ids in pids.items() if ids and None not in ids}
+        used = {name: usage_of(ids) for name, ids in pids.items()}
         before, start = link.num_fetches, time.perf_counter()
         for _ in range(rounds):  # a round fetches each adapter once: calls for one digest at once share a fetch
             await asyncio.gather(*(link.fetch(record_of(a)) for a in adapters))
         seconds = time.perf_counter() - start
         usage = {}
-        for name, pid in pids.items():
-            now = process_usage(pid)
+        for name, ids in pids.items():
+            now = usage_of(ids)
             if now is not None and used[name] is not None:
                 usage[name] = (now[0] - used[name][0], now[1] - used[name][1])
         timings = list(link.fetch_timings)[before - link.num_fetches :] if link.num_fetches > before else []
@@ -93,6 +94,14 @@ async def fetch_pass(
         if busy is not None:
             busy.cancel()
         await link.close()
+
+
+def usage_of(pids: list[int]) -> tuple[float, int] | None:
+    """process_usage summed over `pids`; None if /proc does not say for one of them."""
+    usages = [process_usage(pid) for pid in pids]
+    if None in usages:
+        return None
+    return sum(u[0] for u in usages), sum(u[1] for u in usages)
 
 
 async def busy_loop(slice_s: float) -> None:
@@ -130,8 +139,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--rounds", type=int, default=2, help="fetches of every adapter a pass, one round after another")
-    p.add_argument("--switch-interval-ms", type=float, nargs="+", default=[5.0, 1.0, 0.5])
+    p.add_argument("--switch-interval-ms", type=float, nargs="*", default=[5.0, 1.0, 0.5], help="passes beside a busy thread at these switch intervals (none: no such pass)")
     p.add_argument("--busy-loop-ms", type=float, default=1.0, help="also fetch beside a busy event loop, in slices this long (0: not)")
+    p.add_argument("--fetch-processes", type=int, nargs="+", default=[1], help="with --fetchers process: passes with this many fetch processes")
     p.add_argument(
         "--fetchers", nargs="+", default=["loop"], choices=("loop", "process"),
         help="where the link receives the bytes: its event loop, the engine's fetch process (Linux), or both in turn",
@@ -139,6 +149,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if min(args.fetch_processes) < 1:
+        p.error(f"--fetch-processes must be >= 1, got {min(args.fetch_processes)}")
     if args.busy_loop_ms < 0:
         p.error(f"--busy-loop-ms must be >= 0, got {args.busy_loop_ms}")
     config, rows = SHAPES[args.shape], []
@@ -162,12 +174,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for busy, loop_ms, interval_ms in settings:
                 sys.setswitchinterval(interval_ms / 1e3 if interval_ms else before)
                 with BusyThread() if busy else contextlib.nullcontext():
-                    for fetcher, concurrency in itertools.product(args.fetchers, args.concurrency):
+                    passes = [("loop", 0)] if "loop" in args.fetchers else []
+                    passes += [("process", n) for n in args.fetch_processes] if "process" in args.fetchers else []
+                    for (fetcher, processes), concurrency in itertools.product(passes, args.concurrency):
+                        if processes > concurrency:
+                            continue  # as many as fetches at once at most
                         seconds, size, usage = asyncio.run(
-                            fetch_pass(server.address, adapters, concurrency, loop_ms, fetcher == "process", args.rounds, server.proc.pid)
-                        )
+                            fetch_pass(
+                                server.address, adapters, concurrency, loop_ms, fetcher == "process", args.rounds, server.proc.pid,
+                                max(processes, 1),
+                            )
+                        )  # fmt: skip
                         row = {
-                            "fetcher": fetcher, "busy_thread": busy, "busy_loop_ms": loop_ms,
+                            "fetcher": fetcher, **({"fetch_processes": processes} if processes else {}), "busy_thread": busy, "busy_loop_ms": loop_ms,
                             "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3), "concurrency": concurrency,
                             "fetches": args.rounds * len(adapters), "mb": round(size / 1e6, 3), "seconds": round(seconds, 3), "mb_s": round(size / 1e6 / seconds, 3),
                         }  # fmt: skip

@@ -61,6 +61,7 @@ from engine.admission import GenerateInput
 from engine.config import (
     DECODE_FUSED_TARGETS,
     DEFAULT_ADAPTER_PREP_THREADS,
+    DEFAULT_FETCH_PROCESSES,
     DEFAULT_LORA_LOAD_AHEAD,
     DEFAULT_LORA_SM_CARVEOUT,
     EngineConfig,
@@ -592,7 +593,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "--host-pinned-gb", "auto" if config.host_pinned_gb is None else str(config.host_pinned_gb),
         "--adapter-prep-threads", str(config.adapter_prep_threads), "--gil-switch-interval-ms", str(config.gil_switch_interval_ms),
         "--max-concurrent-fetches", str(config.max_concurrent_fetches),
-        *(["--disable-fetch-process"] if config.disable_fetch_process else []),
+        *(["--disable-fetch-process"] if config.disable_fetch_process else []), "--fetch-processes", str(config.fetch_processes),
         "--max-running-requests", str(config.max_running_requests),
         "--max-batch-tokens", str(config.max_batch_tokens), "--max-context", str(config.max_context),
         "--num-kv-slots", str(config.num_kv_slots),
@@ -739,6 +740,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         gil_switch_interval_ms=args.gil_switch_interval_ms,
         max_concurrent_fetches=args.max_concurrent_fetches,
         disable_fetch_process=args.disable_fetch_process,
+        fetch_processes=args.fetch_processes,
         max_running_requests=args.max_running,
         max_batch_tokens=args.max_batch_tokens,
         max_context=max_context,
@@ -788,6 +790,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gil-switch-interval-ms", type=float, default=0.0, help="the engine's --gil-switch-interval-ms (0 = Python's)")
     p.add_argument("--max-concurrent-fetches", type=int, default=4, help="the engine's --max-concurrent-fetches (registry fetches at once)")
     p.add_argument("--disable-fetch-process", action="store_true", help="the engine's --disable-fetch-process (fetch on its event loop)")
+    p.add_argument("--fetch-processes", type=int, default=DEFAULT_FETCH_PROCESSES, help="the engine's --fetch-processes")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--graph-max-tokens", type=int, default=2048, help="prefill and mixed steps up to N tokens replay graphs (0 = eager)")

@@ -27,6 +27,11 @@ DEFAULT_LORA_LOAD_AHEAD = 2
 # adapters, runs steps of few rows back to back; twenty take the GIL from the loop's launches.
 DEFAULT_ADAPTER_PREP_THREADS = 4
 
+# One: on the H200 host a second fetch process took 8 fetches at once from 1.43 to 1.64 GB/s, and four
+# did not beat two, but the cold Zipf pass of benchmarks/serve.py did not change with either
+# (BENCHMARKS.md, 2026-12-03, eighteenth session); each process holds its own interpreter and connection.
+DEFAULT_FETCH_PROCESSES = 1
+
 # A bit over a third of an H200's 132 SMs. Llama-3-8B decode steps with rank-16 adapters on every
 # projection, each GEMM enqueued before its side-stream LoRA kernels (BENCHMARKS.md, 2026-12-02), LoRA/base
 # with 8 adapters at batch 32 and 64: 0.85, 0.88 for a carve-out of 40 SMs; 0.87-0.88, 0.87-0.88 for 48;
@@ -93,6 +98,9 @@ class EngineConfig:
     # False: fetches run on the engine's event loop instead of a process of their own (engine/fetch_process.py,
     # Linux only), where every chunk waits for the GIL the engine's step thread holds
     disable_fetch_process: bool = False
+    # fetch processes that split the fetches' turns (never more than max_concurrent_fetches): each one's
+    # event loop handles every chunk of the fetches it runs
+    fetch_processes: int = DEFAULT_FETCH_PROCESSES
     # threads that check and pack fetched adapters, at most this many at a time: the check and the packing
     # run Python and small tensor ops per layer and projection, and every thread doing them competes for
     # the GIL with the engine loop's launches
@@ -132,6 +140,8 @@ class EngineConfig:
             raise ValueError(f"kernel_configs {self.kernel_configs!r} is not a directory")
         if self.max_concurrent_fetches < 1:
             raise ValueError(f"max_concurrent_fetches must be >= 1, got {self.max_concurrent_fetches}")
+        if not 1 <= self.fetch_processes <= 64:
+            raise ValueError(f"fetch_processes must be 1-64, got {self.fetch_processes}")
         if not 0 <= self.gil_switch_interval_ms <= 100:
             raise ValueError(f"gil_switch_interval_ms must be 0-100 (0 = Python's own), got {self.gil_switch_interval_ms}")
         if not 1 <= self.adapter_prep_threads <= 64:

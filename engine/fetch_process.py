@@ -2,7 +2,7 @@
 
 In the engine's process every FetchAdapter chunk needs the GIL several times (gRPC's completion, the
 event loop, the hash-and-copy thread), and the engine's step thread holds it most of the time: on the
-H200 host four fetches at once went 1863 MB/s alone and 164 MB/s beside a thread running Python, and
+H200 host four fetches at once went about 930 MB/s alone and 80 MB/s beside a thread running Python, and
 the cold Zipf pass of benchmarks/serve.py waited a median 1.1 s for its fetches. Here a child process
 (`python -m engine.fetch_process`, which imports neither torch nor the model code) runs its own gRPC
 channel to the registry and receives each artifact into a memfd; the engine gets the descriptor over a
@@ -14,7 +14,8 @@ engine's event loop (which waits for the engine's GIL) to hand out the turn. The
 sharing one fetch between the callers of a digest, the sha256 check against the registry's digest (the
 child reports what it hashed) and its retries. A child that dies is replaced, and each fetch it had
 (running or waiting for a turn) is sent to the new one, once; a second loss fails it UNAVAILABLE. The
-child ends when the engine's end of the socket closes, the engine's death included.
+child ends when the engine's end of the socket closes, the engine's death included. The engine may run
+several of them (RegistryLink's `fetch_processes`), each with its share of the turns.
 
 Protocol, one datagram each way (SOCK_SEQPACKET keeps them whole): first the engine's configuration
 `{"address", "tls", "api_key", "max_concurrent"}`, then requests `{"id", "name", "version", "ref"}` and
@@ -91,6 +92,7 @@ class FetchProcess:
     def __init__(self, address: str, api_key: str = "", tls: TlsFiles | None = None, max_concurrent: int = 4):
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        self.max_concurrent = max_concurrent
         self._config = {
             "address": address, "api_key": api_key, "tls": dataclasses.asdict(tls) if tls is not None else None,
             "max_concurrent": max_concurrent,

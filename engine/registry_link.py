@@ -80,7 +80,10 @@ class RegistryLink:
         tls: TlsFiles | None = None,
         max_concurrent_fetches: int = 4,
         fetch_process: bool = True,
+        fetch_processes: int = 1,
     ):
+        if fetch_processes < 1:
+            raise ValueError(f"fetch_processes must be >= 1, got {fetch_processes}")
         self.address = address
         self.base_model = base_model
         self.config_json = config_json
@@ -94,10 +97,15 @@ class RegistryLink:
         self._fetch_raw = self.channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchAdapterRequest.SerializeToString)
         # The artifacts' bytes come through a process of its own (engine/fetch_process.py) where the
         # platform allows: here every chunk needed this process's GIL, which the engine's step thread
-        # holds most of the time (4 fetches at once went 1863 MB/s alone, 164 beside a busy thread).
-        self.process = (
-            FetchProcess(address, api_key, tls, max_concurrent_fetches) if fetch_process and fetch_process_supported() else None
-        )
+        # holds most of the time (4 fetches at once went about 930 MB/s alone, 80 beside a busy thread).
+        # Several such processes can split the turns (none gets fewer than one): one process's event loop
+        # handles every chunk of its fetches. On the H200 host two took 8 fetches at once from 1.43 to
+        # 1.64 GB/s (BENCHMARKS.md, 2026-12-03); the cold Zipf pass of serve.py did not change.
+        self.processes: tuple[FetchProcess, ...] = ()
+        if fetch_process and fetch_process_supported():
+            count = min(fetch_processes, max_concurrent_fetches)
+            shares = [max_concurrent_fetches // count + (i < max_concurrent_fetches % count) for i in range(count)]
+            self.processes = tuple(FetchProcess(address, api_key, tls, share) for share in shares)
         self._resolved: dict[tuple[str, int], AdapterRecord] = {}
         self._generation: dict[str, int] = {}  # bumped by every event of a name (and a fresh watch)
         self._epoch = 0
@@ -119,8 +127,8 @@ class RegistryLink:
 
     async def start(self) -> None:
         """Try to register the base model now; keep trying (and watching) in the background."""
-        if self.process is not None:
-            self.process.start()  # its interpreter starts while the base model registers
+        for process in self.processes:
+            process.start()  # its interpreter starts while the base model registers
         try:
             await self._register_base_model()
         except grpc.aio.AioRpcError as exc:
@@ -135,8 +143,7 @@ class RegistryLink:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
-        if self.process is not None:
-            await self.process.close()
+        await asyncio.gather(*(process.close() for process in self.processes))
         await self.channel.close()
 
     # ---- resolution --------------------------------------------------------------------------
@@ -232,7 +239,14 @@ class RegistryLink:
     @property
     def num_fetches_in_flight(self) -> int:
         """Fetches asked of the registry and not yet received (the fetch process's waiting ones too)."""
-        return self.process.num_pending if self.process is not None else self._num_loop_fetches
+        if self.processes:
+            return sum(process.num_pending for process in self.processes)
+        return self._num_loop_fetches
+
+    @property
+    def process(self) -> FetchProcess | None:
+        """The first fetch process (the only one by default); None when fetches run on this loop."""
+        return self.processes[0] if self.processes else None
 
     async def _fetch_checked(self, record: AdapterRecord, attempts: int) -> memoryview:
         asked = time.perf_counter()
@@ -247,10 +261,11 @@ class RegistryLink:
         raise Unavailable(f"adapter {record.ref!r}: the fetched artifact does not match its digest")
 
     async def _fetch_once(self, record: AdapterRecord) -> Fetched:
-        """The artifact, its sha256 and when its transfer began (once it had a turn): from the fetch
+        """The artifact, its sha256 and when its transfer began (once it had a turn): from a fetch
         process when there is one, else on this loop."""
-        if self.process is not None:
-            return await self.process.fetch(record.name, record.version, record.ref)
+        if self.processes:  # the least busy for its share of the turns
+            process = min(self.processes, key=lambda p: p.num_pending / p.max_concurrent)
+            return await process.fetch(record.name, record.version, record.ref)
         async with self._fetch_turns:
             started = time.perf_counter()
             self._num_loop_fetches += 1

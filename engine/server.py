@@ -101,7 +101,7 @@ class EngineServer:
             self.core.link = RegistryLink(
                 self.config.registry, self.core.base_model_name, config_json, self.core.on_registry_event,
                 api_key=self.config.api_key, tls=self.config.tls, max_concurrent_fetches=self.config.max_concurrent_fetches,
-                fetch_process=not self.config.disable_fetch_process,
+                fetch_process=not self.config.disable_fetch_process, fetch_processes=self.config.fetch_processes,
             )
             if self.config.auth:
                 self.admission.auth = KeyChecker(self.core.link.check_key, self.config.key_cache_s)

@@ -81,6 +81,21 @@ def test_the_fetch_process_is_on_unless_the_flag_or_its_variable_turns_it_off():
     assert engine_config(args, "m", 0).disable_fetch_process is True
 
 
+def test_fetch_processes_reach_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).fetch_processes == 1
+    args = cli.build_parser({"LORAMUX_FETCH_PROCESSES": "3"}).parse_args(serve)
+    assert engine_config(args, "m", 0).fetch_processes == 3
+    args = cli.build_parser({"LORAMUX_FETCH_PROCESSES": "3"}).parse_args([*serve, "--fetch-processes", "2"])
+    assert engine_config(args, "m", 0).fetch_processes == 2
+    with pytest.raises(SystemExit):
+        cli.build_parser({}).parse_args([*serve, "--fetch-processes", "0"])
+    with pytest.raises(ValueError, match="fetch_processes"):
+        EngineConfig(model_dir="m", fetch_processes=0)
+
+
 def test_adapter_prep_threads_reach_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

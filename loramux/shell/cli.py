@@ -13,6 +13,7 @@ from engine.config import (
     DECODE_FUSED_TARGETS,
     DEFAULT_ADAPTER_PREP_THREADS,
     DEFAULT_ENGINE_PORT,
+    DEFAULT_FETCH_PROCESSES,
     DEFAULT_HTTP_PORT,
     DEFAULT_LORA_DRAIN_WAIT_S,
     DEFAULT_LORA_LOAD_AHEAD,
@@ -314,6 +315,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         "--disable-fetch-process", action="store_true", default=env("--disable-fetch-process", "") not in ("", "0", "false"),
         help="receive adapters from the registry on the engine's event loop instead of in a process of its own"
         " (Linux; there the chunks do not wait for the engine's GIL)",
+    )
+    p.add_argument(
+        "--fetch-processes", type=_int_in(1, 64), default=int(env("--fetch-processes", DEFAULT_FETCH_PROCESSES)),
+        help="processes that receive adapters from the registry, splitting --max-concurrent-fetches between them"
+        " (one process's event loop handles every chunk of its fetches)",
     )
     p.add_argument(
         "--adapter-prep-threads", type=_int_in(1, 64), default=int(env("--adapter-prep-threads", DEFAULT_ADAPTER_PREP_THREADS)),

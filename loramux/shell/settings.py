@@ -90,6 +90,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         registry=registry or getattr(args, "registry", ""),
         max_concurrent_fetches=args.max_concurrent_fetches,
         disable_fetch_process=args.disable_fetch_process,
+        fetch_processes=args.fetch_processes,
         adapter_prep_threads=args.adapter_prep_threads,
         gil_switch_interval_ms=args.gil_switch_interval_ms,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -69,3 +69,27 @@ def test_the_rate_counts_each_fetch_once(monkeypatch):
 def test_fetch_contention_refuses_no_rounds():
     with pytest.raises(SystemExit):
         fetch_contention.main(["--rounds", "0"])
+
+
+@pytest.mark.skipif(not fetch_process_supported(), reason="the fetch process needs Linux")
+def test_fetch_contention_over_several_fetch_processes(monkeypatch):
+    """A pass per number of fetch processes and concurrency (never more processes than fetches at once);
+    the fetch processes' usage is the sum over all of them: each process's reading here goes up by one
+    CPU second a pass, so two processes report twice the registry's CPU a GB."""
+    readings: dict[int, int] = {}
+
+    def usage(pid: int) -> tuple[float, int]:
+        readings[pid] = readings.get(pid, 0) + 1
+        return float(readings[pid]), 0
+
+    monkeypatch.setattr(fetch_contention, "process_usage", usage)
+    rows = fetch_contention.main([
+        "--shape", "tiny", "--adapters", "2", "--concurrency", "1", "2", "--switch-interval-ms", "--busy-loop-ms", "0",
+        "--fetchers", "process", "--fetch-processes", "1", "2",
+    ])  # fmt: skip
+    assert [(r["fetch_processes"], r["concurrency"]) for r in rows] == [(1, 1), (1, 2), (2, 2)]
+    for row in rows:
+        assert row["fetch_process_cpu_s_per_gb"] == pytest.approx(row["fetch_processes"] * row["registry_cpu_s_per_gb"], rel=1e-3)
+        assert row["mb_s"] > 0 and row["fetches"] == 4
+    with pytest.raises(SystemExit):
+        fetch_contention.main(["--fetch-processes", "0"])

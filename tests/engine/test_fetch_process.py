@@ -318,6 +318,7 @@ class _GatedRegistry(pb_grpc.RegistryServicer):
     started and which were cancelled while it held them; each artifact is its name, repeated."""
 
     def __init__(self):
+        self.peers: dict[str, str] = {}  # name -> the connection it came on (one a fetch process)
         self.started: list[str] = []
         self.cancelled: list[str] = []
         self.gates: dict[str, asyncio.Event] = {}
@@ -330,6 +331,7 @@ class _GatedRegistry(pb_grpc.RegistryServicer):
         return self.gates.setdefault(name, asyncio.Event())
 
     async def FetchAdapter(self, request, context):
+        self.peers[request.name] = context.peer()
         self.started.append(request.name)
         try:
             await self.gate(request.name).wait()
@@ -418,6 +420,56 @@ async def test_a_cancelled_fetch_frees_its_turn_or_never_starts():
             assert open_artifact_memfds() == before + (2 if sys.version_info < (3, 13) else 0)  # the two mappings' own
         finally:
             await process.close()
+
+
+def _gated_record(registry: _GatedRegistry, name: str):
+    digest = hashlib.sha256(registry.artifact(name)).hexdigest()
+    return record_of(pb.Adapter(name=name, version=1, digest=digest, base_model="tiny"))
+
+
+async def test_the_link_splits_its_turns_between_its_fetch_processes():
+    """Three turns over two fetch processes (two and one): of five fetches at once three start, on two
+    connections (one a process); the others wait in the process they were sent to, the least busy for its
+    share, and start as turns there free; every answer is its artifact."""
+    async with gated_registry() as (registry, address):
+        link = RegistryLink(address, "tiny", "{}", _ignore, max_concurrent_fetches=3, fetch_processes=2)
+        try:
+            assert [p.max_concurrent for p in link.processes] == [2, 1] and link.process is link.processes[0]
+            names = ["a", "b", "c", "d", "e"]  # sent in this order: a, c, d to the first process; b, e to the second
+            tasks = {name: asyncio.create_task(link.fetch(_gated_record(registry, name))) for name in names}
+            await eventually(lambda: link.num_fetches_in_flight == 5, "every fetch sent")
+            await eventually(lambda: len(registry.started) == 3, "three fetches started")
+            await asyncio.sleep(0.3)  # time for a fourth to start, were there no cap
+            assert sorted(registry.started) == ["a", "b", "c"]
+            assert [p.num_pending for p in link.processes] == [3, 2]
+            assert registry.peers["a"] == registry.peers["c"] != registry.peers["b"]
+            registry.gate("b").set()
+            assert bytes(await asyncio.wait_for(tasks["b"], HANG_S)) == registry.artifact("b")
+            await eventually(lambda: len(registry.started) == 4, "the second process's next fetch started")
+            assert registry.started[3] == "e" and registry.peers["e"] == registry.peers["b"]
+            registry.gate("a").set()
+            await eventually(lambda: len(registry.started) == 5, "the first process's next fetch started")
+            assert registry.started[4] == "d" and registry.peers["d"] == registry.peers["a"]
+            for name in names:
+                registry.gate(name).set()
+            for name in names:
+                assert bytes(await asyncio.wait_for(tasks[name], HANG_S)) == registry.artifact(name)
+            pids = [p.pid for p in link.processes]
+            assert None not in pids and len(set(pids)) == 2 and link.num_fetches_in_flight == 0
+        finally:
+            await link.close()
+        assert all(p._proc.poll() is not None for p in link.processes)  # close() ended both
+
+
+async def test_the_link_starts_no_more_fetch_processes_than_turns():
+    async with gated_registry() as (_, address):
+        link = RegistryLink(address, "tiny", "{}", _ignore, max_concurrent_fetches=2, fetch_processes=5)
+        try:
+            assert [p.max_concurrent for p in link.processes] == [1, 1]
+            with pytest.raises(ValueError, match="fetch_processes"):
+                RegistryLink(address, "tiny", "{}", _ignore, fetch_processes=0)
+        finally:
+            await link.close()
 
 
 def test_the_fetch_process_refuses_no_turns():
