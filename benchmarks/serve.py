@@ -31,7 +31,9 @@ slots, later ones find them in the host cache (and, with enough slots, still loa
 --target-modules picks the projections the adapters adapt (PEFT's default is q_proj and v_proj; all
 seven by default). --slow-steps N (in-process engine) adds each scenario's N longest inter-token gaps
 between the engine's token deliveries (`StepTrace`): what the delivered step computed, the host time and
-slot loads of the launches made in the gap, and garbage collection inside it. JSON to --out.
+slot loads of the launches made in the gap, and garbage collection inside it. --timeline-ms B adds
+each engine scenario's timeline in buckets of B ms (`timeline`): where a cold pass falls behind the base
+one. JSON to --out.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import functools
 import gc
 import itertools
 import json
+import math
 import shutil
 import subprocess
 import time
@@ -412,6 +415,11 @@ class InProcessClient:
         """--slow-steps: the scenario's step gaps (StepTrace.take); {} without."""
         return self.trace.take(self.slow_steps) if self.trace is not None else {}
 
+    def fetch_ends(self) -> list[float]:
+        """When each registry fetch since the last load_report ended (time.perf_counter); [] with no registry."""
+        link = self.core.link
+        return [f.done for f in link.fetch_timings] if link is not None else []
+
     def load_report(self) -> dict:
         """The adapter loads into the host cache since the last call (EngineCore.load_timings): how many,
         and each stage's p50 / p99 / max in ms (getting the bytes, waiting for a packing thread,
@@ -538,7 +546,37 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
     }
 
 
-async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
+def timeline(traces: list[Trace], start: float, wall_s: float, bucket_s: float, fetched: Sequence[float] | None = None) -> list[dict]:
+    """The scenario in buckets of `bucket_s` from its start: output tokens delivered in each, requests
+    that got their first token in it, requests streaming at its end (first token seen, last not yet),
+    and, given their end times (time.perf_counter), the registry fetches that ended in it."""
+    num = max(1, math.ceil(wall_s / bucket_s - 1e-9))  # 0.4 / 0.1 is a hair over 4
+    tokens, first, streaming, ended = (np.zeros(num, dtype=np.int64) for _ in range(4))
+
+    def bucket(when: float) -> int:
+        return min(num - 1, max(0, int((when - start) / bucket_s)))
+
+    for trace in traces:
+        if not trace.deltas:
+            continue
+        for when, count in trace.deltas:
+            tokens[bucket(when)] += count
+        begin, end = bucket(trace.deltas[0][0]), bucket(trace.deltas[-1][0])
+        first[begin] += 1
+        streaming[begin:end] += 1
+    for done in fetched or ():
+        if done >= start:
+            ended[bucket(done)] += 1
+    return [
+        {
+            "t_s": round(i * bucket_s, 6), "tokens": int(tokens[i]), "first_tokens": int(first[i]), "streaming": int(streaming[i]),
+            **({"fetches_ended": int(ended[i])} if fetched is not None else {}),
+        }
+        for i in range(num)
+    ]  # fmt: skip
+
+
+async def run_scenario(client, scenario: Scenario, workload: Workload, timeline_s: float = 0.0) -> dict:
     prompts, arrivals = workload.prompts(), workload.arrivals()
     before = await client.counters()
     lag = None
@@ -559,13 +597,16 @@ async def run_scenario(client, scenario: Scenario, workload: Workload) -> dict:
     row = summarize(traces, wall_s)
     row |= {key: after[key] - before.get(key, 0) for key in after}
     row["num_distinct_adapters"] = len({a for a in scenario.adapters if a})
+    if timeline_s > 0:
+        fetched = client.fetch_ends() if isinstance(client, InProcessClient) else None
+        row["timeline"] = timeline(traces, start, wall_s, timeline_s, fetched)
     if isinstance(client, InProcessClient):
         row |= client.step_report() | client.load_report() | lagged
     return row
 
 
 async def run_engine(
-    kind: str, make_client, scenarios: list[Scenario], workload: Workload, passes: int = 1
+    kind: str, make_client, scenarios: list[Scenario], workload: Workload, passes: int = 1, timeline_s: float = 0.0
 ) -> list[dict]:
     client = await make_client()
     rows = []
@@ -573,7 +614,7 @@ async def run_engine(
         for scenario in scenarios:
             for pass_ in range(1, passes + 1):
                 row = {"engine": kind, "scenario": scenario.name, "arrival": workload.arrival, "pass": pass_}
-                rows.append(row | await run_scenario(client, scenario, workload))
+                rows.append(row | await run_scenario(client, scenario, workload, timeline_s))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         await client.close()
@@ -808,6 +849,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora-decode-fused-expand", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-fused-expand"
     )
     p.add_argument(
+        "--timeline-ms", type=float, default=0.0,
+        help="add each engine scenario's timeline in buckets this long: tokens, first tokens, requests streaming,"
+        " registry fetches ended (in process) (0: none)",
+    )
+    p.add_argument(
         "--slow-steps", type=int, default=0,
         help="in-process engine: report each scenario's N longest gaps between steps' token deliveries (StepTrace)",
     )
@@ -817,7 +863,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="write the JSON report here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.timeline_ms < 0:
+        p.error(f"--timeline-ms must be >= 0, got {args.timeline_ms}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -848,12 +897,15 @@ def main(argv: list[str] | None = None) -> dict:
             )
             if "inproc" in args.engines:
                 rows += asyncio.run(
-                    run_engine("inproc", lambda: in_process_client(config, args.slow_steps), scenarios, workload, args.passes)
+                    run_engine(
+                        "inproc", lambda: in_process_client(config, args.slow_steps), scenarios, workload, args.passes,
+                        args.timeline_ms / 1e3,
+                    )
                 )
                 _free(args.device)
             if "grpc" in args.engines:
                 rows += asyncio.run(
-                    run_engine("grpc", lambda: grpc_client(config), scenarios, workload, args.passes)
+                    run_engine("grpc", lambda: grpc_client(config), scenarios, workload, args.passes, args.timeline_ms / 1e3)
                 )
         if "hf" in args.engines:
             workload = Workload(

@@ -4,6 +4,7 @@ consistent with the workload (every request's tokens arrive, latencies are order
 load slots and look up the host cache, the base scenario does neither)."""
 
 import json
+import math
 
 import pytest
 
@@ -61,9 +62,16 @@ def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
         "--shape", "demo", "--device", "cpu", "--work-dir", str(tmp_path / "work"), "--engines", "inproc",
         "--num-requests", "4", "--prompt-len", "6", "--output-len", "3", "--scenarios", "base", "2",
         "--max-loras", "2", "--max-host-adapters", "2", "--max-running", "4", "--passes", "2",
-        "--target-modules", "v_proj", "q_proj", "--slow-steps", "1000",
+        "--target-modules", "v_proj", "q_proj", "--slow-steps", "1000", "--timeline-ms", "5",
     ]  # fmt: skip
     rows = {(r["scenario"], r["pass"]): r for r in serve.main(args)["results"]}
+    for key, row in rows.items():  # --timeline-ms 5: every token and first token in one bucket of 5 ms
+        buckets = row["timeline"]
+        assert [b["t_s"] for b in buckets] == [round(i * 0.005, 6) for i in range(len(buckets))], key
+        assert len(buckets) == max(1, math.ceil(row["wall_s"] / 0.005)), key
+        assert sum(b["tokens"] for b in buckets) == row["output_tokens"], key
+        assert sum(b["first_tokens"] for b in buckets) == 4 and all(0 <= b["streaming"] <= 4 for b in buckets), key
+        assert sum(b["fetches_ended"] for b in buckets) == (2 if key == ("2", 1) else 0), key  # the cold pass fetched both
     for key, row in rows.items():  # --slow-steps 1000: every gap, the slowest first
         gaps = row["slow_steps"]
         assert len(gaps) == row["step_gaps"] >= 2, key  # 3 tokens a request: 2 gaps at least
@@ -118,3 +126,20 @@ def test_serve_passes_engine_fetch_and_gil_settings(tmp_path, fetches):
     config = serve.engine_config(serve.parse_args(argv), tmp_path, "127.0.0.1:1")
     assert config.max_concurrent_fetches == (int(fetches) if fetches else serve.EngineConfig.max_concurrent_fetches)
     assert config.gil_switch_interval_ms == 0.5
+
+
+def test_the_timeline_counts_each_token_in_its_bucket():
+    start = 100.0
+    traces = [
+        serve.Trace(100.0, [(100.05, 1), (100.15, 2), (100.35, 1)]),  # streaming at the ends of buckets 0-2
+        serve.Trace(100.0, [(100.25, 1)]),  # one token: streaming at no bucket's end
+        serve.Trace(100.0, []),
+    ]
+    buckets = serve.timeline(traces, start, 0.4, 0.1, fetched=[99.0, 100.01, 100.39, 100.5])
+    assert [b["tokens"] for b in buckets] == [1, 2, 1, 1]
+    assert [b["first_tokens"] for b in buckets] == [1, 0, 1, 0]
+    assert [b["streaming"] for b in buckets] == [1, 1, 1, 0]
+    assert [b["fetches_ended"] for b in buckets] == [1, 0, 0, 2]  # before the start: not counted; after the end: the last bucket
+    assert "fetches_ended" not in serve.timeline(traces, start, 0.4, 0.1)[0]
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--timeline-ms", "-1"])
