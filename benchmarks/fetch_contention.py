@@ -4,18 +4,20 @@ serve` process on loopback, alone, beside Python running on the link's own event
 and the streams' deliveries run on the engine's), then beside a busy thread at each GIL switch interval.
 
     python benchmarks/fetch_contention.py [--shape llama3-8b] [--adapters 8] [--concurrency 1 4 8]
-        [--switch-interval-ms 5 1 0.5] [--busy-loop-ms 1] [--fetchers loop process]
+        [--switch-interval-ms 5 1 0.5] [--busy-loop-ms 1] [--fetchers loop process] [--fetch-processes 1 2]
 
 The link's event loop needs the GIL for every 1 MiB chunk that arrives, and its hash-and-copy thread
 for every chunk it takes: beside a thread that holds the GIL, each of those waits up to the switch
 interval (the engine's --gil-switch-interval-ms); beside a busy loop, each chunk also waits for the
 loop's turn. Through the fetch process (--fetchers process) the chunks meet neither: only each
-artifact's answer needs this process's GIL. Adapters are q/v rank-16 (PEFT's default targets),
+artifact's answer needs this process's GIL; --fetch-processes N splits the turns between N of them
+(one pass for each N, never more processes than fetches at once). Adapters are q/v rank-16 (PEFT's default targets),
 each fetched once a round, --rounds rounds a pass over a warm link; one JSON line a pass, whose rate
 counts the bytes the fetches received (before 2026-12-03 the pass asked for every adapter twice at
 once, the link shared one fetch between the two calls, and the rate counted both: twice the real one).
 Each row also has, on Linux, the CPU seconds a GB and the minor page faults a MB that the registry,
-the fetch process and this process spent in the pass.
+the fetch processes (together) and this process spent in the pass. --switch-interval-ms with no value
+and --busy-loop-ms 0 leave out the passes beside a busy thread or loop.
 """
 
 from __future__ import annotations
