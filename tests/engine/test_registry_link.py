@@ -452,7 +452,7 @@ async def test_fetched_adapters_pack_on_the_prep_threads_at_most_that_many_at_a_
     asyncio's default threads (whose many packers held the engine loop off the GIL), and all are served."""
     async with engine_with_adapters(tmp_path, tiny_llama_dir, make_adapter, "prep", 3, 90, max_loras_per_batch=3, adapter_prep_threads=prep_threads) as (engine, stub, names):
         core, changed = engine.core, threading.Condition()
-        active, most, threads, real_pack = [0], [0], set(), core._pack
+        active, most, threads, real_pack, stuck = [0], [0], set(), core._pack, []
 
         def pack(record, artifact):
             with changed:
@@ -461,8 +461,15 @@ async def test_fetched_adapters_pack_on_the_prep_threads_at_most_that_many_at_a_
                 threads.add(threading.current_thread().name)
                 changed.notify_all()
                 # hold until the threads allowed are all packing (or a third one slipped in), so the
-                # count does not depend on how the fetches happen to interleave
-                changed.wait_for(lambda: active[0] >= prep_threads, timeout=HANG_S)
+                # count does not depend on how the fetches happen to interleave; a wait that times out
+                # says where the other loads were (once, in a CI run with two test workers, the second
+                # pack never came and the requests hit their deadline with nothing more to go on)
+                if not changed.wait_for(lambda: active[0] >= prep_threads, timeout=HANG_S / 4):
+                    stuck.append({
+                        "packing": active[0], "fetched": core.link.num_fetches, "fetches_in_flight": core.link.num_fetches_in_flight,
+                        "loading": len(core._loading), "prep_threads_started": len(core._prep._threads),
+                        "prep_queued": core._prep._work_queue.qsize(),
+                    })  # fmt: skip
             time.sleep(0.1)  # time for a pack beyond the limit to start, were there no limit
             try:
                 return real_pack(record, artifact)
@@ -472,6 +479,7 @@ async def test_fetched_adapters_pack_on_the_prep_threads_at_most_that_many_at_a_
 
         core._pack = pack
         results = await asyncio.gather(*(generate(stub, name) for name in names))
+        assert not stuck, stuck
         assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
         assert most[0] == prep_threads and len(threads) == prep_threads
         assert all(name.startswith("adapter-prep") for name in threads), threads
