@@ -33,7 +33,8 @@ seven by default). --slow-steps N (in-process engine) adds each scenario's N lon
 between the engine's token deliveries (`StepTrace`): what the delivered step computed, the host time and
 slot loads of the launches made in the gap, and garbage collection inside it. --timeline-ms B adds
 each engine scenario's timeline in buckets of B ms (`timeline`): where a cold pass falls behind the base
-one. JSON to --out.
+one; with --slow-steps too, each bucket also sums the step gaps that ended in it (their wait for the
+device, launch host time, slot loads, collections). JSON to --out.
 """
 
 from __future__ import annotations
@@ -263,6 +264,7 @@ class StepTrace:
         self._delivered: dict | None = None  # this iteration's post-processed step, not yet delivered
         self._start_gap()
         self.totals = {"slot_loads": 0, "prefill_tokens": 0}  # every step's since the last take, gap or not
+        self.taken: list[dict] = []  # the gaps the last take returned
         self._gc_start: float | None = None
         real_launch, real_post, real_after = loop._launch, loop._post_process, loop.after_step
 
@@ -322,7 +324,7 @@ class StepTrace:
         if self._last_end is not None and uids & self._last_uids:
             self.gaps.append({
                 "gap_ms": (now - self._last_end) * 1e3, **d, "launch_host_ms": self._launch_ms,
-                "slot_loads": self._loads, "slot_load_ms": self._load_ms, "gc_ms": self._gc_ms,
+                "slot_loads": self._loads, "slot_load_ms": self._load_ms, "gc_ms": self._gc_ms, "end": now,
             })  # fmt: skip
         self._last_end, self._last_uids = now, uids
         self._start_gap()
@@ -334,8 +336,9 @@ class StepTrace:
 
     def take(self, slowest: int) -> dict:
         """The gaps since the last take (p50/p99, and the `slowest` longest with their steps); gaps start
-        again at the next delivery."""
+        again at the next delivery. The gaps themselves stay in `taken` (for the timeline)."""
         gaps, self.gaps, self._last_end = self.gaps, [], None
+        self.taken = gaps
         totals, self.totals = self.totals, dict.fromkeys(self.totals, 0)
         ordered = sorted(gaps, key=lambda g: g["gap_ms"], reverse=True)
         values = np.array([g["gap_ms"] for g in gaps]) if gaps else None
@@ -345,7 +348,7 @@ class StepTrace:
             # rounded like the slow steps, so p99 never reads above the slowest gap it is taken from
             "step_gap_p50_ms": round(float(np.percentile(values, 50)), 3) if gaps else None,
             "step_gap_p99_ms": round(float(np.percentile(values, 99)), 3) if gaps else None,
-            "slow_steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()} for g in ordered[:slowest]],
+            "slow_steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in g.items() if k != "end"} for g in ordered[:slowest]],
         }
 
 
@@ -546,12 +549,23 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
     }
 
 
-def timeline(traces: list[Trace], start: float, wall_s: float, bucket_s: float, fetched: Sequence[float] | None = None) -> list[dict]:
+STEP_SUMS = ("gap_ms", "post_process_ms", "launch_host_ms", "slot_loads", "slot_load_ms", "gc_ms")  # per bucket
+
+
+def timeline(
+    traces: list[Trace], start: float, wall_s: float, bucket_s: float, fetched: Sequence[float] | None = None,
+    gaps: Sequence[dict] | None = None,
+) -> list[dict]:
     """The scenario in buckets of `bucket_s` from its start: output tokens delivered in each, requests
     that got their first token in it, requests streaming at its end (first token seen, last not yet),
-    and, given their end times (time.perf_counter), the registry fetches that ended in it."""
+    and, given their end times (time.perf_counter), the registry fetches that ended in it; given the
+    StepTrace gaps (each with its "end"), the gaps that ended in it and their sums (STEP_SUMS): how
+    long the steps of that stretch took, and in what (the wait for the device, the launches' host
+    time, slot loads, collections)."""
     num = max(1, math.ceil(wall_s / bucket_s - 1e-9))  # 0.4 / 0.1 is a hair over 4
     tokens, first, streaming, ended = (np.zeros(num, dtype=np.int64) for _ in range(4))
+    steps = np.zeros(num, dtype=np.int64)
+    sums = {key: np.zeros(num) for key in STEP_SUMS}
 
     def bucket(when: float) -> int:
         return min(num - 1, max(0, int((when - start) / bucket_s)))
@@ -567,10 +581,17 @@ def timeline(traces: list[Trace], start: float, wall_s: float, bucket_s: float, 
     for done in fetched or ():
         if done >= start:
             ended[bucket(done)] += 1
+    for gap in gaps or ():
+        if gap["end"] >= start:
+            i = bucket(gap["end"])
+            steps[i] += 1
+            for key in STEP_SUMS:
+                sums[key][i] += gap[key]
     return [
         {
             "t_s": round(i * bucket_s, 6), "tokens": int(tokens[i]), "first_tokens": int(first[i]), "streaming": int(streaming[i]),
             **({"fetches_ended": int(ended[i])} if fetched is not None else {}),
+            **({"step_gaps": int(steps[i])} | {key: round(float(sums[key][i]), 2) for key in STEP_SUMS} if gaps is not None else {}),
         }
         for i in range(num)
     ]  # fmt: skip
@@ -597,11 +618,14 @@ async def run_scenario(client, scenario: Scenario, workload: Workload, timeline_
     row = summarize(traces, wall_s)
     row |= {key: after[key] - before.get(key, 0) for key in after}
     row["num_distinct_adapters"] = len({a for a in scenario.adapters if a})
+    in_process = isinstance(client, InProcessClient)
+    steps = client.step_report() if in_process else {}
     if timeline_s > 0:
-        fetched = client.fetch_ends() if isinstance(client, InProcessClient) else None
-        row["timeline"] = timeline(traces, start, wall_s, timeline_s, fetched)
-    if isinstance(client, InProcessClient):
-        row |= client.step_report() | client.load_report() | lagged
+        fetched = client.fetch_ends() if in_process else None
+        gaps = client.trace.taken if in_process and client.trace is not None else None
+        row["timeline"] = timeline(traces, start, wall_s, timeline_s, fetched, gaps)
+    if in_process:
+        row |= steps | client.load_report() | lagged
     return row
 
 

@@ -72,6 +72,11 @@ def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
         assert sum(b["tokens"] for b in buckets) == row["output_tokens"], key
         assert sum(b["first_tokens"] for b in buckets) == 4 and all(0 <= b["streaming"] <= 4 for b in buckets), key
         assert sum(b["fetches_ended"] for b in buckets) == (2 if key == ("2", 1) else 0), key  # the cold pass fetched both
+        # with --slow-steps: each gap in the bucket it ended in, its parts summed there
+        assert sum(b["step_gaps"] for b in buckets) == row["step_gaps"], key
+        assert sum(b["slot_loads"] for b in buckets) == sum(g["slot_loads"] for g in row["slow_steps"]), key
+        assert sum(b["gap_ms"] for b in buckets) == pytest.approx(sum(g["gap_ms"] for g in row["slow_steps"]), abs=0.01 * len(buckets)), key
+        assert all(b["gap_ms"] >= b["post_process_ms"] >= 0 and b["launch_host_ms"] >= b["slot_load_ms"] >= 0 for b in buckets), key
     for key, row in rows.items():  # --slow-steps 1000: every gap, the slowest first
         gaps = row["slow_steps"]
         assert len(gaps) == row["step_gaps"] >= 2, key  # 3 tokens a request: 2 gaps at least
@@ -141,5 +146,11 @@ def test_the_timeline_counts_each_token_in_its_bucket():
     assert [b["streaming"] for b in buckets] == [1, 1, 1, 0]
     assert [b["fetches_ended"] for b in buckets] == [1, 0, 0, 2]  # before the start: not counted; after the end: the last bucket
     assert "fetches_ended" not in serve.timeline(traces, start, 0.4, 0.1)[0]
+    gap = dict.fromkeys(serve.STEP_SUMS, 1.5) | {"slot_loads": 2}
+    gaps = [gap | {"end": 99.9}, gap | {"end": 100.12}, gap | {"end": 100.18, "gc_ms": 4.0}]  # the first before the start
+    buckets = serve.timeline(traces, start, 0.4, 0.1, gaps=gaps)
+    assert [b["step_gaps"] for b in buckets] == [0, 2, 0, 0]
+    assert [b["gc_ms"] for b in buckets] == [0, 5.5, 0, 0] and buckets[1]["slot_loads"] == 4 and buckets[1]["gap_ms"] == 3.0
+    assert "step_gaps" not in serve.timeline(traces, start, 0.4, 0.1)[0]
     with pytest.raises(SystemExit):
         serve.parse_args(["--timeline-ms", "-1"])
