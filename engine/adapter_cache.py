@@ -11,6 +11,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,10 +40,17 @@ def pack_adapter(
     runs beside the engine loop's launches (EngineCore's prep thread), so each pass over the adapter's
     bytes is time the launches may wait for the GIL or a core."""
     rank, num_layers = adapter.rank, adapter.num_layers
+
+    def adapted() -> list[str]:
+        return [n for n, t in targets.items() if any(adapter.adapts(layer, m) for layer in range(num_layers) for m in t.modules)]
+
+    if isinstance(adapter.tensors, TensorViews):  # which targets it adapts: once per distinct header
+        names = adapter.tensors.header.derive(("adapted", tuple(targets.items())), adapted)
+    else:
+        names = adapted()
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # adapted target -> (A shape, B shape)
-    for name, target in targets.items():
-        if not any(adapter.adapts(layer, m) for layer in range(num_layers) for m in target.modules):
-            continue
+    for name in names:
+        target = targets[name]
         shapes[name] = ((num_layers, target.num_stack * rank, target.in_dim), (num_layers, target.out_dim, rank))
     itemsize = dtype.itemsize
     nbytes = {shape: math.prod(shape) * itemsize for pair in shapes.values() for shape in pair}
@@ -81,18 +89,23 @@ def _fill(adapter: CanonicalAdapter, target: FusedTarget, a: torch.Tensor, b: to
     region over torch's threads (one a core), which stalls whenever a core is busy elsewhere (the loop's
     device waits, the event loop, the fetches). A copy per layer and projection, about 200 for a q/v
     adapter of a 32-layer model, was both. A read artifact whose tensors share one dtype is gathered from
-    its bytes (_gather_bytes); other adapters (tensors in memory, mixed dtypes) copy their tensors in one
-    `torch._foreach_copy_` and zero the rest in one `torch._foreach_zero_`."""
+    its bytes (_gather_bytes, by a plan made once per distinct artifact header); other adapters (tensors
+    in memory, mixed dtypes) copy their tensors in one `torch._foreach_copy_` and zero the rest in one
+    `torch._foreach_zero_`."""
+    if isinstance(adapter.tensors, TensorViews):
+        views = adapter.tensors
+        # the plan depends on the header alone (the adapter's fields and tensors come from it)
+        plan = views.header.derive(("gather", target, MIN_GATHER_ROW), lambda: _gather_plan(views, adapter, target))
+        if plan is not None:
+            _gather_bytes(views, plan, a, b)
+            return
     rank = adapter.rank
-    present = [[adapter.adapts(layer, m) for m in target.modules] for layer in range(adapter.num_layers)]
-    if isinstance(adapter.tensors, TensorViews) and _gather_bytes(adapter.tensors, adapter, target, present, a, b):
-        return
     dst, src, zeros = [], [], []
     for layer in range(adapter.num_layers):
         for k, module in enumerate(target.modules):
             offset, size = target.output_slices[k]
             a_rows, b_rows = a[layer, k * rank : (k + 1) * rank], b[layer, offset : offset + size]
-            if present[layer][k]:
+            if adapter.adapts(layer, module):
                 dst += (a_rows, b_rows)
                 src += adapter.module_weights(layer, module)  # lora_A [rank, in], lora_B [out, rank]
             else:
@@ -106,25 +119,32 @@ def _fill(adapter: CanonicalAdapter, target: FusedTarget, a: torch.Tensor, b: to
 MIN_GATHER_ROW = 256  # bytes; a finer grain gathers through index arrays as large as the adapter
 
 
-def _gather_bytes(
-    views: TensorViews, adapter: CanonicalAdapter, target: FusedTarget, present: list[list[bool]], a: torch.Tensor, b: torch.Tensor
-) -> bool:
-    """_fill from the artifact's bytes, in numpy: each packed tensor is the concatenation, layer by layer
-    and projection by projection, of the projections' lora_A (lora_B) bytes, zeros where one is missing.
-    One `np.take` of whole rows (R bytes, the largest size that divides every piece and offset) copies
-    them on this thread with the GIL let go once, and one assignment zeroes the missing pieces. An
-    artifact of another dtype than the packed tensors is gathered into a staging buffer that one torch
-    copy converts. False (nothing written) when the tensors are of several dtypes or the pieces only
-    line up on rows under MIN_GATHER_ROW bytes."""
+@dataclass(frozen=True, eq=False)
+class GatherPlan:
+    """How one artifact header's bytes gather into one target's packed A and B: rows of `row` bytes;
+    per part, the source row of each packed row (`rows`) and the packed rows to zero (None: none)."""
+
+    dtype: torch.dtype  # the artifact's tensors' one dtype
+    row: int
+    rows: dict[str, np.ndarray]
+    zero: dict[str, np.ndarray | None]
+
+
+def _gather_plan(views: TensorViews, adapter: CanonicalAdapter, target: FusedTarget) -> GatherPlan | None:
+    """The GatherPlan of `target` for this header: each packed tensor is the concatenation, layer by
+    layer and projection by projection, of the projections' lora_A (lora_B) bytes, zeros where one is
+    missing, cut into rows of R bytes (the largest size that divides every piece and offset). None when
+    the tensors are of several dtypes or the pieces only line up on rows under MIN_GATHER_ROW bytes."""
     rank = adapter.rank
     infos = {part: [] for part in "AB"}  # part -> [(TensorInfo or None for zeros, elements)] in packed order
     for layer in range(adapter.num_layers):
         for k, module in enumerate(target.modules):
+            present = adapter.adapts(layer, module)
             for part, numel in (("A", rank * target.in_dim), ("B", target.output_slices[k][1] * rank)):
-                infos[part].append((views.info(_name(layer, module, part)) if present[layer][k] else None, numel))
+                infos[part].append((views.info(_name(layer, module, part)) if present else None, numel))
     dtypes = {info.torch_dtype for part in infos.values() for info, _ in part if info is not None}
     if len(dtypes) != 1:
-        return False
+        return None
     (dtype,) = dtypes
     if [offset for offset, _ in target.output_slices] != [sum(n for _, n in target.output_slices[:k]) for k in range(target.num_stack)]:
         raise ValueError(f"target {target.name}: its output slices do not tile its output in order")
@@ -137,26 +157,40 @@ def _gather_bytes(
             pieces[part].append((-1 if info is None else info.start, nbytes))
     row = math.gcd(*(n for part in pieces.values() for start, n in part), *(start for part in pieces.values() for start, _ in part if start > 0))
     if row < MIN_GATHER_ROW:
-        return False
-    region = views.data_region()
-    rows = region[: len(region) // row * row].reshape(-1, row)
-    if any(start + n > rows.size for part in pieces.values() for start, n in part if start >= 0):
+        return None
+    num_rows = len(views.data_region()) // row
+    if any(start + n > num_rows * row for part in pieces.values() for start, n in part if start >= 0):
         raise ValueError(f"target {target.name}: a piece of the artifact lies past its data region")
-    for part, packed in (("A", a), ("B", b)):
-        out = packed if packed.dtype == dtype else torch.empty(packed.shape, dtype=dtype)
-        out_rows = out.view(torch.uint8).numpy().reshape(-1, row)
-        starts = np.array([max(start, 0) // row for start, _ in pieces[part]])
-        counts = np.array([n // row for _, n in pieces[part]])
+    rows, zero = {}, {}
+    for part, part_pieces in pieces.items():
+        starts = np.array([max(start, 0) // row for start, _ in part_pieces])
+        counts = np.array([n // row for _, n in part_pieces])
         first = np.cumsum(counts) - counts  # each piece's first row in the packed tensor
-        # Present pieces lie within `rows` (checked above). A missing piece's rows start at row 0 and may
-        # run past the end, which "clip" (no buffered copy of `out`, unlike "raise") caps; they are zeroed.
-        np.take(rows, np.arange(len(out_rows)) + np.repeat(starts - first, counts), axis=0, out=out_rows, mode="clip")
-        missing = np.array([start < 0 for start, _ in pieces[part]])
-        if missing.any():
-            out_rows[np.repeat(missing, counts)] = 0
+        # Present pieces lie within the region (checked above). A missing piece's rows start at row 0
+        # and may run past the end, which "clip" caps in the take; they are zeroed after it.
+        rows[part] = np.arange(int(counts.sum())) + np.repeat(starts - first, counts)
+        missing = np.array([start < 0 for start, _ in part_pieces])
+        zero[part] = np.repeat(missing, counts) if missing.any() else None
+    return GatherPlan(dtype, row, rows, zero)
+
+
+def _gather_bytes(views: TensorViews, plan: GatherPlan, a: torch.Tensor, b: torch.Tensor) -> None:
+    """_fill from the artifact's bytes by `plan`, in numpy: one `np.take` of whole rows a part (on this
+    thread, with the GIL let go once) and one assignment that zeroes the missing pieces. An artifact of
+    another dtype than the packed tensors is gathered into a staging buffer that one torch copy converts."""
+    region = views.data_region()
+    rows = region[: len(region) // plan.row * plan.row].reshape(-1, plan.row)
+    for part, packed in (("A", a), ("B", b)):
+        out = packed if packed.dtype == plan.dtype else torch.empty(packed.shape, dtype=plan.dtype)
+        out_rows = out.view(torch.uint8).numpy().reshape(-1, plan.row)
+        if len(out_rows) != len(plan.rows[part]):
+            raise ValueError(f"packed {part} holds {len(out_rows)} rows of {plan.row} bytes, its plan {len(plan.rows[part])}")
+        # "clip": no buffered copy of `out` (unlike "raise"); a missing piece's clipped rows are zeroed
+        np.take(rows, plan.rows[part], axis=0, out=out_rows, mode="clip")
+        if plan.zero[part] is not None:
+            out_rows[plan.zero[part]] = 0
         if out is not packed:
             packed.copy_(out)
-    return True
 
 
 def _name(layer: int, module: str, part: str) -> str:

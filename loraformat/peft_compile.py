@@ -376,10 +376,16 @@ def read_canonical(
         sf = SafetensorsFile.from_buffer(source, "artifact", limits)
     else:
         sf = SafetensorsFile.open(source, limits)
-    fields = _canonical_fields(sf.label, sf.metadata)
-    adapter = CanonicalAdapter(**fields, metadata=dict(sf.metadata), tensors=sf.views())
-    _check_canonical_tensors(sf, adapter, shape)
-    return adapter
+    views = sf.views()
+
+    def checked() -> dict[str, Any]:
+        fields = _canonical_fields(sf.label, sf.metadata)
+        _check_canonical_tensors(sf, CanonicalAdapter(**fields, metadata=sf.metadata, tensors=views), shape)
+        return fields
+
+    # what the header says and its check against `shape`: once per distinct header (ParsedHeader.derive)
+    fields = sf.header.derive(("canonical", shape), checked)
+    return CanonicalAdapter(**fields, metadata=dict(sf.metadata), tensors=views)
 
 
 def _canonical_fields(label: str, metadata: dict[str, str]) -> dict[str, Any]:

@@ -17,9 +17,11 @@ import hashlib
 import json
 import mmap
 import os
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+import threading
+import types
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -63,6 +65,69 @@ class TensorInfo:
         return count
 
 
+HEADER_CACHE_SIZE = 64  # parsed headers kept (_ParsedHeaders)
+
+
+@dataclass(frozen=True, eq=False)
+class ParsedHeader:
+    """A header that parsed and passed every check, for a data region of its size: read-only, and
+    shared by every file whose header bytes and data size are the same (`_ParsedHeaders`).
+
+    `derived` keeps what readers compute from the header alone, each under a key of its own (the
+    canonical artifact's fields checked against a model shape, a packing plan), so that it too is
+    computed once per header. Only results that passed their checks go there."""
+
+    metadata: Mapping[str, str]
+    infos: Mapping[str, TensorInfo]
+    derived: dict[Hashable, Any] = field(default_factory=dict, repr=False)
+
+    def derive(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """`compute()` the first time `key` is asked for (an exception keeps nothing), kept after that.
+        Two threads may both compute it once; either result is the same."""
+        try:
+            return self.derived[key]
+        except KeyError:
+            value = self.derived[key] = compute()
+            return value
+
+
+class _ParsedHeaders:
+    """The latest parsed headers, by (header bytes, data region size, limits). The adapters of one
+    base model, rank, alpha and targets share their artifact header byte for byte, and parsing and
+    checking one is pure Python, a few calls per tensor (some 128 tensors for a q/v adapter of a
+    32-layer model): a reader of thousands of them (the engine, which does it on threads beside its
+    loop, under the GIL) parses each distinct header once. A header that fails is not kept: its error
+    names the file it came from. Thread-safe."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._headers: OrderedDict[tuple, ParsedHeader] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_hits = self.num_misses = 0
+
+    def get(self, key: tuple) -> ParsedHeader | None:
+        with self._lock:
+            header = self._headers.get(key)
+            if header is None:
+                self.num_misses += 1
+                return None
+            self._headers.move_to_end(key)
+            self.num_hits += 1
+            return header
+
+    def put(self, key: tuple, header: ParsedHeader) -> ParsedHeader:
+        """Keep `header`, or return the one another thread kept first for the same key."""
+        with self._lock:
+            kept = self._headers.setdefault(key, header)
+            self._headers.move_to_end(key)
+            while len(self._headers) > self.size:
+                self._headers.popitem(last=False)
+            return kept
+
+
+_HEADERS = _ParsedHeaders(HEADER_CACHE_SIZE)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """What the writer needs to lay out a tensor before its bytes exist."""
@@ -78,7 +143,9 @@ class SafetensorsFile:
         self.label = label
         self._buffer = buffer
         self._data_start = data_start
-        self.metadata, self.infos = _parse_header(label, buffer, data_start, limits)
+        self.header = _parse_header(label, buffer, data_start, limits)
+        self.metadata = dict(self.header.metadata)
+        self.infos = self.header.infos
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], limits: SafetensorsLimits | None = None) -> SafetensorsFile:
@@ -183,6 +250,11 @@ class TensorViews(Mapping[str, torch.Tensor]):
     def info(self, name: str) -> TensorInfo:
         return self._sf.infos[name]
 
+    @property
+    def header(self) -> ParsedHeader:
+        """The file's parsed header, shared with every file of the same header (ParsedHeader.derive)."""
+        return self._sf.header
+
     def data_region(self) -> np.ndarray:
         """The data region's bytes, uint8, without a copy (numpy: no torch call)."""
         return self._sf.data_region()
@@ -231,17 +303,20 @@ def _format_hint(buffer: Any) -> str:
     return ""
 
 
-def _parse_header(
-    label: str, buffer: Any, data_start: int, limits: SafetensorsLimits
-) -> tuple[dict[str, str], dict[str, TensorInfo]]:
-    header = _load_header_json(label, bytes(buffer[8:data_start]), buffer)
+def _parse_header(label: str, buffer: Any, data_start: int, limits: SafetensorsLimits) -> ParsedHeader:
+    raw = bytes(buffer[8:data_start])
+    data_len = len(buffer) - data_start
+    key = (raw, data_len, limits)
+    parsed = _HEADERS.get(key)
+    if parsed is not None:
+        return parsed
+    header = _load_header_json(label, raw, buffer)
     metadata = _parse_metadata(label, header.pop(METADATA_KEY, None))
     if len(header) > limits.max_tensors:
         raise InvalidArgument(f"{label}: {len(header)} tensors exceeds the limit of {limits.max_tensors}")
-    data_len = len(buffer) - data_start
     infos = {name: _parse_entry(label, name, entry, data_len) for name, entry in header.items()}
     _check_layout(label, infos, data_len)
-    return metadata, infos
+    return _HEADERS.put(key, ParsedHeader(types.MappingProxyType(dict(metadata)), types.MappingProxyType(infos)))
 
 
 def _load_header_json(label: str, raw: bytes, buffer: Any) -> dict[str, Any]:

@@ -218,6 +218,34 @@ def test_a_pack_writes_every_element_of_memory_it_did_not_zero_first(monkeypatch
     assert not packed.a["qkv"][1, 8:12].any() and packed.a["qkv"][0, 8:12].any()
 
 
+def test_artifacts_of_one_header_share_a_gather_plan_and_keep_their_own_bytes(monkeypatch):
+    """Adapters of one shape, rank, alpha and targets have the same artifact header: the gather plan is
+    made once for all of them (per target), and each packs its own weights by it, not the first one's."""
+    import engine.adapter_cache as adapter_cache
+    import loraformat.safetensors_io as safetensors_io
+
+    monkeypatch.setattr(safetensors_io, "_HEADERS", safetensors_io._ParsedHeaders(8))  # none parsed before
+    plans = []
+    real = adapter_cache._gather_plan
+    monkeypatch.setattr(adapter_cache, "_gather_plan", lambda *args: plans.append(args[2].name) or real(*args))
+    modules = ("q_proj", "v_proj", "o_proj")
+    first, second = (canonical(4, modules, seed=seed, scaling=1.5) for seed in (41, 42))
+    del first.tensors["layers.1.v_proj.lora_A"], first.tensors["layers.1.v_proj.lora_B"]
+    del second.tensors["layers.1.v_proj.lora_A"], second.tensors["layers.1.v_proj.lora_B"]
+    targets = {t.name: t for t in fused_targets(CONFIG)}
+    for adapter in (first, second, first):
+        artifact = as_artifact(adapter, F32, F32)
+        packed = pack_adapter("d", artifact, targets, F32, pin=False)
+        for name in packed.a:
+            a, b = expected_pack(adapter, targets[name])
+            assert torch.equal(packed.a[name], a) and torch.equal(packed.b[name], b), name
+    assert sorted(plans) == ["o", "qkv"]  # one plan per target for the three artifacts of one header
+    third = canonical(4, modules, seed=43, scaling=1.5)  # all of v_proj: another header, its own plans
+    packed = pack_adapter("d", as_artifact(third, F32, F32), targets, F32, pin=False)
+    assert sorted(plans) == ["o", "o", "qkv", "qkv"]
+    assert torch.equal(packed.a["qkv"], expected_pack(third, targets["qkv"])[0])
+
+
 def test_a_gather_whose_zeros_outweigh_the_artifact_zeroes_them_all(monkeypatch):
     """Missing pieces' rows are taken from anywhere (capped at the data region's end) and then zeroed:
     an artifact of one projection in one layer (k_proj of layer 0, rank 1) packs into a q/k stack of

@@ -690,3 +690,37 @@ def test_model_shape_rejects(change: dict, error: type, offender: str):
     with pytest.raises(error) as info:
         ModelShape.from_config(cfg)
     assert type(info.value) is error and offender in str(info.value)
+
+
+def test_artifacts_of_one_header_are_parsed_and_checked_once(adapter, shape: ModelShape, tmp_path: Path, monkeypatch):
+    """Artifacts whose headers are the same bytes (one base model, rank, alpha and targets) share one
+    parsed and checked header, each with its own tensors' bytes and its own metadata dict; the check
+    against a model shape runs again for another shape; a header that fails is kept for nobody: each
+    read of it fails, naming its own file."""
+    import loraformat.peft_compile as peft_compile
+    import loraformat.safetensors_io as safetensors_io
+
+    headers = safetensors_io._ParsedHeaders(8)
+    monkeypatch.setattr(safetensors_io, "_HEADERS", headers)
+    checks = []
+    real_check = peft_compile._check_canonical_tensors
+    monkeypatch.setattr(peft_compile, "_check_canonical_tensors", lambda *args: checks.append(args[2]) or real_check(*args))
+    compile_dir(adapter("compile-plain"), shape, tmp_path / "a")
+    tensors, metadata = canonical_parts(tmp_path / "a")
+    write_safetensors(tmp_path / "b", {k: v + 1 for k, v in tensors.items()}, metadata)  # other weights, one header
+    checks.clear()
+    a, b = read_canonical(tmp_path / "a", shape), read_canonical(bytearray((tmp_path / "b").read_bytes()), shape)
+    assert checks == [shape] and headers.num_hits >= 1
+    assert a.tensors.header is b.tensors.header
+    assert all(torch.equal(b.tensors[name], a.tensors[name] + 1) for name in tensors)
+    a.metadata["note"] = "mine"
+    assert "note" not in b.metadata and "note" not in read_canonical(tmp_path / "b", shape).metadata
+    deeper = ModelShape(**{**shape.__dict__, "num_layers": 3})
+    with pytest.raises(FailedPrecondition, match="num_layers"):
+        read_canonical(tmp_path / "b", deeper)
+    assert checks == [shape, deeper]
+    data = (tmp_path / "b").read_bytes()
+    for name in ("c", "d"):  # b's header over a data region cut short
+        (tmp_path / name).write_bytes(data[:-2])
+        with pytest.raises(InvalidArgument, match=rf"^{name}: .*truncated"):
+            read_canonical(tmp_path / name, shape)
