@@ -418,10 +418,11 @@ class InProcessClient:
         """--slow-steps: the scenario's step gaps (StepTrace.take); {} without."""
         return self.trace.take(self.slow_steps) if self.trace is not None else {}
 
-    def fetch_ends(self) -> list[float]:
-        """When each registry fetch since the last load_report ended (time.perf_counter); [] with no registry."""
+    def fetch_times(self) -> list[tuple[float, float, float]]:
+        """When each registry fetch since the last load_report was asked for, got its turn and ended
+        (time.perf_counter); [] with no registry."""
         link = self.core.link
-        return [f.done for f in link.fetch_timings] if link is not None else []
+        return [(f.asked, f.started, f.done) for f in link.fetch_timings] if link is not None else []
 
     def load_report(self) -> dict:
         """The adapter loads into the host cache since the last call (EngineCore.load_timings): how many,
@@ -553,17 +554,19 @@ STEP_SUMS = ("gap_ms", "post_process_ms", "launch_host_ms", "slot_loads", "slot_
 
 
 def timeline(
-    traces: list[Trace], start: float, wall_s: float, bucket_s: float, fetched: Sequence[float] | None = None,
+    traces: list[Trace], start: float, wall_s: float, bucket_s: float, fetches: Sequence[tuple[float, float, float]] | None = None,
     gaps: Sequence[dict] | None = None,
 ) -> list[dict]:
     """The scenario in buckets of `bucket_s` from its start: output tokens delivered in each, requests
     that got their first token in it, requests streaming at its end (first token seen, last not yet),
-    and, given their end times (time.perf_counter), the registry fetches that ended in it; given the
+    and, given their times (time.perf_counter: asked for, turn begun, ended), the registry fetches asked
+    for, begun and ended in it; given the
     StepTrace gaps (each with its "end"), the gaps that ended in it and their sums (STEP_SUMS): how
     long the steps of that stretch took, and in what (the wait for the device, the launches' host
     time, slot loads, collections)."""
     num = max(1, math.ceil(wall_s / bucket_s - 1e-9))  # 0.4 / 0.1 is a hair over 4
-    tokens, first, streaming, ended = (np.zeros(num, dtype=np.int64) for _ in range(4))
+    tokens, first, streaming = (np.zeros(num, dtype=np.int64) for _ in range(3))
+    fetch_counts = {key: np.zeros(num, dtype=np.int64) for key in ("fetches_asked", "fetches_begun", "fetches_ended")}
     steps = np.zeros(num, dtype=np.int64)
     sums = {key: np.zeros(num) for key in STEP_SUMS}
 
@@ -578,9 +581,10 @@ def timeline(
         begin, end = bucket(trace.deltas[0][0]), bucket(trace.deltas[-1][0])
         first[begin] += 1
         streaming[begin:end] += 1
-    for done in fetched or ():
-        if done >= start:
-            ended[bucket(done)] += 1
+    for times in fetches or ():
+        for key, when in zip(fetch_counts, times, strict=True):
+            if when >= start:
+                fetch_counts[key][bucket(when)] += 1
     for gap in gaps or ():
         if gap["end"] >= start:
             i = bucket(gap["end"])
@@ -590,7 +594,7 @@ def timeline(
     return [
         {
             "t_s": round(i * bucket_s, 6), "tokens": int(tokens[i]), "first_tokens": int(first[i]), "streaming": int(streaming[i]),
-            **({"fetches_ended": int(ended[i])} if fetched is not None else {}),
+            **({key: int(counts[i]) for key, counts in fetch_counts.items()} if fetches is not None else {}),
             **({"step_gaps": int(steps[i])} | {key: round(float(sums[key][i]), 2) for key in STEP_SUMS} if gaps is not None else {}),
         }
         for i in range(num)
@@ -621,9 +625,9 @@ async def run_scenario(client, scenario: Scenario, workload: Workload, timeline_
     in_process = isinstance(client, InProcessClient)
     steps = client.step_report() if in_process else {}
     if timeline_s > 0:
-        fetched = client.fetch_ends() if in_process else None
+        fetches = client.fetch_times() if in_process else None
         gaps = client.trace.taken if in_process and client.trace is not None else None
-        row["timeline"] = timeline(traces, start, wall_s, timeline_s, fetched, gaps)
+        row["timeline"] = timeline(traces, start, wall_s, timeline_s, fetches, gaps)
     if in_process:
         row |= steps | client.load_report() | lagged
     return row

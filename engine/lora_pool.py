@@ -125,10 +125,10 @@ class LoraSlotPool:
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its latest load, not yet waited for
 
     def load(self, slot: int, adapter: PackedAdapter) -> None:
-        """Zero every target of `slot`, then copy the adapter in (asynchronously on CUDA, on the copy
-        stream: the transfer from the host at once, beside the work already queued on the compute
-        stream; the slot's zeroing and copies after that work, which may still read the slot's previous
-        tenant; `wait_for_loads` makes a later forward wait for them)."""
+        """Copy the adapter into every target of `slot` and zero what it leaves (asynchronously on CUDA,
+        on the copy stream: the transfer from the host at once, beside the work already queued on the
+        compute stream; the slot's copies and zeroing after that work, which may still read the slot's
+        previous tenant; `wait_for_loads` makes a later forward wait for them)."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not an adapter slot (0..{self.num_slots - 1})")
         if adapter.rank > self.max_rank:
@@ -206,16 +206,21 @@ class LoraSlotPool:
         return a, torch.cat(rows, dim=1)
 
     def _copy_target(self, slot: int, target: FusedTarget, a: torch.Tensor | None, b: torch.Tensor | None, rank: int) -> None:
-        """Zero the slot's buffers of `target`, then copy the adapter's A and B in (None: it lacks the target)."""
-        dst_a, dst_b = self.a[target.name][:, slot], self.b[target.name][:, slot]
-        dst_a.zero_()
-        dst_b.zero_()
+        """Copy the adapter's A and B into the slot's buffers of `target` and zero the rest of them (the
+        rows and columns past its rank; all of them when a or b is None: it lacks the target). One copy
+        and at most one zero fill per tensor, each stacked projection's rows through a view: slot loads
+        are called from the loop thread, whose every torch call lets go of the GIL and takes it back."""
+        dst_a, dst_b = self.a[target.name][:, slot], self.b[target.name][:, slot]  # [L, stack * max_rank, in], [L, out, max_rank]
         if a is None or b is None:
+            dst_a.zero_()
+            dst_b.zero_()
             return
         a, b = self._shard(target, a, b)  # [L, stack * rank, in], [L, out, rank]
-        for k in range(target.num_stack):
-            rows = slice(k * self.max_rank, k * self.max_rank + rank)
-            dst_a[:, rows].copy_(a[:, k * rank : (k + 1) * rank], non_blocking=True)
+        stacked = dst_a.unflatten(1, (target.num_stack, self.max_rank))  # [L, stack, max_rank, in]
+        if rank < self.max_rank:
+            stacked[:, :, rank:].zero_()
+            dst_b[:, :, rank:].zero_()
+        stacked[:, :, :rank].copy_(a.unflatten(1, (target.num_stack, rank)), non_blocking=True)
         dst_b[:, :, :rank].copy_(b, non_blocking=True)
 
 

@@ -71,7 +71,8 @@ def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
         assert len(buckets) == max(1, math.ceil(row["wall_s"] / 0.005)), key
         assert sum(b["tokens"] for b in buckets) == row["output_tokens"], key
         assert sum(b["first_tokens"] for b in buckets) == 4 and all(0 <= b["streaming"] <= 4 for b in buckets), key
-        assert sum(b["fetches_ended"] for b in buckets) == (2 if key == ("2", 1) else 0), key  # the cold pass fetched both
+        for event in ("asked", "begun", "ended"):  # the cold pass fetched both
+            assert sum(b[f"fetches_{event}"] for b in buckets) == (2 if key == ("2", 1) else 0), (key, event)
         # with --slow-steps: each gap in the bucket it ended in, its parts summed there
         assert sum(b["step_gaps"] for b in buckets) == row["step_gaps"], key
         assert sum(b["slot_loads"] for b in buckets) == sum(g["slot_loads"] for g in row["slow_steps"]), key
@@ -140,11 +141,13 @@ def test_the_timeline_counts_each_token_in_its_bucket():
         serve.Trace(100.0, [(100.25, 1)]),  # one token: streaming at no bucket's end
         serve.Trace(100.0, []),
     ]
-    buckets = serve.timeline(traces, start, 0.4, 0.1, fetched=[99.0, 100.01, 100.39, 100.5])
+    fetches = [(98.0, 98.5, 99.0), (99.0, 100.0, 100.01), (100.15, 100.25, 100.39), (100.25, 100.35, 100.5)]
+    buckets = serve.timeline(traces, start, 0.4, 0.1, fetches=fetches)
     assert [b["tokens"] for b in buckets] == [1, 2, 1, 1]
     assert [b["first_tokens"] for b in buckets] == [1, 0, 1, 0]
     assert [b["streaming"] for b in buckets] == [1, 1, 1, 0]
     assert [b["fetches_ended"] for b in buckets] == [1, 0, 0, 2]  # before the start: not counted; after the end: the last bucket
+    assert [b["fetches_asked"] for b in buckets] == [0, 1, 1, 0] and [b["fetches_begun"] for b in buckets] == [1, 0, 1, 1]
     assert "fetches_ended" not in serve.timeline(traces, start, 0.4, 0.1)[0]
     gap = dict.fromkeys(serve.STEP_SUMS, 1.5) | {"slot_loads": 2}
     gaps = [gap | {"end": 99.9}, gap | {"end": 100.12}, gap | {"end": 100.18, "gc_ms": 4.0}]  # the first before the start
