@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from sqlalchemy import Select, exists, func, select, text
-from sqlalchemy.engine import Engine
+from sqlalchemy import Select, bindparam, exists, func, select, text
+from sqlalchemy.engine import Engine, Row
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, aliased
 
@@ -131,8 +131,14 @@ class Catalog:
         return self._run(txn)
 
     def get(self, name: str, version: int = 0, caller: Principal = ANONYMOUS) -> AdapterInfo:
-        with Session(self.engine) as s:
-            return _info(*self._get_row(s, name, version, caller))
+        """The version `caller` sees (the latest when version is 0), or NotFound. Engines resolve each
+        request's adapter through this: its statement is built once (_LOOKUPS), not per call."""
+        params = {"name": name} | ({"version": version} if version else {}) | ({} if caller.sees_all else {"tenant": caller.tenant})
+        with self.engine.connect() as c:  # rows, not ORM objects: nothing here is changed
+            found = c.execute(_LOOKUPS[caller.sees_all, bool(version)], params).first()
+        if found is None:
+            raise NotFound(f"adapter {_ref(name, version)!r} is not registered")
+        return _info(found, found.base_model_name)
 
     def referenced_digests(self) -> set[str]:
         with Session(self.engine) as s:
@@ -301,6 +307,21 @@ def _with_base(query: Select) -> Select:
     return query.join(BaseModelRow, AdapterRow.base_model_id == BaseModelRow.id)
 
 
+def _lookup(sees_all: bool, versioned: bool) -> Select:
+    """_get_row's query with its values as parameters (name; tenant unless the caller sees all;
+    version when one is asked for)."""
+    columns = (*AdapterRow.__table__.columns, BaseModelRow.name.label("base_model_name"))
+    query = _with_base(select(*columns)).where(AdapterRow.name == bindparam("name"))
+    if not sees_all:
+        query = query.where((AdapterRow.tenant == bindparam("tenant")) | AdapterRow.public)
+    if versioned:
+        query = query.where(AdapterRow.version == bindparam("version"))
+    return query.order_by(AdapterRow.version.desc()).limit(1)
+
+
+_LOOKUPS = {(sees_all, versioned): _lookup(sees_all, versioned) for sees_all in (False, True) for versioned in (False, True)}
+
+
 def _ref(name: str, version: int) -> str:
     return f"{name}@{version}" if version else name
 
@@ -325,7 +346,8 @@ def _new_row(name: str, version: int, base_model_id: int, new: NewVersion, tenan
     )
 
 
-def _info(row: AdapterRow, base_model: str) -> AdapterInfo:
+def _info(row: AdapterRow | Row, base_model: str) -> AdapterInfo:
+    """An adapter version's info from its ORM row, or from a plain row of the same columns."""
     return AdapterInfo(
         name=row.name,
         version=row.version,

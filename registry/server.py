@@ -91,6 +91,7 @@ class RegistryServer:
         await (self.host.stop() if grace is None else self.host.stop(grace))
         await self.servicer.registrations.wait_workers()
         await self.servicer.feed.stop()
+        self.servicer.close()
         await asyncio.to_thread(self.service.close)
         await asyncio.to_thread(self.service.catalog.engine.dispose)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 
 import grpc
 import pytest
@@ -317,3 +318,26 @@ async def test_gc_removes_only_old_unreferenced_blobs(registry, qv_adapter, mlp_
 
 def tensors_of(adapter_dir) -> dict[str, torch.Tensor]:
     return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("auth", [False, True])
+async def test_a_fetch_streams_while_the_default_thread_pool_is_busy(tmp_path, tiny_llama_dir, qv_adapter, auth):
+    """FetchAdapter looks its caller and row up and reads its chunks on a pool of its own: with every
+    thread of the event loop's default pool busy (other RPCs' SQL: an engine resolving a hundred
+    adapters at once), a fetch still streams."""
+    async with running_registry(tmp_path / "data", auth=auth) as registry:
+        await registry.register_base("tiny", tiny_llama_dir)
+        adapter = await registry.register("support-bot", qv_adapter)
+        gate = threading.Event()
+        loop = asyncio.get_running_loop()
+        busy = [loop.run_in_executor(None, gate.wait) for _ in range(64)]  # more than the default pool's threads
+        try:
+            fetched, artifact, _ = await asyncio.wait_for(registry.fetch("support-bot"), 30)
+            assert fetched == adapter and hashlib.sha256(artifact).hexdigest() == adapter.digest
+            get = asyncio.ensure_future(registry.stub.GetAdapter(pb.GetAdapterRequest(name="support-bot"), metadata=registry.metadata))
+            await asyncio.sleep(0.5)
+            assert not get.done()  # the lookups of other RPCs wait for the default pool, as before
+        finally:
+            gate.set()
+            await asyncio.gather(*busy)
+        assert await get == adapter
