@@ -9,8 +9,8 @@ through the engine's own `RegistryLink` (its fetch process, --max-concurrent-fet
 `burst` asks for every adapter at once, as a burst of requests does: the resolutions and the first
 fetches meet in the registry. `apart` resolves them all first and only then fetches them, for the
 fetches alone. One JSON line a pass: from the start, when the resolutions ended (p50 / max ms), when
-the first fetch and the last fetch ended, the rate of the whole pass, and the CPU seconds the registry
-spent in it (Linux). serve.py's cold Zipf pass on the H200 (BENCHMARKS.md, 2026-12-04) asked for its 128
+the first fetch and the last fetch ended, the bytes received (beside the artifacts' registered sizes)
+and the rate of the whole pass, and the CPU seconds the registry spent in it (Linux). serve.py's cold Zipf pass on the H200 (BENCHMARKS.md, 2026-12-04) asked for its 128
 fetches within 0.3 s, and its first four fetches ended only 0.2-0.4 s after they began (44-51 ms is a
 fetch's median).
 """
@@ -37,8 +37,9 @@ from loramux.testing.procs import Service
 from loramux.v1 import registry_pb2 as pb
 
 
-async def burst_pass(address: str, names: list[str], warm: pb.Adapter, concurrency: int, mode: str, registry_pid: int | None) -> dict:
+async def burst_pass(address: str, adapters: list[pb.Adapter], warm: pb.Adapter, concurrency: int, mode: str, registry_pid: int | None) -> dict:
     """One pass over a fresh link (its connection and fetch process warmed by one fetch of `warm`)."""
+    names = [a.name for a in adapters]
     link = RegistryLink(address, warm.base_model, "{}", on_event=lambda event: None, max_concurrent_fetches=concurrency)
     try:
         await link.fetch(record_of(warm))
@@ -73,7 +74,7 @@ async def burst_pass(address: str, names: list[str], warm: pb.Adapter, concurren
         "mode": mode, "adapters": len(names), "concurrency": concurrency,
         "resolved_ms_p50": round(statistics.median(resolved) * 1e3, 1), "resolved_ms_max": round(max(resolved) * 1e3, 1),
         "first_fetch_ms": round(min(fetched) * 1e3, 1), "last_fetch_ms": round(max(fetched) * 1e3, 1),
-        "mb_s": round(size / 1e6 / seconds, 1),
+        "mb": round(size / 1e6, 3), "registered_mb": round(sum(a.size_bytes for a in adapters) / 1e6, 3), "mb_s": round(size / 1e6 / seconds, 1),
     }  # fmt: skip
     if before is not None and after is not None:
         row["registry_cpu_s"] = round(after[0] - before[0], 3)
@@ -105,10 +106,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for i in range(args.adapters + 1):  # the last one warms each pass's link
                     write_peft_adapter(root / "adapter", shape, 16, seed=i, modules=("q_proj", "v_proj"))
                     adapters.append(client.register_adapter(pb.AdapterSpec(name=f"burst-{i}"), root / "adapter"))
-            names, warm = [a.name for a in adapters[:-1]], adapters[-1]
             for _ in range(args.passes):
                 for mode in args.mode:
-                    row = asyncio.run(burst_pass(server.address, names, warm, args.concurrency, mode, server.proc.pid))
+                    row = asyncio.run(burst_pass(server.address, adapters[:-1], adapters[-1], args.concurrency, mode, server.proc.pid))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
         finally:
