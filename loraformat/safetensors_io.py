@@ -65,7 +65,8 @@ class TensorInfo:
         return count
 
 
-HEADER_CACHE_SIZE = 64  # parsed headers kept (_ParsedHeaders)
+HEADER_CACHE_SIZE = 64  # parsed headers kept (_ParsedHeaders) at most
+HEADER_CACHE_BYTES = 16 << 20  # and their header bytes together at most (a 7-target adapter of 80 layers: ~110 KB)
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,11 +98,15 @@ class _ParsedHeaders:
     checking one is pure Python, a few calls per tensor (some 128 tensors for a q/v adapter of a
     32-layer model): a reader of thousands of them (the engine, which does it on threads beside its
     loop, under the GIL) parses each distinct header once. A header that fails is not kept: its error
-    names the file it came from. Thread-safe."""
+    names the file it came from. At most `size` headers and `max_bytes` of header bytes are kept (a
+    client's uploads choose their headers, up to the reader's limit each), the least recently used
+    going first; a header over a quarter of `max_bytes` is never kept. Thread-safe."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, max_bytes: int = HEADER_CACHE_BYTES):
         self.size = size
+        self.max_bytes = max_bytes
         self._headers: OrderedDict[tuple, ParsedHeader] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
         self.num_hits = self.num_misses = 0
 
@@ -116,13 +121,29 @@ class _ParsedHeaders:
             return header
 
     def put(self, key: tuple, header: ParsedHeader) -> ParsedHeader:
-        """Keep `header`, or return the one another thread kept first for the same key."""
+        """Keep `header` (key: its raw bytes first), or return the one another thread kept first."""
+        nbytes = len(key[0])
+        if nbytes > self.max_bytes // 4:
+            return header
         with self._lock:
-            kept = self._headers.setdefault(key, header)
-            self._headers.move_to_end(key)
-            while len(self._headers) > self.size:
-                self._headers.popitem(last=False)
-            return kept
+            kept = self._headers.get(key)
+            if kept is not None:
+                self._headers.move_to_end(key)
+                return kept
+            self._headers[key] = header
+            self._bytes += nbytes
+            while len(self._headers) > self.size or self._bytes > self.max_bytes:
+                old, _ = self._headers.popitem(last=False)
+                self._bytes -= len(old[0])
+            return header
+
+    def __len__(self) -> int:
+        return len(self._headers)
+
+    @property
+    def nbytes(self) -> int:
+        """The header bytes of the headers kept."""
+        return self._bytes
 
 
 _HEADERS = _ParsedHeaders(HEADER_CACHE_SIZE)

@@ -238,3 +238,31 @@ def test_reader_limits_are_parameters(tmp_path: Path):
         SafetensorsFile.open(path, SafetensorsLimits(max_header_bytes=16))
     with pytest.raises(ResourceExhausted, match=r"x\.safetensors"):
         SafetensorsFile.open(path, SafetensorsLimits(max_file_bytes=100))
+
+
+def test_parsed_headers_are_kept_within_a_count_and_a_byte_bound():
+    """The reader's header cache keeps at most `size` headers and `max_bytes` of header bytes, the least
+    recently used going first, and never one over a quarter of the bytes: a client's uploads choose
+    their headers, each up to the reader's limit."""
+    from loraformat.safetensors_io import ParsedHeader, _ParsedHeaders
+
+    headers = _ParsedHeaders(size=3, max_bytes=400)
+    parsed = {n: ParsedHeader({}, {}) for n in "abcdef"}
+    for n in "abc":
+        assert headers.put((n.encode() * 60, 0, None), parsed[n]) is parsed[n]
+    assert len(headers) == 3 and headers.nbytes == 180
+    assert headers.get((b"a" * 60, 0, None)) is parsed["a"]  # a is now the most recent
+    assert headers.put((b"a" * 60, 0, None), ParsedHeader({}, {})) is parsed["a"]  # the first kept stays
+    headers.put((b"d" * 60, 0, None), parsed["d"])  # over the count: b, the least recent, goes
+    assert headers.get((b"b" * 60, 0, None)) is None and len(headers) == 3
+    headers.put((b"e" * 100, 0, None), parsed["e"])  # over the count again: c goes
+    headers.put((b"f" * 100, 0, None), parsed["f"])  # and then a; d, e and f hold 260 bytes
+    assert [headers.get((n.encode() * k, 0, None)) is not None for n, k in (("a", 60), ("d", 60), ("e", 100), ("f", 100))] == [False, True, True, True]
+    assert headers.nbytes == 260
+    big = ParsedHeader({}, {})
+    assert headers.put((b"g" * 101, 0, None), big) is big and headers.get((b"g" * 101, 0, None)) is None  # over 400 / 4: not kept
+    by_bytes = _ParsedHeaders(size=10, max_bytes=250)  # the byte bound alone
+    for n in "xyzw":
+        by_bytes.put((n.encode() * 60, 0, None), ParsedHeader({}, {}))  # 240 bytes: within
+    by_bytes.put((b"v" * 60, 0, None), ParsedHeader({}, {}))  # 300 > 250: x, the least recent, goes
+    assert by_bytes.nbytes == 240 and len(by_bytes) == 4 and by_bytes.get((b"x" * 60, 0, None)) is None
