@@ -41,8 +41,8 @@ def pack_adapter(
     bytes is time the launches may wait for the GIL or a core."""
     rank, num_layers = adapter.rank, adapter.num_layers
 
-    def adapted() -> list[str]:
-        return [n for n, t in targets.items() if any(adapter.adapts(layer, m) for layer in range(num_layers) for m in t.modules)]
+    def adapted() -> tuple[str, ...]:
+        return tuple(n for n, t in targets.items() if any(adapter.adapts(layer, m) for layer in range(num_layers) for m in t.modules))
 
     if isinstance(adapter.tensors, TensorViews):  # which targets it adapts: once per distinct header
         names = adapter.tensors.header.derive(("adapted", tuple(targets.items())), adapted)
@@ -171,6 +171,9 @@ def _gather_plan(views: TensorViews, adapter: CanonicalAdapter, target: FusedTar
         rows[part] = np.arange(int(counts.sum())) + np.repeat(starts - first, counts)
         missing = np.array([start < 0 for start, _ in part_pieces])
         zero[part] = np.repeat(missing, counts) if missing.any() else None
+        for array in (rows[part], zero[part]):
+            if array is not None:
+                array.setflags(write=False)  # shared by every artifact of the header, on any thread
     return GatherPlan(dtype, row, rows, zero)
 
 

@@ -66,7 +66,8 @@ class TensorInfo:
 
 
 HEADER_CACHE_SIZE = 64  # parsed headers kept (_ParsedHeaders) at most
-HEADER_CACHE_BYTES = 16 << 20  # and their header bytes together at most (a 7-target adapter of 80 layers: ~110 KB)
+HEADER_CACHE_BYTES = 16 << 20  # and their bytes together at most, as _ParsedHeaders counts them
+PARSED_ENTRY_BYTES = 512  # what one tensor's parsed entry holds beyond its header bytes, about (tracemalloc: ~400)
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,9 +99,11 @@ class _ParsedHeaders:
     checking one is pure Python, a few calls per tensor (some 128 tensors for a q/v adapter of a
     32-layer model): a reader of thousands of them (the engine, which does it on threads beside its
     loop, under the GIL) parses each distinct header once. A header that fails is not kept: its error
-    names the file it came from. At most `size` headers and `max_bytes` of header bytes are kept (a
-    client's uploads choose their headers, up to the reader's limit each), the least recently used
-    going first; a header over a quarter of `max_bytes` is never kept. Thread-safe."""
+    names the file it came from. At most `size` headers and `max_bytes` are kept, a header counted as
+    its bytes and PARSED_ENTRY_BYTES for each tensor (a client's uploads choose their headers, up to the
+    reader's limit each), the least recently used going first; a header over a quarter of `max_bytes`
+    is never kept. What is derived from a header (ParsedHeader.derive) is not counted: a few values per
+    model shape and target. Thread-safe."""
 
     def __init__(self, size: int, max_bytes: int = HEADER_CACHE_BYTES):
         self.size = size
@@ -122,7 +125,7 @@ class _ParsedHeaders:
 
     def put(self, key: tuple, header: ParsedHeader) -> ParsedHeader:
         """Keep `header` (key: its raw bytes first), or return the one another thread kept first."""
-        nbytes = len(key[0])
+        nbytes = _counted(key, header)
         if nbytes > self.max_bytes // 4:
             return header
         with self._lock:
@@ -133,8 +136,7 @@ class _ParsedHeaders:
             self._headers[key] = header
             self._bytes += nbytes
             while len(self._headers) > self.size or self._bytes > self.max_bytes:
-                old, _ = self._headers.popitem(last=False)
-                self._bytes -= len(old[0])
+                self._bytes -= _counted(*self._headers.popitem(last=False))
             return header
 
     def __len__(self) -> int:
@@ -142,8 +144,12 @@ class _ParsedHeaders:
 
     @property
     def nbytes(self) -> int:
-        """The header bytes of the headers kept."""
+        """The bytes the headers kept count for (their own, and PARSED_ENTRY_BYTES a tensor)."""
         return self._bytes
+
+
+def _counted(key: tuple, header: ParsedHeader) -> int:
+    return len(key[0]) + PARSED_ENTRY_BYTES * len(header.infos)
 
 
 _HEADERS = _ParsedHeaders(HEADER_CACHE_SIZE)

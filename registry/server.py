@@ -88,10 +88,12 @@ class RegistryServer:
         """Stop within the grace: registrations finish in it, or stop before their commit (see inflight)."""
         if self._probe is not None:
             self._probe.cancel()
-        await (self.host.stop() if grace is None else self.host.stop(grace))
-        await self.servicer.registrations.wait_workers()
-        await self.servicer.feed.stop()
-        self.servicer.close()
+        try:
+            await (self.host.stop() if grace is None else self.host.stop(grace))
+            await self.servicer.registrations.wait_workers()
+            await self.servicer.feed.stop()
+        finally:
+            await asyncio.to_thread(self.servicer.close)
         await asyncio.to_thread(self.service.close)
         await asyncio.to_thread(self.service.catalog.engine.dispose)
 

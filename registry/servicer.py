@@ -44,10 +44,12 @@ from registry.upload import receive_upload
 log = logging.getLogger(__name__)
 
 FETCH_CHUNKS_PER_READ = 8
-# Threads of FetchAdapter's own pool (its row lookup and chunk reads): apart from the event loop's
-# default pool, where every other RPC's SQL runs, so a burst of lookups (an engine resolving a hundred
-# adapters at once) does not hold up the streams already under way.
-FETCH_THREADS = 8
+# Threads of FetchAdapter's own pool (its caller's and row's lookups and its chunk reads): apart from the
+# event loop's default pool, where every other RPC's SQL runs, so a burst of GetAdapter lookups (an engine
+# resolving a hundred adapters at once) does not hold up the streams already under way. As many as the
+# default pool may have: each read call returns after FETCH_CHUNKS_PER_READ chunks, so streams beyond
+# the threads wait their turn there, a few milliseconds each.
+FETCH_THREADS = 32
 
 
 def encode_data_chunk(offset: int, data: bytes) -> bytes:
@@ -153,8 +155,9 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         self._fetch_pool = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="registry-fetch")
 
     def close(self) -> None:
-        """Let the fetch threads go (after the host has stopped: no stream reads any more)."""
-        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        """End the fetch threads, after the host has stopped: a read or lookup a cancelled stream left
+        running is waited for (before the database and the store close beneath it)."""
+        self._fetch_pool.shutdown(wait=True, cancel_futures=True)
 
     async def _caller(self, context: grpc.aio.ServicerContext, pool: concurrent.futures.Executor | None = None) -> Principal:
         """Who calls: ANONYMOUS without --auth; else the key's holder (looked up on `pool`, by default the

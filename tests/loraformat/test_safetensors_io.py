@@ -246,7 +246,7 @@ def test_parsed_headers_are_kept_within_a_count_and_a_byte_bound():
     their headers, each up to the reader's limit."""
     from loraformat.safetensors_io import ParsedHeader, _ParsedHeaders
 
-    headers = _ParsedHeaders(size=3, max_bytes=400)
+    headers = _ParsedHeaders(size=3, max_bytes=400)  # headers of no tensors: counted as their bytes alone
     parsed = {n: ParsedHeader({}, {}) for n in "abcdef"}
     for n in "abc":
         assert headers.put((n.encode() * 60, 0, None), parsed[n]) is parsed[n]
@@ -266,3 +266,12 @@ def test_parsed_headers_are_kept_within_a_count_and_a_byte_bound():
         by_bytes.put((n.encode() * 60, 0, None), ParsedHeader({}, {}))  # 240 bytes: within
     by_bytes.put((b"v" * 60, 0, None), ParsedHeader({}, {}))  # 300 > 250: x, the least recent, goes
     assert by_bytes.nbytes == 240 and len(by_bytes) == 4 and by_bytes.get((b"x" * 60, 0, None)) is None
+    # a tensor's parsed entry counts beside the header's bytes: a header of many small tensors is bounded too
+    from loraformat.safetensors_io import PARSED_ENTRY_BYTES, TensorInfo
+
+    infos = {f"t{i}": TensorInfo(f"t{i}", "F32", (1,), 4 * i, 4 * i + 4) for i in range(3)}
+    per_entry = _ParsedHeaders(size=10, max_bytes=4 * (60 + 3 * PARSED_ENTRY_BYTES))
+    kept = ParsedHeader({}, infos)
+    assert per_entry.put((b"a" * 60, 12, None), kept) is kept and per_entry.nbytes == 60 + 3 * PARSED_ENTRY_BYTES
+    bigger = ParsedHeader({}, infos | {"t3": TensorInfo("t3", "F32", (1,), 12, 16)})  # over a quarter: not kept
+    assert per_entry.put((b"b" * 60, 16, None), bigger) is bigger and per_entry.get((b"b" * 60, 16, None)) is None
