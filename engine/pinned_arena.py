@@ -19,6 +19,7 @@ event has passed. Blocks are handed out first fit, in whole granules, and neighb
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ class PinnedArena:
         self._returned: collections.deque[tuple[int, int, HostReads]] = collections.deque()
         self._waiting: list[tuple[int, int, HostReads]] = []
         self._lock = threading.Lock()
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype a view asked for
         self.num_blocks = 0  # lent and not yet back
         self.num_lent = 0  # blocks lent in all
         self.num_misses = 0  # requests no free run could hold
@@ -118,8 +120,20 @@ class PinnedArena:
         self._returned.append((offset, size, reads))
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A tensor over bytes [offset, offset + nbytes) of the buffer."""
-        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+        """A tensor over bytes [offset, offset + nbytes) of the buffer: one torch call (packing threads
+        make these beside the engine loop, and each torch call lets go of the GIL and takes it back), on
+        the buffer seen once as `dtype`, where the offset is a whole number of elements."""
+        itemsize = dtype.itemsize
+        if offset % itemsize or self.capacity % itemsize or nbytes != math.prod(shape) * itemsize:
+            return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.buffer.view(dtype)
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        return typed.as_strided(shape, tuple(reversed(strides)), offset // itemsize)
 
     @property
     def free_bytes(self) -> int:

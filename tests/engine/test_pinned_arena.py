@@ -374,3 +374,21 @@ def test_the_arena_by_default_on_cuda_only_and_a_refused_one_falls_back(tiny_lla
         on_cuda(0.5)
     core.close()
     explicit.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_view_is_the_bytes_it_names(dtype):
+    """An arena view is the buffer's bytes [offset, offset + nbytes), shaped and typed as asked, written
+    through in both directions."""
+    a = PinnedArena(8 * KB, pin=False, granule=KB)
+    a.buffer.zero_()
+    view = a.view(KB, 2 * 3 * 4 * dtype.itemsize, dtype, (2, 3, 4))
+    assert view.shape == (2, 3, 4) and view.dtype == dtype and view.is_contiguous()
+    view.copy_(torch.arange(24, dtype=torch.float32).view(2, 3, 4).to(dtype))
+    region = a.buffer[KB : KB + view.nbytes].view(dtype).view(2, 3, 4)
+    assert torch.equal(region, view) and not a.buffer[: KB].any() and not a.buffer[KB + view.nbytes :].any()
+    region[1, 2, 3] = 100
+    assert view[1, 2, 3] == 100
+    other = a.view(3 * KB, 8 * dtype.itemsize, dtype, (8,))  # another block's view does not overlap
+    other.fill_(1)
+    assert view[1, 2, 3] == 100 and torch.equal(a.buffer[3 * KB : 3 * KB + other.nbytes].view(dtype), other)
