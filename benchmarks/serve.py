@@ -560,10 +560,9 @@ def timeline(
     """The scenario in buckets of `bucket_s` from its start: output tokens delivered in each, requests
     that got their first token in it, requests streaming at its end (first token seen, last not yet),
     and, given their times (time.perf_counter: asked for, turn begun, ended), the registry fetches asked
-    for, begun and ended in it; given the
-    StepTrace gaps (each with its "end"), the gaps that ended in it and their sums (STEP_SUMS): how
-    long the steps of that stretch took, and in what (the wait for the device, the launches' host
-    time, slot loads, collections)."""
+    for, begun and ended in it; given the StepTrace gaps (each with its "end"), the gaps that ended in it
+    and their sums (STEP_SUMS): how long the steps of that stretch took, and in what (the wait for the
+    device, the launches' host time, slot loads, collections)."""
     num = max(1, math.ceil(wall_s / bucket_s - 1e-9))  # 0.4 / 0.1 is a hair over 4
     tokens, first, streaming = (np.zeros(num, dtype=np.int64) for _ in range(3))
     fetch_counts = {key: np.zeros(num, dtype=np.int64) for key in ("fetches_asked", "fetches_begun", "fetches_ended")}

@@ -15,13 +15,14 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from sqlalchemy import Select, bindparam, exists, func, select, text
-from sqlalchemy.engine import Engine, Row
+from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, aliased
 
@@ -133,11 +134,8 @@ class Catalog:
     def get(self, name: str, version: int = 0, caller: Principal = ANONYMOUS) -> AdapterInfo:
         """The version `caller` sees (the latest when version is 0), or NotFound. Engines resolve each
         request's adapter through this: its statement is built once (_LOOKUPS), not per call."""
-        params = {"name": name} | ({"version": version} if version else {}) | ({} if caller.sees_all else {"tenant": caller.tenant})
         with self.engine.connect() as c:  # rows, not ORM objects: nothing here is changed
-            found = c.execute(_LOOKUPS[caller.sees_all, bool(version)], params).first()
-        if found is None:
-            raise NotFound(f"adapter {_ref(name, version)!r} is not registered")
+            found = _first_visible(c, _LOOKUPS, name, version, caller)
         return _info(found, found.base_model_name)
 
     def referenced_digests(self) -> set[str]:
@@ -204,7 +202,7 @@ class Catalog:
 
     def set_pinned(self, name: str, version: int, pinned: bool, caller: Principal = ANONYMOUS) -> AdapterInfo:
         def txn(s: Session) -> AdapterInfo:
-            row, base = self._get_row(s, name, version, caller, for_update=True)
+            row, base = self._get_row(s, name, version, caller)
             _check_may_change(row.tenant, caller, _ref(name, version))
             if row.pinned == pinned:
                 return _info(row, base)
@@ -237,18 +235,9 @@ class Catalog:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _get_row(self, s: Session, name: str, version: int, caller: Principal, for_update: bool = False):
-        query = _with_base(select(AdapterRow, BaseModelRow.name)).where(AdapterRow.name == name)
-        query = _visible(query, AdapterRow, caller)
-        if version:
-            query = query.where(AdapterRow.version == version)
-        query = query.order_by(AdapterRow.version.desc()).limit(1)
-        if for_update:
-            query = query.with_for_update()
-        found = s.execute(query).first()
-        if found is None:
-            raise NotFound(f"adapter {_ref(name, version)!r} is not registered")
-        return found
+    def _get_row(self, s: Session, name: str, version: int, caller: Principal):
+        """(ORM row, base model name) of the version `caller` sees, locked for update."""
+        return _first_visible(s, _ROW_LOOKUPS_FOR_UPDATE, name, version, caller)
 
     def _run(self, txn: Callable[[Session], T]) -> T:
         """Run txn in its own transaction, retrying races on unique keys and SQLite's busy lock."""
@@ -282,7 +271,12 @@ def _visible(query, table, caller: Principal):
     """Only rows `caller` may see (its tenant's and public ones; every row for admins and engines)."""
     if caller.sees_all:
         return query
-    return query.where((table.tenant == caller.tenant) | table.public)
+    return query.where(_seen_by(table, caller.tenant))
+
+
+def _seen_by(table, tenant):
+    """The rows a tenant's caller sees (`tenant`: a value or a bound parameter)."""
+    return (table.tenant == tenant) | table.public
 
 
 def _check_may_change(tenant: str, caller: Principal, ref: str) -> None:
@@ -307,19 +301,34 @@ def _with_base(query: Select) -> Select:
     return query.join(BaseModelRow, AdapterRow.base_model_id == BaseModelRow.id)
 
 
-def _lookup(sees_all: bool, versioned: bool) -> Select:
-    """_get_row's query with its values as parameters (name; tenant unless the caller sees all;
-    version when one is asked for)."""
-    columns = (*AdapterRow.__table__.columns, BaseModelRow.name.label("base_model_name"))
-    query = _with_base(select(*columns)).where(AdapterRow.name == bindparam("name"))
-    if not sees_all:
-        query = query.where((AdapterRow.tenant == bindparam("tenant")) | AdapterRow.public)
-    if versioned:
-        query = query.where(AdapterRow.version == bindparam("version"))
-    return query.order_by(AdapterRow.version.desc()).limit(1)
+def _lookups(columns: tuple, for_update: bool = False) -> dict[tuple[bool, bool], Select]:
+    """The query of one adapter version a caller sees, the latest when no version is asked for, built
+    once for each (caller sees all, version asked for): its values are parameters (name; tenant unless
+    the caller sees all; version), which _first_visible fills."""
+    lookups = {}
+    for sees_all, versioned in itertools.product((False, True), repeat=2):
+        query = _with_base(select(*columns)).where(AdapterRow.name == bindparam("name"))
+        if not sees_all:
+            query = query.where(_seen_by(AdapterRow, bindparam("tenant")))
+        if versioned:
+            query = query.where(AdapterRow.version == bindparam("version"))
+        query = query.order_by(AdapterRow.version.desc()).limit(1)
+        lookups[sees_all, versioned] = query.with_for_update() if for_update else query
+    return lookups
 
 
-_LOOKUPS = {(sees_all, versioned): _lookup(sees_all, versioned) for sees_all in (False, True) for versioned in (False, True)}
+# plain rows for reads (Catalog.get: every request's resolution); ORM rows, locked, for changes
+_LOOKUPS = _lookups((*AdapterRow.__table__.columns, BaseModelRow.name.label("base_model_name")))
+_ROW_LOOKUPS_FOR_UPDATE = _lookups((AdapterRow, BaseModelRow.name), for_update=True)
+
+
+def _first_visible(executor: Session | Connection, lookups: dict[tuple[bool, bool], Select], name: str, version: int, caller: Principal):
+    """The row of `lookups` for name@version as `caller` sees it, or NotFound."""
+    params = {"name": name} | ({"version": version} if version else {}) | ({} if caller.sees_all else {"tenant": caller.tenant})
+    found = executor.execute(lookups[caller.sees_all, bool(version)], params).first()
+    if found is None:
+        raise NotFound(f"adapter {_ref(name, version)!r} is not registered")
+    return found
 
 
 def _ref(name: str, version: int) -> str:
