@@ -48,6 +48,8 @@ import gc
 import itertools
 import json
 import math
+import os
+import platform
 import shutil
 import subprocess
 import time
@@ -254,8 +256,9 @@ class StepTrace:
     gap (their host time: planning, slot loads, the graph launch, and on the CPU the forward itself; and
     the slot loads they issued; under the overlapped schedule the next step goes out before this one's
     tokens are read, and delays them; of that, the time inside the slot loads' calls, from the runner's
-    `recent_load_seconds`), and the garbage collection in it. Runs on the loop thread; `take` from any
-    thread."""
+    `recent_load_seconds`; how many of them were chained, launched before the step they follow was
+    read), the time in the scheduler's `schedule` and `schedule_ahead` calls, and the garbage collection
+    in it. Runs on the loop thread; `take` from any thread."""
 
     def __init__(self, loop, load_seconds: Sequence[float] = ()):
         self.gaps: list[dict] = []
@@ -267,6 +270,8 @@ class StepTrace:
         self.taken: list[dict] = []  # the gaps the last take returned
         self._gc_start: float | None = None
         real_launch, real_post, real_after = loop._launch, loop._post_process, loop.after_step
+        scheduler = loop.scheduler
+        real_schedule, real_ahead = scheduler.schedule, scheduler.schedule_ahead
 
         def launch(entries, previous=None):
             started = time.perf_counter()
@@ -276,11 +281,22 @@ class StepTrace:
                 return launched
             finally:
                 self._launch_ms += (time.perf_counter() - started) * 1e3
+                self._chained += previous is not None and launched is not None
                 loads = len(launched.plan.loads) if launched is not None else 0
                 self._loads += loads
                 if loads and load_seconds:  # this launch's loads are the runner's latest
                     self._load_ms += sum(itertools.islice(reversed(load_seconds), loads)) * 1e3
                 self.totals["slot_loads"] += loads
+
+        def timed(schedule):
+            def call(*args):
+                started = time.perf_counter()
+                try:
+                    return schedule(*args)
+                finally:
+                    self._schedule_ms += (time.perf_counter() - started) * 1e3
+
+            return call
 
         def post_process(step) -> None:
             started = time.perf_counter()
@@ -295,6 +311,7 @@ class StepTrace:
             self._delivery(time.perf_counter())
 
         loop._launch, loop._post_process, loop.after_step = launch, post_process, after_step
+        scheduler.schedule, scheduler.schedule_ahead = timed(real_schedule), timed(real_ahead)
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -323,16 +340,18 @@ class StepTrace:
         uids = frozenset(d.pop("uids"))
         if self._last_end is not None and uids & self._last_uids:
             self.gaps.append({
-                "gap_ms": (now - self._last_end) * 1e3, **d, "launch_host_ms": self._launch_ms,
-                "slot_loads": self._loads, "slot_load_ms": self._load_ms, "gc_ms": self._gc_ms, "end": now,
+                "gap_ms": (now - self._last_end) * 1e3, **d, "launch_host_ms": self._launch_ms, "chained": self._chained,
+                "schedule_ms": self._schedule_ms, "slot_loads": self._loads, "slot_load_ms": self._load_ms, "gc_ms": self._gc_ms,
+                "end": now,
             })  # fmt: skip
         self._last_end, self._last_uids = now, uids
         self._start_gap()
 
     def _start_gap(self) -> None:
-        """Zero what the next gap accumulates: launch host time, slot loads and their time, collection time."""
-        self._launch_ms = self._load_ms = self._gc_ms = 0.0
-        self._loads = 0
+        """Zero what the next gap accumulates: launch host time, chained launches, scheduling time, slot
+        loads and their time, collection time."""
+        self._launch_ms = self._load_ms = self._gc_ms = self._schedule_ms = 0.0
+        self._loads = self._chained = 0
 
     def take(self, slowest: int) -> dict:
         """The gaps since the last take (p50/p99, and the `slowest` longest with their steps); gaps start
@@ -550,7 +569,7 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
     }
 
 
-STEP_SUMS = ("gap_ms", "post_process_ms", "launch_host_ms", "slot_loads", "slot_load_ms", "gc_ms")  # per bucket
+STEP_SUMS = ("gap_ms", "post_process_ms", "launch_host_ms", "chained", "schedule_ms", "slot_loads", "slot_load_ms", "gc_ms")  # per bucket
 
 
 def timeline(
@@ -790,7 +809,24 @@ def environment(device: str) -> dict:
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         **{name: version(name) for name in ("torch", "triton", "transformers", "peft")},
         "lora_tiles": tuned.describe(torch.device(device)),  # lorakernels/tuned.py: the tuned file, or built-in
+        # the host: machines of one GPU kind differ in it, and a cold pass is partly host-bound
+        "cpu": host_cpu(),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
     }
+
+
+def host_cpu() -> str | None:
+    """The host CPU's model name (Linux's /proc/cpuinfo; the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:

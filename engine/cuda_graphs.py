@@ -14,6 +14,7 @@ import gc
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.attention import DecodeKernelBackend
@@ -47,12 +48,12 @@ class DecodeGraphs:
         self.device = attention.req_to_token.device
         self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
         n = max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=self.device)  # padding -> slot 0
-        self.req_rows = torch.zeros(n, dtype=torch.int64, device=self.device)
+        # the int64 inputs, one row each, and seq_lens as int64; staged whole from one pinned host block
+        self._inputs = torch.zeros(5, n, dtype=torch.int64, device=self.device)
+        self.input_ids, self.positions, self.out_cache_loc, self.req_rows = self._inputs[:4]  # padding -> KV slot 0
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=self.device)
-        self._host = torch.zeros(5, n, dtype=torch.int64, pin_memory=self.device.type == "cuda")  # the five above
+        self._host = torch.zeros(5, n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._host_rows = self._host.numpy()  # the same bytes: filled in numpy, no torch call a row
         self._fence = StagingFence(self.device)
         self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets)) if lora_pool else None
         self.capture_graphs = capture
@@ -89,16 +90,17 @@ class DecodeGraphs:
         previous: the last step's sampled tokens, which input ids -1 - i name (a chained plan)."""
         n = len(input_ids)
         batch = self.buckets[bisect.bisect_left(self.buckets, n)]
-        host = self._host
+        # This runs on the loop thread every decode step: the rows are written in numpy through the
+        # pinned block's array and go to the device in one copy of the whole block (contiguous, a few KB;
+        # columns past the bucket are stale and never read), where a torch call a row each way was ~25.
+        rows = self._host_rows
         self._fence.refill()
-        host[:, n:batch] = 0
-        for row, values in enumerate((input_ids, positions, out_cache_loc, req_rows)):
-            host[row, :n] = torch.tensor(values, dtype=torch.int64)
-        host[4, :n] = torch.tensor(positions, dtype=torch.int64) + 1  # seq_len = position of the new token + 1
-        for row, buffer in enumerate((self.input_ids, self.positions, self.out_cache_loc, self.req_rows)):
-            buffer[:batch].copy_(host[row, :batch], non_blocking=True)
-        self.seq_lens[:batch].copy_(host[4, :batch], non_blocking=True)
+        rows[:, n:batch] = 0
+        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, out_cache_loc, req_rows
+        np.add(rows[1, :n], 1, out=rows[4, :n])  # seq_len = position of the new token + 1
+        self._inputs.copy_(self._host, non_blocking=True)
         self._fence.copied()
+        self.seq_lens[:batch].copy_(self._inputs[4, :batch])  # to int32, on the device
         if previous is not None:
             self.input_ids[:batch].copy_(resolve_previous(self.input_ids[:batch], previous))
         skipped = None

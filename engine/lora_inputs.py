@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.forward_inputs import StagingFence
@@ -235,6 +236,8 @@ class SgmvMetaBuffers:
         size = ranks_at + num_slots * (1 + len(targets))
         self._ints_host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self._scalings_host = torch.zeros(num_slots, dtype=torch.float32, pin_memory=pin)
+        # the same bytes as numpy arrays: `fill` runs on the loop thread every step, in numpy
+        self._ints_np, self._scalings_np = self._ints_host.numpy(), self._scalings_host.numpy()
         self._ints = torch.zeros_like(self._ints_host, device=self.device)
         self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
         self.seg_indptr = self._ints[: max_segments + 1]
@@ -257,20 +260,20 @@ class SgmvMetaBuffers:
             raise ValueError(f"{num_segments} segments; the buffers hold {self.max_segments}")
         if any(len(target_ranks[name]) != len(ranks) for name in self.targets if target_ranks is not None):
             raise ValueError("target_ranks must give every target one rank per slot")
-        host = self._ints_host
+        host = self._ints_np
         self._fence.refill()
         host[0] = 0
-        host[1 : num_segments + 1] = torch.tensor(seg_lens, dtype=torch.int32).cumsum(0)
+        np.cumsum(seg_lens, dtype=np.int32, out=host[1 : num_segments + 1])
         host[num_segments + 1 : self.max_segments + 1] = host[num_segments]  # unused segments are empty
-        host[self.max_segments + 1 : self.max_segments + 1 + num_segments] = torch.tensor(slots, dtype=torch.int32)
+        host[self.max_segments + 1 : self.max_segments + 1 + num_segments] = slots
         ranks_at, num_slots = 2 * self.max_segments + 1, len(ranks)
-        host[ranks_at : ranks_at + num_slots] = torch.tensor(ranks, dtype=torch.int32)
+        host[ranks_at : ranks_at + num_slots] = ranks
         self._host_target_ranks = {name: tuple(ranks if target_ranks is None else target_ranks[name]) for name in self.targets}
         for i, name in enumerate(self.targets):
             at = ranks_at + (i + 1) * num_slots
-            host[at : at + num_slots] = torch.tensor(self._host_target_ranks[name], dtype=torch.int32)
-        self._scalings_host[:] = torch.tensor(scalings, dtype=torch.float32)
-        self._ints.copy_(host, non_blocking=True)
+            host[at : at + num_slots] = self._host_target_ranks[name]
+        self._scalings_np[:] = scalings
+        self._ints.copy_(self._ints_host, non_blocking=True)
         self.scalings.copy_(self._scalings_host, non_blocking=True)
         self._fence.copied()
         return SgmvMeta(

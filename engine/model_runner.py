@@ -202,13 +202,18 @@ class ModelRunner:
             self.recent_load_seconds.append(time.perf_counter() - started)
 
     def _write_table(self, writes: tuple[tuple[int, int, tuple[int, ...]], ...]) -> None:
+        """Record the plan's KV slots in this worker's table: one host tensor of (flat cell, slot) pairs,
+        one copy and one scatter (this runs on the loop thread every step, a decode step writing a cell
+        a request)."""
         if not writes:
             return
-        cells: dict[tuple[int, int], int] = {}  # the last write of a cell wins, as in the front's table
+        width = self.req_to_token.shape[1]
+        cells: dict[int, int] = {}  # the last write of a cell wins, as in the front's table
         for row, start, slots in writes:
-            cells.update(((row, start + i), slot) for i, slot in enumerate(slots))
-        rows, cols = zip(*cells, strict=True)
-        self.req_to_token[self._tensor(rows), self._tensor(cols)] = self._tensor(list(cells.values()))
+            first = row * width + start
+            cells.update(zip(range(first, first + len(slots)), slots, strict=True))
+        pairs = self._tensor((list(cells), list(cells.values())))  # [2, cells]: no cell twice
+        self.req_to_token.view(-1).index_copy_(0, pairs[0], pairs[1])
 
     def _generator(self, uid: int, seed: int | None) -> torch.Generator:
         generator = self.generators.get(uid)
@@ -217,9 +222,9 @@ class ModelRunner:
         return generator
 
     def _tensor(self, values) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cuda":  # a copy out of pageable memory may wait for the stream to drain,
-            host = host.pin_memory()  # which would stall the planning of the next step behind this one
+        # made in pinned memory on CUDA: a copy out of pageable memory may wait for the stream to drain,
+        # which would stall the planning of the next step behind this one
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
 
 

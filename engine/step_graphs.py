@@ -72,12 +72,14 @@ class StepGraphs:
         self.max_reqs = req_to_token.shape[0]
         self.buckets = token_buckets(max_tokens, buckets)
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=self.device)  # padding -> slot 0
-        self.sample_rows = torch.zeros(self.max_reqs, dtype=torch.int64, device=self.device)
+        # input ids, positions, KV slots (padding -> slot 0), then the sample rows: one device block,
+        # staged whole from one pinned host block that `run` fills in numpy
+        self._inputs = torch.zeros(3 * n + self.max_reqs, dtype=torch.int64, device=self.device)
+        self.input_ids, self.positions, self.out_cache_loc = self._inputs[: 3 * n].view(3, n)
+        self.sample_rows = self._inputs[3 * n :]
         pin = self.device.type == "cuda"
-        self._host = torch.zeros(3 * n + self.max_reqs, dtype=torch.int64, pin_memory=pin)  # the four above
+        self._host = torch.zeros(3 * n + self.max_reqs, dtype=torch.int64, pin_memory=pin)
+        self._host_values = self._host.numpy()
         self._fence = StagingFence(self.device)
         c = model.config
         self.plans = ExtendPlanBuffers(n, self.max_reqs, c.num_heads // c.num_kv_heads, self.device)
@@ -111,16 +113,14 @@ class StepGraphs:
         t, s = len(input_ids), len(sample_rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, t)]
         n = self.buckets[-1]
-        host = self._host
+        host = self._host_values  # numpy over the pinned block: no torch call a row
         self._fence.refill()
-        host.zero_()
+        host[:] = 0
         for row, values in enumerate((input_ids, positions, out_cache_loc)):
-            host[row * n : row * n + t] = torch.tensor(values, dtype=torch.int64)
-        host[3 * n : 3 * n + s] = torch.tensor(sample_rows, dtype=torch.int64)
+            host[row * n : row * n + t] = values
+        host[3 * n : 3 * n + s] = sample_rows
         self.plans.fill(req_rows, prefix_lens, extend_lens)
-        for row, buffer in enumerate((self.input_ids, self.positions, self.out_cache_loc)):
-            buffer[:bucket].copy_(host[row * n : row * n + bucket], non_blocking=True)
-        self.sample_rows.copy_(host[3 * n :], non_blocking=True)
+        self._inputs.copy_(self._host, non_blocking=True)  # one copy of the whole block
         with_lora = lora_slots is not None
         if with_lora:
             pool = self.lora_pool

@@ -5,6 +5,7 @@ load slots and look up the host cache, the base scenario does neither)."""
 
 import json
 import math
+import platform
 
 import pytest
 
@@ -27,6 +28,8 @@ def test_serve_benchmark_smoke(tmp_path):
     report = serve.main(args)
     assert json.loads(report_path.read_text()) == json.loads(json.dumps(report))
     assert {"date", "commit", "device", "torch"} <= set(report["environment"])
+    assert report["environment"]["cpus"] >= 1 and report["environment"]["python"] == platform.python_version()
+    assert report["environment"]["cpu"] == serve.host_cpu() and serve.host_cpu()  # this VM's /proc/cpuinfo names it
     assert report["environment"]["lora_tiles"] == "built-in"  # no tuned file for the CPU
     rows = {(r["engine"], r["scenario"], r["arrival"]): r for r in report["results"]}
     engines = [(e, s, a) for e in ("inproc", "grpc") for s in ("base", "2", "zipf") for a in ("all", "poisson")]
@@ -85,6 +88,8 @@ def test_serve_benchmark_warm_pass_and_partial_targets(tmp_path):
         assert all(g["gap_ms"] >= g["post_process_ms"] >= 0 and g["launch_host_ms"] >= 0 for g in gaps), key
         assert all(g["launch_host_ms"] >= g["slot_load_ms"] >= 0 for g in gaps), key  # the loads' calls, inside the launches
         assert all((g["slot_load_ms"] > 0) == (g["slot_loads"] > 0) for g in gaps), key
+        # each gap holds a loop iteration, which schedules; no overlapped schedule on the CPU: none chained
+        assert all(g["schedule_ms"] > 0 and g["chained"] == 0 for g in gaps), key
         assert 0 <= row["loop_lag_ms_p50"] <= row["loop_lag_ms_p99"] <= row["loop_lag_ms_max"], key
         assert all(g["decode_rows"] >= 1 for g in gaps), key  # a gap ends in a request's next token
         assert row["step_gap_p50_ms"] <= row["step_gap_p99_ms"] <= gaps[0]["gap_ms"], key

@@ -24,6 +24,7 @@ from engine.engine_loop import EngineLoop
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
 from engine.lora_pool import PackedAdapter
+from engine.model_runner import ModelRunner
 from engine.radix_cache import RadixCache
 from engine.request import Request
 from engine.request_kv import RequestKV
@@ -84,6 +85,20 @@ def test_plan_carries_rows_lengths_segments_and_loads(tokenizer):
     assert plan.extend_lens == (6,) and plan.prefix_lens == (4,) and plan.loads == () and adapters == {}
     assert plan.released == (base.uid,) and plan.samples == (SampleRow(lora.uid, lora.params),)
     assert pickle.loads(pickle.dumps(plan)) == plan  # plain data: it crosses process boundaries as is
+
+
+def test_table_writes_land_in_their_cells_and_the_last_write_of_a_cell_wins():
+    """ModelRunner._write_table: each (row, start, slots) lands in row's cells from start on; a cell
+    written twice in one plan holds the later slot (as the front's table does); nothing else changes."""
+    runner = object.__new__(ModelRunner)  # the table write needs the table and the device alone
+    runner.req_to_token, runner.device = torch.full((4, 8), -1, dtype=torch.int64), torch.device("cpu")
+    runner._write_table(((1, 2, (10, 11, 12)), (3, 0, (5,)), (1, 3, (20,)), (0, 7, (9,))))
+    expected = torch.full((4, 8), -1, dtype=torch.int64)
+    expected[1, 2:5] = torch.tensor([10, 20, 12])
+    expected[3, 0], expected[0, 7] = 5, 9
+    assert torch.equal(runner.req_to_token, expected)
+    runner._write_table(())  # nothing to write: nothing changes
+    assert torch.equal(runner.req_to_token, expected)
 
 
 def test_nothing_below_the_plan_reads_a_request():
