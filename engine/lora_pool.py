@@ -123,6 +123,7 @@ class LoraSlotPool:
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its latest load, not yet waited for
+        self._views: dict[tuple[str, int], tuple[int, tuple]] = {}  # (target, slot) -> (rank, _slot_views), the latest
 
     def load(self, slot: int, adapter: PackedAdapter) -> None:
         """Copy the adapter into every target of `slot` and zero what it leaves (asynchronously on CUDA,
@@ -210,18 +211,34 @@ class LoraSlotPool:
         rows and columns past its rank; all of them when a or b is None: it lacks the target). One copy
         and at most one zero fill per tensor, each stacked projection's rows through a view: slot loads
         are called from the loop thread, whose every torch call lets go of the GIL and takes it back."""
-        dst_a, dst_b = self.a[target.name][:, slot], self.b[target.name][:, slot]  # [L, stack * max_rank, in], [L, out, max_rank]
         if a is None or b is None:
-            dst_a.zero_()
-            dst_b.zero_()
+            whole_a, whole_b, *_ = self._slot_views(target, slot, self.max_rank)
+            whole_a.zero_()
+            whole_b.zero_()
             return
         a, b = self._shard(target, a, b)  # [L, stack * rank, in], [L, out, rank]
-        stacked = dst_a.unflatten(1, (target.num_stack, self.max_rank))  # [L, stack, max_rank, in]
-        if rank < self.max_rank:
-            stacked[:, :, rank:].zero_()
-            dst_b[:, :, rank:].zero_()
-        stacked[:, :, :rank].copy_(a.unflatten(1, (target.num_stack, rank)), non_blocking=True)
-        dst_b[:, :, :rank].copy_(b, non_blocking=True)
+        a_rows, b_cols, a_rest, b_rest = self._slot_views(target, slot, rank)
+        if a_rest is not None:
+            a_rest.zero_()
+            b_rest.zero_()
+        a_rows.copy_(a.unflatten(1, (target.num_stack, rank)), non_blocking=True)
+        b_cols.copy_(b, non_blocking=True)
+
+    def _slot_views(self, target: FusedTarget, slot: int, rank: int) -> tuple:
+        """Views of `slot`'s buffers of `target`: each stacked projection's A rows below `rank`
+        [L, stack, rank, in] and B's columns below it [L, out, rank], then the rows and columns past
+        it (None at max_rank). Kept per (target, slot) for the latest rank asked: made once, they spare
+        a load five indexing calls a target, each a GIL round trip on the loop thread."""
+        key = (target.name, slot)
+        cached = self._views.get(key)
+        if cached is not None and cached[0] == rank:
+            return cached[1]
+        stacked = self.a[target.name][:, slot].unflatten(1, (target.num_stack, self.max_rank))  # [L, stack, max_rank, in]
+        dst_b = self.b[target.name][:, slot]  # [L, out, max_rank]
+        rest = (stacked[:, :, rank:], dst_b[:, :, rank:]) if rank < self.max_rank else (None, None)
+        views = (stacked[:, :, :rank], dst_b[:, :, :rank], *rest)
+        self._views[key] = (rank, views)
+        return views
 
 
 def _full_slices(target: FusedTarget, tp: TensorParallel) -> list[tuple[int, int]]:

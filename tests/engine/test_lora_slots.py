@@ -93,6 +93,26 @@ def test_loading_a_smaller_adapter_leaves_no_residue_of_the_previous_tenant():
     assert pool.ranks[0] == 2
 
 
+def test_loads_of_changing_ranks_through_one_slot_each_hold_their_adapter_alone():
+    """A slot's views are kept for the latest rank loaded (LoraSlotPool._slot_views): loads of ranks
+    8, 3, 8, 16 (the max) and 3 in turn, beside loads into the other slot, each hold that adapter's
+    weights and nothing of the ones before."""
+    pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=16, dtype=torch.float32, device="cpu")
+    for i, rank in enumerate((8, 3, 8, 16, 3)):
+        adapter = canonical(rank, seed=10 + i)
+        pool.load(0, pack_adapter(f"r{i}", adapter, pool.targets, torch.float32, pin=False))
+        pool.load(1, packed(f"other{i}", rank=16 - rank or 1, seed=20 + i))
+        for layer in range(CONFIG.num_layers):
+            for module in MODULES:
+                a, b = adapter.module_weights(layer, module)
+                torch.testing.assert_close(slot_delta(pool, 0, layer, module), b @ a)
+        for name in pool.targets:
+            assert not pool.b[name][:, 0, :, rank:].any(), (rank, name)
+            stacked = pool.a[name][:, 0].unflatten(1, (pool.targets[name].num_stack, 16))
+            assert not stacked[:, :, rank:].any(), (rank, name)
+        assert pool.ranks[0] == rank
+
+
 def test_targets_an_adapter_lacks_are_left_out_and_rank_0_in_its_slot():
     """A q/v adapter packs only its qkv target (no zeros for o, gate_up, down on the host) and has rank 0
     in the slot's other targets, which the kernels of those targets then skip; loading it over an
