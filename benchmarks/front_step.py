@@ -7,6 +7,12 @@ The workers are replaced by one that returns token ids at once, so what is timed
 waits on the host between two forwards (today the front does not plan step k+1 while step k runs). A
 real tokenizer (the demo model's byte-level BPE) and one stop string per request; every request decodes
 until the run ends. Prints one JSON line: median milliseconds a step, and per request.
+
+    python benchmarks/front_step.py --batch 64 --adapters 64 --waiting 192 --slots 142 --overlap
+
+adds what a cold LoRA pass schedules each step: running requests with adapters, requests queued behind
+them whose adapters load ahead into free slots (--load-ahead a step), and the overlapped schedule's
+chained plans (`Scheduler.schedule_ahead`).
 """
 
 from __future__ import annotations
@@ -22,10 +28,15 @@ from pathlib import Path
 
 import torch
 
+from engine.adapter_cache import HostAdapterCache
+from engine.adapter_slots import AdapterSlots
 from engine.admission import _thread_safe_sink
+from engine.config import DEFAULT_LORA_LOAD_AHEAD
 from engine.delivery import batched
 from engine.engine_loop import EngineLoop
 from engine.kv_pool import PageAllocator, ReqToTokenPool
+from engine.lora_manager import LoraManager
+from engine.lora_pool import PackedAdapter
 from engine.model_runner import SampledTokens
 from engine.radix_cache import RadixCache
 from engine.request import Request
@@ -42,10 +53,11 @@ class InstantWorkers:
     on_failure = None
 
     def __init__(self) -> None:
-        self.num_steps = 0
+        self.num_steps = self.num_chained = 0
 
     def launch(self, plan, adapters) -> SampledTokens:
         self.num_steps += 1
+        self.num_chained += plan.chained
         return SampledTokens(torch.tensor([50 + (17 * i + self.num_steps) % 400 for i in range(len(plan.sample_rows))]))
 
 
@@ -54,36 +66,58 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--adapters", type=int, default=0, help="request i uses adapter i mod N (0: the base model)")
+    parser.add_argument("--slots", type=int, default=0, help="adapter slots (default: --adapters + --waiting, all fit)")
+    parser.add_argument("--waiting", type=int, default=0, help="requests queued behind the running batch all run long")
+    parser.add_argument("--load-ahead", type=int, default=DEFAULT_LORA_LOAD_AHEAD, help="waiting requests' adapters loaded a step")
+    parser.add_argument("--overlap", action="store_true", help="the overlapped schedule: chained decode plans (schedule_ahead)")
     args = parser.parse_args()
     tokenizer = Tokenizer.from_dir(write_llama_checkpoint(Path(tempfile.mkdtemp()) / "model", seed=1))
     max_context = 64 + args.steps + 8
-    allocator = PageAllocator(args.batch * max_context, args.page_size)
-    kv = RequestKV(allocator, ReqToTokenPool(args.batch, max_context), RadixCache(args.page_size, allocator))
-    loop = EngineLoop(Scheduler(SchedulerConfig(args.batch, 8192), kv), InstantWorkers())
+    num_requests = args.batch + args.waiting
+    allocator = PageAllocator(num_requests * max_context, args.page_size)
+    kv = RequestKV(allocator, ReqToTokenPool(num_requests, max_context), RadixCache(args.page_size, allocator))
+    lora = None
+    if args.adapters:
+        lora = LoraManager(AdapterSlots(args.slots or args.adapters + args.waiting), HostAdapterCache(args.adapters + args.waiting))
+    config = SchedulerConfig(args.batch, 8192, max_lora_load_ahead=args.load_ahead if lora else 0)
+    workers = InstantWorkers()
+    loop = EngineLoop(Scheduler(config, kv, lora=lora), workers, overlap=args.overlap)
     server = asyncio.new_event_loop()
     threading.Thread(target=server.run_forever, daemon=True).start()
-    counts = [0] * args.batch
+    counts = [0] * num_requests
     queues, consumers = asyncio.run_coroutine_threadsafe(_consumers(counts), server).result()
     for i, queue in enumerate(queues):
         prompt = tokenizer.encode(f"Request {i}: tell me a story about cats and dogs")
+        # the waiting requests' adapters are their own (the cold pass's queue: adapters fetched, not loaded)
+        namespace = ""
+        if args.adapters:
+            namespace = f"{i % args.adapters if i < args.batch else args.adapters + i - args.batch:064x}"
         loop.scheduler.add(Request(
-            rid=str(i), namespace="", prompt_ids=prompt, sink=_thread_safe_sink(server, queue),
+            rid=str(i), namespace=namespace, prompt_ids=prompt, sink=_thread_safe_sink(server, queue),
             params=SamplingParams(max_new_tokens=args.steps + 2, stop=("the end",)),
             detokenizer=IncrementalDetokenizer(tokenizer, prompt), stop_matcher=StopMatcher(("the end",)),
-            eos_token_ids=frozenset(),
+            eos_token_ids=frozenset(), packed_adapter=PackedAdapter(namespace, 16, 2.0, {}, {}) if namespace else None,
         ))  # fmt: skip
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         with batched():  # as EngineLoop._run wraps each iteration
-            loop._advance()  # schedule, plan, launch, post-process (no overlap: the workers answer at once)
+            loop._advance()  # schedule (or schedule ahead), plan, launch, post-process (the workers answer at once)
         times.append(time.perf_counter() - start)
+    in_flight = loop._take_in_flight()  # under overlap, the step launched last
+    if in_flight is not None:
+        with batched():
+            loop._post_process(in_flight)
     step_ms = statistics.median(times[5:]) * 1e3
-    # Every token reached its handler's queue (a step's token per request; none finished early).
-    expected = args.batch * args.steps
+    # Every token reached its handler's queue: one a step for each running request (none finished
+    # early, the waiting ones never ran).
+    expected = args.batch * loop.num_steps
     delivered = asyncio.run_coroutine_threadsafe(_wait_for(counts, expected), server).result(30)
-    print(json.dumps({"batch": args.batch, "front_step_ms": step_ms, "per_request_us": step_ms * 1e3 / args.batch,
-                      "events_delivered": delivered, "events_expected": expected}))  # fmt: skip
+    print(json.dumps({"batch": args.batch, "adapters": args.adapters, "waiting": args.waiting, "overlap": args.overlap,
+                      "front_step_ms": step_ms, "per_request_us": step_ms * 1e3 / args.batch,
+                      "events_delivered": delivered, "events_expected": expected, "chained_steps": workers.num_chained,
+                      "slot_loads": lora.slots.num_loads if lora else 0}))  # fmt: skip
     asyncio.run_coroutine_threadsafe(_cancel(consumers), server).result()
     server.call_soon_threadsafe(server.stop)
 
