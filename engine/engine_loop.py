@@ -291,8 +291,10 @@ class EngineLoop:
 
 def _plan_entry(e: BatchEntry, previous_row: int = -1) -> PlanEntry:
     req = e.req
+    # a chained entry's one input is the step in flight's sample (previous_row), not yet known here
+    input_ids = req.ids_between(e.start, e.start + e.extend_len) if previous_row < 0 else []
     return PlanEntry(
-        uid=req.uid, all_ids=req.all_ids, kv_slots=req.kv_slots, req_row=req.req_row, start=e.start,
+        uid=req.uid, input_ids=input_ids, kv_slots=req.kv_slots, req_row=req.req_row, start=e.start,
         extend_len=e.extend_len, params=req.params if e.samples else None, lora_slot=req.lora_slot,
         previous_row=previous_row,
     )  # fmt: skip

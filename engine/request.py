@@ -88,6 +88,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end], without joining the prompt and the output (a step plans each running
+        request's next token this way)."""
+        num_prompt = len(self.prompt_ids)
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - num_prompt]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

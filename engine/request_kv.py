@@ -38,7 +38,13 @@ class RequestKV:
 
     def grow(self, req: Request, extend_len: int) -> bool:
         """Reserve slots for req's next extend_len tokens, evicting cached prefixes if needed."""
-        num_pages = num_new_pages(req.kv_len, extend_len, self.page_size)
+        kv_len = req.kv_len
+        if extend_len == 1 and kv_len % self.page_size:  # a decode token with room in its last page (most
+            slot = req.kv_slots[-1] + 1  # steps of every running request): the page's next slot, nothing allocated
+            self.req_pool.write(req.req_row, kv_len, (slot,))
+            req.kv_slots.append(slot)
+            return True
+        num_pages = num_new_pages(kv_len, extend_len, self.page_size)
         if not self.allocator.can_allocate(num_pages):
             missing = num_pages - self.allocator.num_free_pages
             self.radix.evict(missing * self.page_size)
@@ -46,8 +52,8 @@ class RequestKV:
                 return False
         pages = self.allocator.allocate(num_pages)
         last_slot = req.kv_slots[-1] if req.kv_slots else -1
-        slots = extend_slots(req.kv_len, extend_len, last_slot, pages, self.page_size)
-        self.req_pool.write(req.req_row, req.kv_len, slots)
+        slots = extend_slots(kv_len, extend_len, last_slot, pages, self.page_size)
+        self.req_pool.write(req.req_row, kv_len, slots)
         req.owned_pages += pages
         req.kv_slots += slots
         return True

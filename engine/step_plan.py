@@ -86,7 +86,7 @@ class PlanEntry:
     """One scheduled request as the front sees it, reduced to what the plan needs (no Request)."""
 
     uid: int
-    all_ids: list[int]
+    input_ids: list[int]  # the ids of tokens [start, start + extend_len)
     kv_slots: list[int]
     req_row: int
     start: int
@@ -111,7 +111,7 @@ def build_plan(
             input_ids.append(-1 - e.previous_row)
             chained = True
         else:
-            input_ids += e.all_ids[e.start : end]
+            input_ids += e.input_ids
         positions += range(e.start, end)
         out_cache_loc += e.kv_slots[e.start : end]
         rows.append(e.req_row)

@@ -87,6 +87,18 @@ def test_plan_carries_rows_lengths_segments_and_loads(tokenizer):
     assert pickle.loads(pickle.dumps(plan)) == plan  # plain data: it crosses process boundaries as is
 
 
+def test_a_plan_entry_reads_its_tokens_without_joining_prompt_and_output(tokenizer):
+    """Request.ids_between(start, end) is all_ids[start:end] for every range: within the prompt, within
+    the output, across both, empty."""
+    req = request(tokenizer, [11, 12, 13, 14, 15])
+    req.output_ids += [21, 22, 23]
+    ids = req.all_ids
+    assert ids == [11, 12, 13, 14, 15, 21, 22, 23]
+    for start in range(len(ids) + 1):
+        for end in range(start, len(ids) + 2):
+            assert req.ids_between(start, end) == ids[start:end], (start, end)
+
+
 def test_table_writes_land_in_their_cells_and_the_last_write_of_a_cell_wins():
     """ModelRunner._write_table: each (row, start, slots) lands in row's cells from start on; a cell
     written twice in one plan holds the later slot (as the front's table does); nothing else changes."""
