@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.sampling import SamplingParams
 
@@ -81,9 +82,10 @@ class StepPlan:
         return rows
 
 
-@dataclass(frozen=True)
-class PlanEntry:
-    """One scheduled request as the front sees it, reduced to what the plan needs (no Request)."""
+class PlanEntry(NamedTuple):
+    """One scheduled request as the front sees it, reduced to what the plan needs (no Request). A
+    NamedTuple: the front makes one for every running request every step, at under half a frozen
+    dataclass's cost."""
 
     uid: int
     input_ids: list[int]  # the ids of tokens [start, start + extend_len)
