@@ -12,7 +12,8 @@ until the run ends. Prints one JSON line: median milliseconds a step, and per re
 
 adds what a cold LoRA pass schedules each step: running requests with adapters, requests queued behind
 them whose adapters load ahead into free slots (--load-ahead a step), and the overlapped schedule's
-chained plans (`Scheduler.schedule_ahead`).
+chained plans (`Scheduler.schedule_ahead`); --metrics adds the server's metrics sampler, which the
+loop runs after every step.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ from engine.request import Request
 from engine.request_kv import RequestKV
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.telemetry import StepSampler
 from engine.text import IncrementalDetokenizer, StopMatcher, Tokenizer
 from loramux.demo_model import write_llama_checkpoint
+from loramux.metrics import EngineMetrics
 
 
 class InstantWorkers:
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--waiting", type=int, default=0, help="requests queued behind the running batch all run long")
     parser.add_argument("--load-ahead", type=int, default=DEFAULT_LORA_LOAD_AHEAD, help="waiting requests' adapters loaded a step")
     parser.add_argument("--overlap", action="store_true", help="the overlapped schedule: chained decode plans (schedule_ahead)")
+    parser.add_argument("--metrics", action="store_true", help="the server's metrics sampler after every step, as the loop runs it")
     args = parser.parse_args()
     tokenizer = Tokenizer.from_dir(write_llama_checkpoint(Path(tempfile.mkdtemp()) / "model", seed=1))
     max_context = 64 + args.steps + 8
@@ -83,6 +87,8 @@ def main() -> None:
     config = SchedulerConfig(args.batch, 8192, max_lora_load_ahead=args.load_ahead if lora else 0)
     workers = InstantWorkers()
     loop = EngineLoop(Scheduler(config, kv, lora=lora), workers, overlap=args.overlap)
+    if args.metrics:
+        loop.after_step = StepSampler(EngineMetrics(base_model_name="demo"), loop.scheduler, lora, {})
     server = asyncio.new_event_loop()
     threading.Thread(target=server.run_forever, daemon=True).start()
     counts = [0] * num_requests
@@ -90,20 +96,24 @@ def main() -> None:
     for i, queue in enumerate(queues):
         prompt = tokenizer.encode(f"Request {i}: tell me a story about cats and dogs")
         # the waiting requests' adapters are their own (the cold pass's queue: adapters fetched, not loaded)
-        namespace = ""
+        namespace, adapter = "", 0
         if args.adapters:
-            namespace = f"{i % args.adapters if i < args.batch else args.adapters + i - args.batch:064x}"
+            adapter = i % args.adapters if i < args.batch else args.adapters + i - args.batch
+            namespace = f"{adapter:064x}"
         loop.scheduler.add(Request(
             rid=str(i), namespace=namespace, prompt_ids=prompt, sink=_thread_safe_sink(server, queue),
             params=SamplingParams(max_new_tokens=args.steps + 2, stop=("the end",)),
             detokenizer=IncrementalDetokenizer(tokenizer, prompt), stop_matcher=StopMatcher(("the end",)),
             eos_token_ids=frozenset(), packed_adapter=PackedAdapter(namespace, 16, 2.0, {}, {}) if namespace else None,
+            adapter_ref=f"adapter-{adapter}@1" if namespace else "",
         ))  # fmt: skip
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         with batched():  # as EngineLoop._run wraps each iteration
             loop._advance()  # schedule (or schedule ahead), plan, launch, post-process (the workers answer at once)
+            if loop.after_step is not None:
+                loop.after_step()
         times.append(time.perf_counter() - start)
     in_flight = loop._take_in_flight()  # under overlap, the step launched last
     if in_flight is not None:
@@ -114,7 +124,7 @@ def main() -> None:
     # early, the waiting ones never ran).
     expected = args.batch * loop.num_steps
     delivered = asyncio.run_coroutine_threadsafe(_wait_for(counts, expected), server).result(30)
-    print(json.dumps({"batch": args.batch, "adapters": args.adapters, "waiting": args.waiting, "overlap": args.overlap,
+    print(json.dumps({"batch": args.batch, "adapters": args.adapters, "waiting": args.waiting, "overlap": args.overlap, "metrics": args.metrics,
                       "front_step_ms": step_ms, "per_request_us": step_ms * 1e3 / args.batch,
                       "events_delivered": delivered, "events_expected": expected, "chained_steps": workers.num_chained,
                       "slot_loads": lora.slots.num_loads if lora else 0}))  # fmt: skip

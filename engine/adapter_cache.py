@@ -253,6 +253,7 @@ class HostAdapterCache:
         self.num_hits = 0
         self.num_misses = 0
         self.num_joined = 0
+        self.version = 0  # bumped whenever an entry comes or goes (the metrics sampler's cue)
 
     def __contains__(self, digest: str) -> bool:
         with self._lock:
@@ -289,6 +290,7 @@ class HostAdapterCache:
             evictable = [digest for digest in self._entries if not self.resident(digest)]  # oldest first
             for digest in evictable[: max(0, len(evictable) - self.max_adapters)]:
                 del self._entries[digest]
+            self.version += 1
 
     def adopt(self, adapter: PackedAdapter) -> None:
         """Keep the host copy a slot just took (a request's, which the cache may have evicted since its
@@ -305,4 +307,5 @@ class HostAdapterCache:
 
     def discard(self, digest: str) -> None:
         with self._lock:
-            self._entries.pop(digest, None)
+            if self._entries.pop(digest, None) is not None:
+                self.version += 1

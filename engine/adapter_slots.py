@@ -69,6 +69,9 @@ class AdapterSlots:
         self.num_loads = 0  # loads ahead included
         self.num_loads_ahead = 0
         self.num_evictions = 0
+        # bumped whenever a slot's digest, rank or pin changes: the metrics sampler, which runs after
+        # every step, recomputes residency only then
+        self.version = 0
 
     def take_loads(self) -> tuple[tuple[LoadSlot, ...], dict[str, PackedAdapter]]:
         """The loads decided since the last call, in order, with the packed adapters they copy."""
@@ -119,12 +122,14 @@ class AdapterSlots:
                 raise SlotsExhausted(f"at most {self.num_slots - 1} of {self.num_slots} slots may be pinned")
             state = state or self._place(digest, load, self._free_slot())
             state.is_pinned = True
+            self.version += 1
         return state.index
 
     def unpin(self, digest: str) -> None:
         state = self._by_digest.get(digest)
-        if state is not None:
+        if state is not None and state.is_pinned:
             state.is_pinned = False
+            self.version += 1
 
     def evict(self, digest: str) -> bool:
         """Drop digest from its slot if nothing uses it; returns whether it is gone."""
@@ -159,8 +164,10 @@ class AdapterSlots:
         state.loaded_at = state.last_used = self.clock()
         self._by_digest[digest] = state
         self.num_loads += 1
+        self.version += 1
         return state
 
     def _empty(self, state: SlotState) -> None:
         del self._by_digest[state.digest]
         state.digest = None
+        self.version += 1

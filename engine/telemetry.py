@@ -4,6 +4,7 @@ gauges and counter deltas sampled on the loop thread (owners keep plain integer 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from engine.lora_manager import LoraManager
 from engine.scheduler import Scheduler
@@ -22,7 +23,8 @@ class StepSampler:
         self.lora = lora
         self.refs = refs  # digest -> "name@version" (EngineCore.refs)
         self._seen: dict[str, int] = {}
-        self._residency_key: tuple | None = None
+        self._residency_key: tuple | None = None  # (slots' version, host cache's version) last sampled
+        self._request_refs: tuple | None = None  # the adapter refs running and waiting, last sampled
 
     def __call__(self) -> None:
         m, scheduler, lora = self.metrics, self.scheduler, self.lora
@@ -33,11 +35,12 @@ class StepSampler:
             self._add(m.drain_events, "drains", drain.num_drains)
         if lora is None:
             return
-        m.model_server.set_lora_requests(
-            len(lora.slots.slots), _adapter_names(scheduler.running), _adapter_names(scheduler.waiting)
-        )
-        slots = lora.slots.slots
-        m.set_slots(sum(s.digest is not None for s in slots), sum(s.is_pinned for s in slots), len(slots))
+        # names and residency are recomputed only when they may have changed: this runs on the loop
+        # thread after every step (a 64-request batch with 192 queued spent ~0.1 ms a step on them)
+        refs = (frozenset(r.adapter_ref for r in scheduler.running), frozenset(r.adapter_ref for r in scheduler.waiting))
+        if refs != self._request_refs:
+            self._request_refs = refs
+            m.model_server.set_lora_requests(len(lora.slots.slots), *(_adapter_names(r) for r in refs))
         m.host_cache_size.set(len(lora.host_cache))
         self._add(m.host_cache_hits, "hits", lora.host_cache.num_hits)
         self._add(m.host_cache_misses, "misses", lora.host_cache.num_misses)
@@ -50,14 +53,17 @@ class StepSampler:
         self._sample_residency()
 
     def _sample_residency(self) -> None:
-        """Per-adapter residency, recomputed only when a load, eviction, pin or host-cache change happened."""
+        """Slot counts and per-adapter residency, recomputed only when a load, eviction, pin or
+        host-cache change happened (the slots' and the cache's versions)."""
         lora = self.lora
-        slots = [(s.digest, s.is_pinned, s.rank) for s in lora.slots.slots if s.digest is not None]
-        cached = lora.host_cache.ranks()
-        key = (tuple(slots), tuple(sorted(cached.items())))
+        key = (lora.slots.version, lora.host_cache.version)
         if key == self._residency_key:
             return
         self._residency_key = key
+        states = lora.slots.slots
+        self.metrics.set_slots(sum(s.digest is not None for s in states), sum(s.is_pinned for s in states), len(states))
+        slots = [(s.digest, s.is_pinned, s.rank) for s in states if s.digest is not None]
+        cached = lora.host_cache.ranks()
         on_gpu = {digest: (pinned, rank) for digest, pinned, rank in slots}
         rows = []
         for digest in on_gpu.keys() | cached.keys():
@@ -80,5 +86,6 @@ def kv_usage(scheduler: Scheduler) -> float:
     return max(0, allocator.num_used_pages - evictable_pages) / max(1, allocator.num_usable_pages)
 
 
-def _adapter_names(requests) -> list[str]:
-    return [r.adapter_ref.partition("@")[0] for r in requests if r.adapter_ref]
+def _adapter_names(refs: Iterable[str]) -> list[str]:
+    """The adapter names of "name@version" refs ("" for the base model is left out)."""
+    return [ref.partition("@")[0] for ref in refs if ref]

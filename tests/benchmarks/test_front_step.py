@@ -19,15 +19,15 @@ def test_front_step_benchmark_smoke():
 
 
 def test_front_step_benchmark_with_adapters_waiting_requests_and_overlap():
-    """--adapters 3 --waiting 4 --overlap: 6 running requests over 3 adapters, 4 more queued behind them
+    """--adapters 3 --waiting 4 --overlap --metrics: 6 running requests over 3 adapters, 4 more queued behind them
     with adapters of their own; the 3 load at admission and the 4 ahead (2 a step), and every decode
     step after the first is a chained plan."""
     out = subprocess.run(
-        [sys.executable, "benchmarks/front_step.py", "--batch", "6", "--steps", "12", "--adapters", "3", "--waiting", "4", "--overlap"],
+        [sys.executable, "benchmarks/front_step.py", "--batch", "6", "--steps", "12", "--adapters", "3", "--waiting", "4", "--overlap", "--metrics"],
         cwd=ROOT, capture_output=True, text=True, timeout=240, check=True,
     )  # fmt: skip
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (row["adapters"], row["waiting"], row["overlap"]) == (3, 4, True)
+    assert (row["adapters"], row["waiting"], row["overlap"], row["metrics"]) == (3, 4, True, True)
     assert row["events_delivered"] == row["events_expected"] == 6 * 12  # the queued requests never ran
     assert row["slot_loads"] == 3 + 4
     assert row["chained_steps"] == 12 - 2  # all but the prefill and the first decode, planned after it
