@@ -203,7 +203,7 @@ def _check_finite(sf: SafetensorsFile, plans: list[_ModulePlan], dtype: torch.dt
     """Reads every tensor once, one at a time, before anything is written."""
     for plan in plans:
         for name in (plan.a_name, plan.b_name):
-            if not bool(torch.isfinite(sf.tensor(name)).all()):
+            if not all_finite(sf.tensor(name)):
                 raise InvalidArgument(f"tensor {quote(name)}: holds NaN or Inf values")
         if plan.fold != 1.0 and not bool(
             torch.isfinite(_fold(sf.tensor(plan.b_name), plan.fold, dtype)).all()
@@ -211,6 +211,25 @@ def _check_finite(sf: SafetensorsFile, plans: list[_ModulePlan], dtype: torch.dt
             raise FailedPrecondition(
                 f"tensor {quote(plan.b_name)}: its alpha_pattern scale overflows {dtype} once folded into lora_B"
             )
+
+
+# A float is NaN or Inf exactly when its exponent bits are all ones: (the integer view, the exponent mask).
+_EXPONENT_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00), torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}  # fmt: skip
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in t. For the float dtypes adapters come in, a check of the exponent bits in numpy:
+    one thread with the GIL let go, where `torch.isfinite` spreads each tensor over torch's threads (the
+    registry compiles several uploads at once) and runs bfloat16 element by element, ~9x slower."""
+    bits = _EXPONENT_BITS.get(t.dtype)
+    if bits is None:
+        return bool(torch.isfinite(t).all())
+    int_dtype, mask = bits
+    exponents = t.detach().cpu().view(int_dtype).numpy() & mask
+    return not (exponents == mask).any()
 
 
 # ---- compile ----

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from loraformat.errors import FailedPrecondition, InvalidArgument, StatusError
 from loraformat.model_shapes import SUPPORTED_MODULES, ModelShape, module_path
-from loraformat.peft_compile import CompiledAdapter, compile_adapter, read_canonical
+from loraformat.peft_compile import CompiledAdapter, all_finite, compile_adapter, read_canonical
 from loraformat.peft_config import parse_peft_config
 from loraformat.safetensors_io import write_safetensors
 from loramux.demo_model import write_llama_checkpoint
@@ -724,3 +724,21 @@ def test_artifacts_of_one_header_are_parsed_and_checked_once(adapter, shape: Mod
         (tmp_path / name).write_bytes(data[:-2])
         with pytest.raises(InvalidArgument, match=rf"^{name}: .*truncated"):
             read_canonical(tmp_path / name, shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8])
+def test_all_finite_agrees_with_torch_isfinite(dtype: torch.dtype):
+    """`all_finite` (the exponent-bit check uploads run) against torch.isfinite: random tensors, each
+    with one NaN, +Inf or -Inf at a random place, contiguous and strided; the extreme finite values,
+    subnormals and -0 pass."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(30):
+        t = (torch.randn(37, 21, generator=gen) * 10 ** (trial % 5)).to(dtype)
+        if dtype.is_floating_point and trial % 3:
+            t.view(-1)[torch.randint(t.numel(), (1,), generator=gen)] = (math.nan, math.inf, -math.inf)[trial % 3]
+        for view in (t, t[:, 3], t.t(), t[::2, 1::3]):
+            assert all_finite(view) == bool(torch.isfinite(view).all()), (trial, view.shape)
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        assert all_finite(torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, -0.0, 0.0], dtype=dtype))
+        assert not all_finite(torch.tensor([1.0, info.max], dtype=torch.float64).to(dtype) * 2)  # overflows to Inf
