@@ -109,7 +109,7 @@ class RegistryService:
                 out_path=artifact,
             )
             started = time.monotonic()
-            self.store.put_file(compiled.digest, artifact)
+            self.store.put_file(compiled.digest, artifact, take=True)  # the temp dir goes right after
             log.info(
                 "stored %s (%d bytes) in %.3fs",
                 compiled.digest,

@@ -54,7 +54,10 @@ class ObjectStore(Protocol):
     characters with InvalidArgument, before touching storage.
     """
 
-    def put_file(self, digest: str, path: Path) -> bool: ...
+    def put_file(self, digest: str, path: Path, take: bool = False) -> bool:
+        """take: the caller hands `path` over (it neither changes nor reuses the file after the call),
+        so a store on its filesystem may make that file the blob itself rather than a copy."""
+        ...
 
     def exists(self, digest: str) -> bool: ...
 
@@ -110,20 +113,28 @@ class LocalDirStore:
     def path(self, digest: str) -> Path:
         return self.root / blob_key(check_digest(digest))
 
-    def put_file(self, digest: str, path: Path) -> bool:
+    def put_file(self, digest: str, path: Path, take: bool = False) -> bool:
         final = self.path(digest)
         if final.exists():
             os.utime(final)  # refreshed: gc's grace period now protects the row about to be committed
             return False
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _write_temp_copy(path, final.parent)
+        if take and path.stat().st_dev == final.parent.stat().st_dev:
+            # the file itself becomes the blob (a registration's compiled artifact in the spool, on the
+            # store's filesystem): made durable and read-only, then linked; no second copy is written
+            _seal(path)
+            os.utime(path)  # the blob's age counts from now, as a copy's would
+            source = path
+        else:
+            source = _write_temp_copy(path, final.parent)
         try:
-            os.link(tmp, final)
+            os.link(source, final)
         except FileExistsError:
             os.utime(final)
             return False
         finally:
-            tmp.unlink()
+            if source is not path:
+                source.unlink()
         _fsync_dir(final.parent)
         return True
 
@@ -191,6 +202,16 @@ def _write_temp_copy(src: Path, directory: Path) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return tmp
+
+
+def _seal(path: Path) -> None:
+    """Make a file's bytes durable and the file read-only (as `_write_temp_copy` leaves its copy)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.fchmod(fd, 0o444)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -273,7 +294,7 @@ class S3Store:
         key = blob_key(check_digest(digest))
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def put_file(self, digest: str, path: Path) -> bool:
+    def put_file(self, digest: str, path: Path, take: bool = False) -> bool:
         key = self.key(digest)
         if self.exists(digest):
             self._touch(key)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from registry import store as store_module
 from registry.errors import InvalidArgument, NotFound
 from registry.store import (
     LocalDirStore,
@@ -62,6 +63,46 @@ def test_put_then_read_back_exact_bytes(store: ObjectStore, tmp_path: Path):
     assert store.exists(digest)
     assert store.size(digest) == len(data)
     assert read_blob(store, digest) == data
+
+
+def test_a_file_handed_over_becomes_the_blob_on_the_stores_filesystem(tmp_path: Path, monkeypatch):
+    """put_file(take=True) on a local store of the same filesystem links the caller's file as the blob
+    (read-only, no copy written), which outlives the caller removing its own name; elsewhere, or
+    without take, the blob is a copy."""
+    store = LocalDirStore(tmp_path / "store")
+    data = os.urandom(200_000)
+    digest, path = write_blob(tmp_path / "spool", data)
+    copies = []
+    real_copy = store_module._write_temp_copy
+    monkeypatch.setattr(store_module, "_write_temp_copy", lambda *a: copies.append(a) or real_copy(*a))
+
+    assert store.put_file(digest, path, take=True) is True
+    assert copies == [] and os.path.samefile(path, store.path(digest))
+    assert not os.stat(store.path(digest)).st_mode & 0o222  # read-only, as a copied blob is
+    path.unlink()  # the registration's temp dir goes
+    assert read_blob(store, digest) == data and [b.digest for b in store.list_blobs()] == [digest]
+    assert store.put_file(digest, write_blob(tmp_path / "again", data)[1], take=True) is False  # write-once
+
+    other_digest, other = write_blob(tmp_path / "spool", b"another upload")
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: _other_device(real_stat(p, *a, **k), p, other))
+    assert store.put_file(other_digest, other, take=True) is True  # another filesystem: copied
+    assert len(copies) == 1 and not os.path.samefile(other, store.path(other_digest))
+    monkeypatch.undo()
+    third_digest, third = write_blob(tmp_path / "spool", b"a third")
+    assert store.put_file(third_digest, third) is True and not os.path.samefile(third, store.path(third_digest))
+    assert read_blob(store, other_digest) == b"another upload" and read_blob(store, third_digest) == b"a third"
+
+
+real_stat = os.stat
+
+
+def _other_device(result: os.stat_result, path, moved: Path) -> os.stat_result:
+    """`moved`'s stat as if it lay on another device than everything else."""
+    if Path(path) != moved:
+        return result
+    fields = list(result)
+    fields[2] += 1  # st_dev
+    return os.stat_result(fields)
 
 
 def test_put_is_write_once(store: ObjectStore, tmp_path: Path):
