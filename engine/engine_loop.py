@@ -150,8 +150,6 @@ class EngineLoop:
             self._wake.clear()
             with batched():  # the step's events reach each server loop in one wake-up (engine/delivery.py)
                 self._run_calls()
-                while not self._inbox.empty():
-                    self.scheduler.add(self._inbox.get())
                 try:
                     busy = self._advance()
                     if self.after_step is not None:
@@ -193,6 +191,7 @@ class EngineLoop:
 
     def _advance(self) -> bool:
         """Launch the next step, if any, and post-process the one before it; False when idle."""
+        self._take_arrivals()  # right before deciding: the scheduler sees every request submitted so far
         previous = self._take_in_flight()
         if previous is not None:
             ahead = self.scheduler.schedule_ahead([e.req for e in previous.entries]) if self._chainable(previous) else []
@@ -212,8 +211,14 @@ class EngineLoop:
                 self._post_process(launched)
         return True
 
+    def _take_arrivals(self) -> None:
+        while not self._inbox.empty():
+            self.scheduler.add(self._inbox.get())
+
     def _chainable(self, step: _Launched) -> bool:
-        return self.overlap and step.plan.is_decode and self._calls.empty() and self._inbox.empty()
+        # Arrivals are the scheduler's already: `schedule_ahead` stops the chain for one only when a
+        # running place is free for it (a full batch goes on decoding while it waits, as before it came).
+        return self.overlap and step.plan.is_decode and self._calls.empty()
 
     def _take_in_flight(self) -> _Launched | None:
         launched, self._in_flight = self._in_flight, None
@@ -281,8 +286,7 @@ class EngineLoop:
 
     def _fail_all(self, code: Code, message: str, keep_kv: bool = True) -> None:
         """Fail every live request; keep_kv=False caches none of their KV (its state is unknown)."""
-        while not self._inbox.empty():
-            self.scheduler.add(self._inbox.get())
+        self._take_arrivals()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             if not keep_kv:
                 self.scheduler.kv.truncate(req, req.cached_len)

@@ -214,3 +214,34 @@ def test_schedule_ahead_leaves_to_schedule_what_it_cannot_decide(tiny_llama_dir)
     scheduler.waiting.remove(c)
     a.is_cancelled = True
     assert scheduler.schedule_ahead(running) == []
+
+
+@pytest.mark.parametrize("max_running", [1, 2])
+def test_an_arrival_stops_the_chain_only_when_a_running_place_is_free(tiny_llama_dir, max_running):
+    """A request submitted while decode steps are chained reaches the scheduler before the next plan:
+    with the batch full (max_running 1) the chain goes on and it waits; with a place free (2) the next
+    step is planned by `schedule` and admits it."""
+    core, plans = build(tiny_llama_dir, True, max_running_requests=max_running)
+    loop = core.loop
+
+    def submit_one(prompt: str, max_new: int) -> Stream:
+        stream = Stream()
+        loop.submit(core.new_request(core.prompt_ids(prompt, None), SamplingParams(max_new_tokens=max_new, ignore_eos=True), stream))
+        return stream
+
+    first = submit_one(PROMPTS[0], 12)
+    for _ in range(3):  # the prefill, the first decode (planned after it), a chained decode
+        loop._advance()
+    assert [p.chained for p in plans] == [False, False, True]
+    second = submit_one(PROMPTS[1], 3)
+    loop._advance()
+    arrived = plans[3]
+    if max_running == 1:
+        assert arrived.chained and arrived.num_requests == 1  # the full batch went on decoding
+    else:
+        assert not arrived.chained and arrived.num_requests == 2 and not arrived.is_decode  # admitted: a prefill beside the decode
+    while loop._advance():
+        pass
+    wait([first, second])
+    assert len(first.tokens) == 12 and len(second.tokens) == 3
+    assert loop.num_active == 0 and kv_is_consistent(core)
