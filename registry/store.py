@@ -196,8 +196,7 @@ def _write_temp_copy(src: Path, directory: Path) -> Path:
         with os.fdopen(fd, "wb") as dst, src.open("rb") as f:
             shutil.copyfileobj(f, dst, DEFAULT_CHUNK_SIZE)
             dst.flush()
-            os.fsync(dst.fileno())
-            os.fchmod(dst.fileno(), 0o444)  # write-once: nobody should modify a blob in place
+            _durable_read_only(dst.fileno())
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -208,10 +207,14 @@ def _seal(path: Path) -> None:
     """Make a file's bytes durable and the file read-only (as `_write_temp_copy` leaves its copy)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-        os.fchmod(fd, 0o444)
+        _durable_read_only(fd)
     finally:
         os.close(fd)
+
+
+def _durable_read_only(fd: int) -> None:
+    os.fsync(fd)
+    os.fchmod(fd, 0o444)  # write-once: nobody should modify a blob in place
 
 
 def _fsync_dir(directory: Path) -> None:
