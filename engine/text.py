@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
 # Where a checkpoint names its special tokens, in the order they win: generation_config is what
 # transformers' generate() stops on, config.json is the model's own, tokenizer_config names tokens by text.
@@ -91,21 +92,38 @@ class IncrementalDetokenizer:
 
     Invariant: the concatenation of every `push` result and the final `flush` equals
     `tokenizer.decode(generated ids)` (special tokens skipped), provided the prompt ends on a character
-    boundary. Each push decodes only the window `ids[prefix_offset:]`: `ids[prefix_offset:read_offset]` is
-    text already emitted (context, so leading spaces come out as in a full decode) and the rest is new.
-    A delta is emitted only when the window's text does not end in U+FFFD, i.e. when the bytes so far end
-    on a complete character; both offsets then sit on character boundaries.
+    boundary. The state is a window of ids, `_window`: `_window[:_read]` is text already emitted (context,
+    so leading spaces come out as in a full decode; at first the prompt's last few tokens) and the rest is
+    new. A delta is emitted only when the window's text does not end in U+FFFD, i.e. when the bytes so far
+    end on a complete character; the window then starts where the new text started.
+
+    `tokenizers`' DecodeStream runs that algorithm in one call a token, keeping the emitted context's text
+    between calls (this detokenizer runs for every request on every step, on the engine loop's thread).
+    The window is mirrored here for `flush`, and for the two-decode path taken if DecodeStream refuses a
+    step (it raises when a longer window's text no longer starts with its context's, which a decoder
+    that rewrites earlier text can do; the slicing below carries on by length as a full decode would).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
-        self._tokenizer = tokenizer
-        self._ids = list(prompt_ids)
-        self._prefix_offset = max(len(self._ids) - _PROMPT_CONTEXT_TOKENS, 0)
-        self._read_offset = len(self._ids)
+        self._backend = tokenizer.backend
+        self._decode = tokenizer.decode
+        self._window = list(prompt_ids[max(len(prompt_ids) - _PROMPT_CONTEXT_TOKENS, 0) :])
+        self._read = len(self._window)
+        self._stream: DecodeStream | None = DecodeStream(list(self._window), skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         """Append one generated token; return the text it completes ("" while a character is incomplete)."""
-        self._ids.append(token_id)
+        window = self._window
+        window.append(token_id)
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self._backend, token_id)
+            except Exception:
+                self._stream = None  # the window above is whole: decode it here from now on
+            else:
+                if delta is None:
+                    return ""
+                return self._advance(delta)
         prefix_text, new_text = self._decode_window()
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""
@@ -113,17 +131,17 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The text still held back at the end of the stream (it may end in U+FFFD for cut-off bytes)."""
+        self._stream = None  # the window moves past what the stream holds
         prefix_text, new_text = self._decode_window()
         return self._advance(new_text[len(prefix_text) :]) if len(new_text) > len(prefix_text) else ""
 
     def _decode_window(self) -> tuple[str, str]:
         """(text of the emitted context, text of the whole window)."""
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
-        return prefix_text, decode(self._ids[self._prefix_offset :])
+        return self._decode(self._window[: self._read]), self._decode(self._window)
 
     def _advance(self, delta: str) -> str:
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        del self._window[: self._read]
+        self._read = len(self._window)
         return delta
 
 

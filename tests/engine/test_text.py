@@ -185,6 +185,66 @@ def test_random_token_sequences_add_up_to_decode(tokenizer, prompt):
         assert not any(delta.endswith("\ufffd") for delta in deltas)
 
 
+class _RefusingStream:
+    """A DecodeStream that refuses its `refuse_at`-th step, as tokenizers' does when a window's text no
+    longer starts with its context's (a decoder that rewrites earlier text)."""
+
+    def __init__(self, ids, skip_special_tokens, refuse_at):
+        from tokenizers.decoders import DecodeStream
+
+        self._real = DecodeStream(ids, skip_special_tokens=skip_special_tokens)
+        self._steps_left = refuse_at
+
+    def step(self, backend, token_id):
+        if self._steps_left == 0:
+            raise Exception("Invalid prefix encountered")
+        self._steps_left -= 1
+        return self._real.step(backend, token_id)
+
+
+@pytest.mark.parametrize("refuse_at", [0, 1, 3, 7])
+def test_a_refused_stream_step_falls_back_to_decoding_the_window(tokenizer, monkeypatch, refuse_at):
+    """The deltas still add up to the full decode when the stream refuses a step: from that token on the
+    window it mirrors is decoded here, and the stream is not asked again."""
+    import engine.text
+
+    calls = []
+
+    def refusing(ids, skip_special_tokens):
+        calls.append(ids)
+        return _RefusingStream(ids, skip_special_tokens, refuse_at)
+
+    rng = random.Random(refuse_at)
+    prompt_ids = tokenizer.encode("café 日本")
+    cases = [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 20))] for _ in range(100)]
+    expected = [_stream(tokenizer, prompt_ids, generated) for generated in cases]
+    monkeypatch.setattr(engine.text, "DecodeStream", refusing)
+    for generated, (expected_deltas, expected_tail) in zip(cases, expected, strict=True):
+        deltas, tail = _stream(tokenizer, prompt_ids, generated)
+        assert "".join(deltas) + tail == tokenizer.decode(generated)
+        assert (deltas, tail) == (expected_deltas, expected_tail)  # nothing held back for the flush
+    assert calls and all(ids == prompt_ids[-5:] for ids in calls)  # the stream starts on the prompt's tail
+
+
+@pytest.mark.parametrize("prompt_len", [0, 1, 4, 5, 6, 30])
+def test_the_stream_starts_on_the_prompts_last_five_tokens_or_all_of_a_shorter_one(
+    tokenizer, monkeypatch, prompt_len
+):
+    import engine.text
+
+    calls = []
+    real = engine.text.DecodeStream
+
+    def recording(ids, skip_special_tokens):
+        calls.append(list(ids))
+        return real(ids, skip_special_tokens=skip_special_tokens)
+
+    monkeypatch.setattr(engine.text, "DecodeStream", recording)
+    prompt_ids = list(range(100, 100 + prompt_len))
+    IncrementalDetokenizer(tokenizer, prompt_ids)
+    assert calls == [prompt_ids[-5:] if prompt_len >= 5 else prompt_ids]
+
+
 def test_metaspace_first_delta_has_the_space_a_full_decode_has(metaspace):
     """The first generated word after a prompt keeps its leading space, as in decoding prompt and output
     together; decoded alone, SentencePiece's first token would lose it."""
