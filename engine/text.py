@@ -109,7 +109,11 @@ class IncrementalDetokenizer:
         self._decode = tokenizer.decode
         self._window = list(prompt_ids[max(len(prompt_ids) - _PROMPT_CONTEXT_TOKENS, 0) :])
         self._read = len(self._window)
-        self._stream: DecodeStream | None = DecodeStream(list(self._window), skip_special_tokens=True)
+        # DecodeStream reads a prompt tail whose text ends in an incomplete character as text not yet
+        # emitted (its first step would return the tail's text too): such a request decodes its window here.
+        self._stream: DecodeStream | None = None
+        if not self._decode(self._window).endswith(_REPLACEMENT_CHAR):
+            self._stream = DecodeStream(list(self._window), skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         """Append one generated token; return the text it completes ("" while a character is incomplete)."""

@@ -226,6 +226,18 @@ def test_a_refused_stream_step_falls_back_to_decoding_the_window(tokenizer, monk
     assert calls and all(ids == prompt_ids[-5:] for ids in calls)  # the stream starts on the prompt's tail
 
 
+def test_a_prompt_ending_inside_a_character_gives_none_of_its_text_back(tokenizer):
+    """DecodeStream would return such a prompt tail's text with the first token: the detokenizer decodes
+    that request's window itself, and the deltas are the generated text alone."""
+    ids = tokenizer.encode("日本語", add_special_tokens=False)
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    prompt = tokenizer.encode("A prompt: ") + ids[:cut]
+    generated = tokenizer.encode(" and then some text", add_special_tokens=False)
+    deltas, tail = _stream(tokenizer, prompt, generated)
+    assert "".join(deltas) + tail == " and then some text"
+    assert tokenizer.decode(prompt + generated) == tokenizer.decode(prompt) + " and then some text"
+
+
 @pytest.mark.parametrize("prompt_len", [0, 1, 4, 5, 6, 30])
 def test_the_stream_starts_on_the_prompts_last_five_tokens_or_all_of_a_shorter_one(
     tokenizer, monkeypatch, prompt_len
@@ -240,7 +252,8 @@ def test_the_stream_starts_on_the_prompts_last_five_tokens_or_all_of_a_shorter_o
         return real(ids, skip_special_tokens=skip_special_tokens)
 
     monkeypatch.setattr(engine.text, "DecodeStream", recording)
-    prompt_ids = list(range(100, 100 + prompt_len))
+    prompt_ids = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 8, add_special_tokens=False)[:prompt_len]
+    assert len(prompt_ids) == prompt_len  # ASCII: every token ends on a character boundary
     IncrementalDetokenizer(tokenizer, prompt_ids)
     assert calls == [prompt_ids[-5:] if prompt_len >= 5 else prompt_ids]
 
