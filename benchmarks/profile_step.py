@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--lora-backend", default="splitk" if torch.cuda.is_available() else "ref")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gaps", action="store_true", help="then profile overlapped steps and list the device's idle gaps")
+    parser.add_argument("--gaps-json", default="", help="with --gaps: write those steps' kernels and host calls to this file")
     parser.add_argument("--kernels-json", default="", help="then write every kernel of two steps (name, stream, start, duration in us) to this file")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,33 +59,34 @@ def main() -> None:
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
         if args.gaps:
-            idle_gaps(loop, args.rows)
+            idle_gaps(loop, args.rows, out=args.gaps_json)
         if args.kernels_json:
             kernel_lanes(loop, args.kernels_json)
     loop.workers.close()
 
 
-def idle_gaps(loop, rows: int, steps: int = 6) -> None:
+def idle_gaps(loop, rows: int, steps: int = 8, out: str = "") -> None:
     """Overlapped decode steps under the profiler: the device's busy share and its longest idle gaps,
-    each with the kernels on either side (what the device waited between)."""
+    each with the kernels on either side (what the device waited between), from the third profiled
+    step on (the profiler's own start-up falls in the first two). out: also write every profiled
+    step's kernels (name, stream, start, duration in us) and the host's `_advance` calls (start,
+    duration) there, as JSON, in us from the third call's start."""
     import json
-    import tempfile
-    from pathlib import Path
 
     loop.overlap = True
     loop._advance()  # the pipeline fills
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            loop._advance()
+        for _ in range(2 + steps):
+            with torch.profiler.record_function("advance"):
+                loop._advance()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    device = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    )  # fmt: skip
+    traced = _device_events(prof, host_name="advance")
+    calls = sorted(e["ts"] for e in traced if e.get("cat") == "user_annotation")
+    events = [e for e in traced if e.get("cat") != "user_annotation"]
+    if len(calls) < 3:
+        raise RuntimeError(f"the trace holds {len(calls)} 'advance' ranges (want {2 + steps})")
+    t0 = calls[2]  # the profiler's own start-up falls in the first two calls
+    device = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e["ts"] >= t0)
     busy, gaps, end = 0.0, [], device[0][0]
     for i, (start, stop, name) in enumerate(device):
         if start > end:
@@ -95,9 +97,17 @@ def idle_gaps(loop, rows: int, steps: int = 6) -> None:
     print(f"overlapped: {steps} steps in {span / 1e3:.2f} ms of device time line, busy {busy / span:.1%}, idle {(span - busy) / 1e3 / steps:.3f} ms a step")
     for gap, before, after in sorted(gaps, reverse=True)[:rows]:
         print(f"  idle {gap:8.1f} us   after {before[:60]:60s} before {after[:60]}")
+    if out:
+        kernels = [{"name": e["name"][:120], "stream": e.get("args", {}).get("stream"), "ts": round(e["ts"] - t0, 3), "dur": e["dur"]} for e in sorted(events, key=lambda e: e["ts"])]
+        host = [{"ts": round(e["ts"] - t0, 3), "dur": e["dur"]} for e in traced if e.get("cat") == "user_annotation"]
+        with open(out, "w") as f:
+            json.dump({"kernels": kernels, "advance": host}, f)
+        print(f"wrote {len(kernels)} kernels and {len(host)} advance calls to {out}")
 
 
-def _device_events(prof) -> list[dict]:
+def _device_events(prof, host_name: str = "") -> list[dict]:
+    """The trace's device events (kernels, copies, memsets); with host_name, also the host ranges of
+    that name (record_function), on the same clock."""
     import json
     import tempfile
     from pathlib import Path
@@ -106,7 +116,10 @@ def _device_events(prof) -> list[dict]:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return [
+        e for e in trace["traceEvents"] if e.get("ph") == "X"
+        and (e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") or (host_name and e.get("name") == host_name and e.get("cat") == "user_annotation"))
+    ]  # fmt: skip
 
 
 def kernel_lanes(loop, out: str, steps: int = 2) -> None:
