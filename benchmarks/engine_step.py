@@ -25,7 +25,7 @@ import torch
 
 from engine.adapter_cache import HostAdapterCache
 from engine.adapter_slots import AdapterSlots
-from engine.config import DECODE_FUSED_TARGETS, DEFAULT_LORA_SM_CARVEOUT, EngineConfig
+from engine.config import DECODE_FUSED_TARGETS, DEFAULT_LORA_SM_CARVEOUT, EngineConfig, parse_target_sms
 from engine.engine_loop import EngineLoop
 from engine.kv_pool import PageAllocator, ReqToTokenPool
 from engine.lora_manager import LoraManager
@@ -81,7 +81,7 @@ def random_packed(
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = ()):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = ()):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
@@ -89,7 +89,7 @@ def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int]
         max_lora_rank=16, lora_backend=lora_backend, cuda_graph_max_batch=max_reqs if graphs else 0, tensor_parallel_size=tp,
         cuda_graph_max_tokens=graph_max_tokens if graphs else 0,
         disable_custom_all_reduce=nccl_only, lora_sm_carveout=lora_sm_carveout, kernel_configs=kernel_configs,
-        lora_decode_fused_expand=decode_fused_expand,
+        lora_decode_fused_expand=decode_fused_expand, lora_sm_carveout_targets=lora_sm_carveout_targets,
     )  # fmt: skip
     spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=tuple(sorted(set(batches))))
     workers = start_workers(spec)
@@ -217,6 +217,10 @@ def main() -> None:
     parser.add_argument(
         "--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT, help="SMs decode GEMMs leave to the LoRA kernels (0 = none)"
     )
+    parser.add_argument(
+        "--lora-sm-carveout-target", nargs="*", default=[], type=parse_target_sms, metavar="TARGET=SMS",
+        help="these fused targets' decode GEMMs leave SMS SMs in place of --lora-sm-carveout",
+    )
     parser.add_argument("--kernel-configs", default="", help="tuned LoRA tile files' directory (default: the package's)")
     parser.add_argument(
         "--decode-fused-expand", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-fused-expand"
@@ -240,7 +244,7 @@ def main() -> None:
     loop = build(
         SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs,
         args.disable_custom_all_reduce, tuple(args.adapter_targets), args.graph_max_tokens, kv_tokens, args.lora_sm_carveout,
-        args.kernel_configs, tuple(args.decode_fused_expand),
+        args.kernel_configs, tuple(args.decode_fused_expand), tuple(args.lora_sm_carveout_target),
     )  # fmt: skip
     loop.overlap = args.overlap
     try:
@@ -262,7 +266,7 @@ def main() -> None:
                     shape=args.shape, tensor_parallel_size=tp, cuda_graphs=graphs, attention=args.attention,
                     lora_backend=args.lora_backend, adapter_targets=args.adapter_targets or "all", device=str(device), torch=torch.__version__,
                     all_reduce="nccl" if args.disable_custom_all_reduce or tp == 1 else "peer+nccl", overlap=args.overlap,
-                    lora_sm_carveout=args.lora_sm_carveout, lora_tiles=tuned.describe(device), decode_fused_expand=args.decode_fused_expand,
+                    lora_sm_carveout=args.lora_sm_carveout, lora_sm_carveout_targets=dict(args.lora_sm_carveout_target), lora_tiles=tuned.describe(device), decode_fused_expand=args.decode_fused_expand,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)
                 for chunk in args.mixed_chunk:

@@ -71,6 +71,7 @@ from engine.config import (
     DEFAULT_LORA_LOAD_AHEAD,
     DEFAULT_LORA_SM_CARVEOUT,
     EngineConfig,
+    parse_target_sms,
 )
 from engine.request import Finished, TokenDelta
 from engine.sampling import SamplingParams
@@ -671,7 +672,8 @@ async def in_process_client(config: EngineConfig, slow_steps: int = 0) -> InProc
     return InProcessClient(await start_engine(config), slow_steps)
 
 
-async def grpc_client(config: EngineConfig) -> GrpcClient:
+def engine_serve_args(config: EngineConfig) -> list[str]:
+    """`loramux engine serve` arguments that build `config` in the engine process (ports picked there)."""
     args = [
         "engine", "serve", "--model", config.model_dir, "--port", "0", "--metrics-port", "0",
         "--registry", config.registry, "--device", config.device,
@@ -687,6 +689,7 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         "--max-queued-requests", str(config.max_queued_requests),
         "--lora-load-ahead", str(config.lora_load_ahead), "--cuda-graph-max-tokens", str(config.cuda_graph_max_tokens),
         "--lora-sm-carveout", str(config.lora_sm_carveout),
+        *(["--lora-sm-carveout-target", *(f"{t}={n}" for t, n in config.lora_sm_carveout_targets)] if config.lora_sm_carveout_targets else []),
         "--lora-target-modules", *config.lora_target_modules,
     ]  # fmt: skip
     if config.kernel_configs:
@@ -695,7 +698,11 @@ async def grpc_client(config: EngineConfig) -> GrpcClient:
         args += ["--lora-decode-fused-expand", *config.lora_decode_fused_expand]
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
-    process = await asyncio.to_thread(Service, args, "engine", 900.0, ("metrics",))
+    return args
+
+
+async def grpc_client(config: EngineConfig) -> GrpcClient:
+    process = await asyncio.to_thread(Service, engine_serve_args(config), "engine", 900.0, ("metrics",))
     metrics_url = f"http://{process.addresses['metrics']}/metrics"
     return GrpcClient(process, process.address, metrics_url)
 
@@ -854,6 +861,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_load_ahead=args.lora_load_ahead,
         cuda_graph_max_tokens=args.graph_max_tokens,
         lora_sm_carveout=args.lora_sm_carveout,
+        lora_sm_carveout_targets=tuple(args.lora_sm_carveout_target),
         kernel_configs=args.kernel_configs,
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
     )
@@ -906,6 +914,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT,
         help="the engine's SMs its decode GEMMs leave to the LoRA kernels (0 = none)",
+    )
+    p.add_argument(
+        "--lora-sm-carveout-target", nargs="*", default=[], type=parse_target_sms, metavar="TARGET=SMS",
+        help="the engine's --lora-sm-carveout-target",
     )
     p.add_argument("--kernel-configs", default="", help="the engine's --kernel-configs (tuned LoRA tiles' directory)")
     p.add_argument(

@@ -12,7 +12,7 @@ import bisect
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -40,11 +40,13 @@ class DecodeGraphs:
         lora_side: torch.cuda.Stream | None = None,  # the LoRA deltas' stream (LoraInputs.side)
         capture: bool = True,  # False: run the same static-buffer step eagerly (a CPU test of the padding)
         sm_carveout: int = 0,  # LoraInputs.sm_carveout of the LoRA graphs
+        sm_carveout_targets: Mapping[str, int] | None = None,  # LoraInputs.sm_carveout_targets of the LoRA graphs
         fused_expand: frozenset[str] = frozenset(),  # LoraInputs.decode_fused_expand of the LoRA graphs
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
         self.sm_carveout, self.fused_expand = sm_carveout, fused_expand
+        self.sm_carveout_targets = dict(sm_carveout_targets or {})
         self.device = attention.req_to_token.device
         self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
         n = max_batch
@@ -130,6 +132,7 @@ class DecodeGraphs:
             by_target = self.lora_meta.by_target(meta)  # views of the buffers: replays see each refill
             lora = LoraInputs(
                 pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target, idle=skipped, sm_carveout=self.sm_carveout,
+                sm_carveout_targets=self.sm_carveout_targets,
                 decode_fused_expand=self.fused_expand,
             )  # fmt: skip
 

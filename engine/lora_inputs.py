@@ -127,6 +127,9 @@ class LoraInputs:
     # lora_sm_carveout): with every SM, a GEMM's next tile waits for a whole SM the LoRA kernels hold,
     # and they get SMs only between its tiles
     sm_carveout: int = 0
+    # Fused targets whose GEMMs take their own carve-out in place of sm_carveout (EngineConfig's
+    # lora_sm_carveout_targets): where the LoRA kernels are short against the GEMM, the SMs cost more
+    sm_carveout_targets: Mapping[str, int] = field(default_factory=dict)
     # Fused targets whose decode-step expand (side stream) is left to the next kernel as a PendingExpand:
     # the side stream runs the shrink alone beside the GEMM, and the RoPE/KV-write (qkv) or SiLU-mul
     # (gate_up) kernel reads the slots' B as it loads the projection (EngineConfig's
@@ -165,7 +168,7 @@ class LoraInputs:
         # Memory the side stream allocates and frees here is reused by it only after this fork in a later
         # call, so after main's reader of the delta.
         x_ready = main.record_event()
-        with sm_carveout(self.sm_carveout):
+        with sm_carveout(self.sm_carveout_targets.get(target, self.sm_carveout)):
             y = linear(x)
         self.side.wait_event(x_ready)
         with torch.cuda.stream(self.side):

@@ -47,6 +47,7 @@ class ModelRunner:
         lora_backend: str = "ref",  # SGMV ops: "ref" (PyTorch), "triton" or "chunked"
         samples: bool = True,  # False on tensor-parallel ranks > 0: rank 0's tokens are the step's
         lora_sm_carveout: int = 0,  # CUDA decode steps: SMs the base GEMMs leave to the LoRA kernels
+        lora_sm_carveout_targets: Mapping[str, int] | None = None,  # the same for some fused targets' GEMMs
         lora_decode_fused_expand: tuple[str, ...] = (),  # CUDA decode steps: targets whose expand the next kernel does
     ):
         self.model = model
@@ -61,11 +62,14 @@ class ModelRunner:
         # Decode steps compute LoRA deltas on this stream beside their base GEMMs (LoraInputs.side)
         self.lora_side = torch.cuda.Stream(self.device) if lora_pool is not None and self.device.type == "cuda" else None
         self.lora_sm_carveout = lora_sm_carveout  # LoraInputs.sm_carveout of those steps
+        self.lora_sm_carveout_targets = dict(lora_sm_carveout_targets or {})  # LoraInputs.sm_carveout_targets
         if self.device.type == "cuda" and lora_pool is not None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self.lora_sm_carveout = usable_sm_carveout(lora_sm_carveout, num_sms)
-            if self.lora_sm_carveout != lora_sm_carveout:
-                log.warning("--lora-sm-carveout %d is more than half of %d SMs: using %d", lora_sm_carveout, num_sms, self.lora_sm_carveout)
+            self.lora_sm_carveout = self._usable_carveout("--lora-sm-carveout ", lora_sm_carveout, num_sms)
+            self.lora_sm_carveout_targets = {
+                target: self._usable_carveout(f"--lora-sm-carveout-target {target}=", n, num_sms)
+                for target, n in self.lora_sm_carveout_targets.items()
+            }
         # Decode steps leave these targets' expand to the kernel that reads the projection next
         self._decode_fused_expand = (
             decode_fused_targets(lora_decode_fused_expand, self.device, lora_backend, lora_pool.max_rank) if lora_pool is not None else frozenset()
@@ -107,12 +111,20 @@ class ModelRunner:
             decode = DecodeKernelBackend(self.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
             self.graphs = DecodeGraphs(
                 self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side, sm_carveout=self.lora_sm_carveout,
+                sm_carveout_targets=self.lora_sm_carveout_targets,
                 fused_expand=self._decode_fused_expand,
             )  # fmt: skip
             self.graphs.pool = pool
             self.graphs.capture()
 
     @torch.inference_mode()
+    @staticmethod
+    def _usable_carveout(flag: str, asked: int, num_sms: int) -> int:
+        usable = usable_sm_carveout(asked, num_sms)
+        if usable != asked:
+            log.warning("%s%d is more than half of %d SMs: using %d", flag, asked, num_sms, usable)
+        return usable
+
     def launch(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter] | None = None) -> SampledTokens:
         """Apply the plan's slot loads and table writes, queue the forward of its tokens and the sampling;
         the result holds one sampled token per sampling row, in order (none on a worker that does not
@@ -186,6 +198,7 @@ class ModelRunner:
         return LoraInputs(
             pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle,
             fused_expand=self._fused_expand, sm_carveout=self.lora_sm_carveout if side is not None else 0,
+            sm_carveout_targets=self.lora_sm_carveout_targets if side is not None else {},
             decode_fused_expand=self._decode_fused_expand if side is not None else frozenset(),
         )  # fmt: skip
 

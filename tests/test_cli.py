@@ -141,6 +141,28 @@ def test_lora_sm_carveout_reaches_the_engine_config_from_the_flag_or_its_variabl
         EngineConfig(model_dir="m", lora_sm_carveout=-1)
 
 
+def test_lora_sm_carveout_targets_reach_the_engine_config_from_the_flag_or_its_variable(capsys):
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_sm_carveout_targets == ()
+    args = cli.build_parser({}).parse_args([*serve, "--lora-sm-carveout-target", "gate_up=0", "down=24"])
+    assert engine_config(args, "m", 0).lora_sm_carveout_targets == (("gate_up", 0), ("down", 24))
+    args = cli.build_parser({"LORAMUX_LORA_SM_CARVEOUT_TARGET": "qkv=16"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_sm_carveout_targets == (("qkv", 16),)
+    for bad in ("mlp=8", "gate_up", "gate_up=-1", "gate_up=2000"):
+        with pytest.raises(SystemExit):
+            cli.build_parser({}).parse_args([*serve, "--lora-sm-carveout-target", bad])
+        err = capsys.readouterr().err
+        assert "TARGET=SMS" in err or "0..1024" in err, err
+    with pytest.raises(ValueError, match="each of qkv, o, gate_up, down once"):
+        EngineConfig(model_dir="m", lora_sm_carveout_targets=(("gate_up", 0), ("gate_up", 8)))
+    with pytest.raises(ValueError, match="each of qkv, o, gate_up, down once"):
+        EngineConfig(model_dir="m", lora_sm_carveout_targets=(("lm_head", 0),))
+    with pytest.raises(ValueError, match="0-1024 SMs each"):
+        EngineConfig(model_dir="m", lora_sm_carveout_targets=(("o", 1025),))
+
+
 def test_lora_decode_fused_expand_reaches_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

@@ -18,6 +18,8 @@ from engine.config import (
     DEFAULT_LORA_DRAIN_WAIT_S,
     DEFAULT_LORA_LOAD_AHEAD,
     DEFAULT_LORA_SM_CARVEOUT,
+    LORA_FUSED_TARGETS,
+    parse_target_sms,
 )
 from loraformat.errors import StatusError
 from loramux.shell import commands
@@ -32,6 +34,14 @@ from registry.config import (
 DEFAULT_DATA_DIR = "~/.loramux"
 INT32_MAX = (1 << 31) - 1
 UINT64_MAX = (1 << 64) - 1
+
+
+def _target_sms(text: str) -> tuple[str, int]:
+    """An argparse type: TARGET=SMS (engine/config.py parse_target_sms)."""
+    try:
+        return parse_target_sms(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _int_in(low: int, high: int):
@@ -294,6 +304,12 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
     p.add_argument(
         "--lora-sm-carveout", type=_int_in(0, 1024), default=int(env("--lora-sm-carveout", DEFAULT_LORA_SM_CARVEOUT)),
         help="on cuda, SMs a decode step's base GEMMs leave free for the LoRA kernels beside them (0 = none)",
+    )
+    p.add_argument(
+        "--lora-sm-carveout-target", nargs="+", metavar="TARGET=SMS", type=_target_sms,
+        default=[_target_sms(text) for text in env("--lora-sm-carveout-target", "").split()],
+        help=f"on cuda, these fused targets' decode GEMMs leave SMS SMs free in place of --lora-sm-carveout"
+        f" (TARGET: {', '.join(LORA_FUSED_TARGETS)}; default: none)",
     )
     p.add_argument(
         "--lora-decode-fused-expand", nargs="+", metavar="TARGET", choices=DECODE_FUSED_TARGETS,

@@ -81,6 +81,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         max_host_adapters=args.max_host_adapters,
         host_pinned_gb=args.host_pinned_gb,
         lora_sm_carveout=args.lora_sm_carveout,
+        lora_sm_carveout_targets=tuple(args.lora_sm_carveout_target),
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
         kernel_configs=args.kernel_configs,
         lora_eviction_policy=args.lora_eviction_policy,

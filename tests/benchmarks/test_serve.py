@@ -139,6 +139,22 @@ def test_serve_passes_engine_fetch_and_gil_settings(tmp_path, fetches):
     assert config.gil_switch_interval_ms == 0.5
 
 
+def test_the_grpc_engine_gets_the_benchmarks_engine_config(tmp_path):
+    """The engine process's arguments (`engine_serve_args`), read by the real CLI, build the EngineConfig
+    the in-process engine gets, LoRA carve-outs per target included."""
+    from loramux.shell import cli
+    from loramux.shell.settings import engine_config
+
+    argv = ["--lora-sm-carveout", "40", "--lora-sm-carveout-target", "gate_up=0", "o=16", "--lora-decode-fused-expand", "qkv"]
+    config = serve.engine_config(serve.parse_args(argv), tmp_path, "127.0.0.1:1")
+    assert config.lora_sm_carveout_targets == (("gate_up", 0), ("o", 16))
+    args = cli.build_parser({}).parse_args(serve.engine_serve_args(config))
+    rebuilt = engine_config(args, config.registry, 0)
+    for name in ("lora_sm_carveout", "lora_sm_carveout_targets", "lora_decode_fused_expand", "max_loras_per_batch",
+                 "max_running_requests", "lora_load_ahead", "max_concurrent_fetches"):  # fmt: skip
+        assert getattr(rebuilt, name) == getattr(config, name), name
+
+
 def test_the_timeline_counts_each_token_in_its_bucket():
     start = 100.0
     traces = [

@@ -226,27 +226,30 @@ def test_the_lora_sm_carveout_reaches_the_decode_graphs_lora_inputs(tiny_llama_d
 
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
     core = EngineCore.build(
-        EngineConfig(model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / "work"), lora_sm_carveout=12)
+        EngineConfig(
+            model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / "work"), lora_sm_carveout=12,
+            lora_sm_carveout_targets=(("gate_up", 0),),
+        )
     )
     runner = core.workers.local.runner
-    assert runner.lora_sm_carveout == 12
+    assert runner.lora_sm_carveout == 12 and runner.lora_sm_carveout_targets == {"gate_up": 0}
     made, real = [], engine.cuda_graphs.LoraInputs
 
     def lora_inputs(*args, **kwargs):
-        made.append(kwargs["sm_carveout"])
+        made.append((kwargs["sm_carveout"], kwargs["sm_carveout_targets"]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine.cuda_graphs, "LoraInputs", lora_inputs)
     monkeypatch.setattr(engine.cuda_graphs, "capture_steps", lambda keys, make, device, pool, capture: ({k: make(*k) for k in keys}, pool))
     runner.enable_cuda_graphs(2, (2,))
     assert runner.graphs.sm_carveout == 12
-    assert made == [12] * len(runner.graphs.lora_variants)
+    assert made == [(12, {"gate_up": 0})] * len(runner.graphs.lora_variants)
     # eager steps: a decode step's LoraInputs (a side stream on CUDA; a stand-in here) take the carve-out,
     # a prefill step's (no side stream, no GEMM beside LoRA kernels) do not
     runner.lora_side = object()
     decode, prefill = runner._lora_inputs(two_row_plan(1)), runner._lora_inputs(two_row_plan(3))
-    assert decode.side is runner.lora_side and decode.sm_carveout == 12
-    assert prefill.side is None and prefill.sm_carveout == 0
+    assert decode.side is runner.lora_side and decode.sm_carveout == 12 and decode.sm_carveout_targets == {"gate_up": 0}
+    assert prefill.side is None and prefill.sm_carveout == 0 and prefill.sm_carveout_targets == {}
 
 
 def test_decode_fused_expand_is_the_asked_targets_where_the_kernels_can_take_it():

@@ -678,11 +678,14 @@ def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(monkey
 
     gemm = torch.nn.Linear(CONFIG.hidden_size, pool.targets["qkv"].out_dim, bias=False)
     x = torch.randn(2, CONFIG.hidden_size)
-    for carveout, expected in ((16, 16), (0, before)):
+    # a target's own carve-out (sm_carveout_targets) wins over sm_carveout; other targets' do not apply
+    cases = ((16, {}, 16), (0, {}, before), (16, {"qkv": 0}, before), (16, {"qkv": 8}, 8), (16, {"gate_up": 0}, 16))
+    for carveout, by_target, expected in cases:
         log.clear()
         side = Stream("side")
         lora = LoraInputs(
-            pool, meta, recorded("shrink", shrink), expand, recorded("delta", delta), side=side, sm_carveout=carveout
+            pool, meta, recorded("shrink", shrink), expand, recorded("delta", delta), side=side, sm_carveout=carveout,
+            sm_carveout_targets=by_target,
         )  # fmt: skip
         y, d = lora.project_deferred(recorded("gemm", gemm), "qkv", 0, x)
         assert log == [
