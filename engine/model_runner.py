@@ -117,7 +117,6 @@ class ModelRunner:
             self.graphs.pool = pool
             self.graphs.capture()
 
-    @torch.inference_mode()
     @staticmethod
     def _usable_carveout(flag: str, asked: int, num_sms: int) -> int:
         usable = usable_sm_carveout(asked, num_sms)
@@ -125,6 +124,7 @@ class ModelRunner:
             log.warning("%s%d is more than half of %d SMs: using %d", flag, asked, num_sms, usable)
         return usable
 
+    @torch.inference_mode()
     def launch(self, plan: StepPlan, adapters: Mapping[str, PackedAdapter] | None = None) -> SampledTokens:
         """Apply the plan's slot loads and table writes, queue the forward of its tokens and the sampling;
         the result holds one sampled token per sampling row, in order (none on a worker that does not

@@ -18,6 +18,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
 import threading  # noqa: E402
 
 import pytest  # noqa: E402
@@ -305,6 +306,17 @@ def test_lora_decode_fused_expand_reaches_the_decode_steps_lora_inputs(tiny_llam
         runner.lora_side = object()  # a decode step's side stream on CUDA
         assert runner._lora_inputs(two_row_plan(1)).decode_fused_expand == want
         assert runner._lora_inputs(two_row_plan(3)).decode_fused_expand == frozenset()
+
+
+def test_a_launched_step_runs_in_inference_mode(tiny_llama_dir, tmp_path):
+    """ModelRunner.launch: the forward records no autograd state (an out= matmul refuses autograd, and a
+    step's tensors would hold their graph)."""
+    core = EngineCore.build(EngineConfig(model_dir=str(tiny_llama_dir), work_dir=str(tmp_path / "work")))
+    runner = core.workers.local.runner
+    seen = []
+    runner.model.register_forward_pre_hook(lambda module, args: seen.append(torch.is_inference_mode_enabled()))
+    runner.launch(dataclasses.replace(two_row_plan(3), lora_slots=None)).result()
+    assert seen == [True]
 
 
 def two_row_plan(extend: int):
