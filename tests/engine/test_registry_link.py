@@ -460,11 +460,13 @@ async def test_fetched_adapters_pack_on_the_prep_threads_at_most_that_many_at_a_
                 most[0] = max(most[0], active[0])
                 threads.add(threading.current_thread().name)
                 changed.notify_all()
-                # hold until the threads allowed are all packing (or a third one slipped in), so the
-                # count does not depend on how the fetches happen to interleave; a wait that times out
-                # says where the other loads were (once, in a CI run with two test workers, the second
-                # pack never came and the requests hit their deadline with nothing more to go on)
-                if not changed.wait_for(lambda: active[0] >= prep_threads, timeout=HANG_S / 4):
+                # hold until the threads allowed have all been packing at once (or a third one slipped
+                # in), so the count does not depend on how the fetches happen to interleave. The wait
+                # is for the high-water mark, not for `active`: a waiter woken when the last thread came
+                # in may get the lock back only after the others have packed and left (a CI run on two
+                # busy cores saw it, after 0.1 s sleeps); a wait that times out says where the other
+                # loads were
+                if not changed.wait_for(lambda: most[0] >= prep_threads, timeout=HANG_S / 4):
                     stuck.append({
                         "packing": active[0], "fetched": core.link.num_fetches, "fetches_in_flight": core.link.num_fetches_in_flight,
                         "loading": len(core._loading), "prep_threads_started": len(core._prep._threads),
@@ -479,7 +481,7 @@ async def test_fetched_adapters_pack_on_the_prep_threads_at_most_that_many_at_a_
 
         core._pack = pack
         results = await asyncio.gather(*(generate(stub, name) for name in names))
-        assert not stuck, stuck
+        assert not stuck, str(stuck)  # a str is printed whole, a list would be cut short
         assert [done.adapter for _, _, done in results] == [f"{name}@1" for name in names]
         assert most[0] == prep_threads and len(threads) == prep_threads
         assert all(name.startswith("adapter-prep") for name in threads), threads
