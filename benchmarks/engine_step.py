@@ -18,11 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks.* beside engine.*
+
+from benchmarks.gpu_state import GpuState
 from engine.adapter_cache import HostAdapterCache
 from engine.adapter_slots import AdapterSlots
 from engine.config import DECODE_FUSED_TARGETS, DEFAULT_LORA_SM_CARVEOUT, EngineConfig, parse_target_sms
@@ -129,10 +134,14 @@ def step(loop: EngineLoop) -> int:
     return sum(e.extend_len for e in entries)
 
 
-def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int, num_decode: int, num_adapters: int, salt: int = 0) -> dict:
+def measure(
+    loop: EngineLoop, device: torch.device, batch: int, prompt_len: int, num_decode: int, num_adapters: int, salt: int = 0,
+    gpu: GpuState | None = None,
+) -> dict:  # fmt: skip
     """One round: `batch` requests over `num_adapters` distinct adapters, prefilled together, then decoded.
     With loop.overlap the decode steps go through the loop's own overlapped path (step k+1 launched
-    before step k's tokens are read), each timed from one launch to the next."""
+    before step k's tokens are read), each timed from one launch to the next. With `gpu`, its clocks
+    are read after the 4th decode step, halfway and at the end (GpuState.summary's fields)."""
     model = loop.workers.local.runner.model
     for i in range(batch):
         namespace = f"adapter-{i % num_adapters}" if num_adapters else ""
@@ -143,6 +152,8 @@ def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int,
     sync(device)
     prefill_s = time.perf_counter() - start
     times = []
+    if gpu is not None:
+        gpu.reset()
     while loop.scheduler.running:
         start = time.perf_counter()
         if loop.overlap:
@@ -151,8 +162,12 @@ def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int,
             step(loop)
             sync(device)
         times.append(time.perf_counter() - start)
+        if gpu is not None and len(times) in (4, num_decode // 2):
+            gpu.sample()
     while loop._in_flight is not None:  # a spare step planned before the last tokens were seen
         loop._advance()
+    if gpu is not None:
+        gpu.sample()
     sync(device)
     tp = model.tp.size
     rank_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -161,11 +176,21 @@ def measure(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int,
         "batch": batch,
         "num_adapters": num_adapters,
         "decode_step_ms": statistics.median(times[3:]) * 1e3,
+        # whether a slow median is every step slower or some steps much slower
+        "decode_step_ms_p10_p90": [round(q * 1e3, 3) for q in _p10_p90(times[3:])],
         "prefill_tokens": num_prefill,
         "prefill_tok_s": num_prefill / prefill_s,
         "param_gb": (tp * (rank_bytes - replicated) + replicated) / 1e9,  # the whole model
         "rank_param_gb": rank_bytes / 1e9,  # what one GPU holds and reads per step
+        **(gpu.summary() if gpu is not None else {}),
     }
+
+
+def _p10_p90(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return deciles[0], deciles[-1]
 
 
 def measure_mixed(loop: EngineLoop, device: torch.device, batch: int, prompt_len: int, chunk: int, num_adapters: int, num_steps: int = 12, salt: int = 0) -> dict:
@@ -229,8 +254,14 @@ def main() -> None:
     parser.add_argument("--mixed-chunk", type=int, nargs="*", default=[], help="also time mixed steps: batch - 1 decodes + C prompt tokens")
     parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     parser.add_argument("--overlap", action="store_true", help="decode through the loop's overlapped schedule")
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="measure each batch's adapter counts N times in turn (rows carry 'repeat'): each ratio to base compares neighbours in time",
+    )  # fmt: skip
     parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth for the floor")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     device = torch.device(args.device)
     graphs = device.type == "cuda" and not args.no_cuda_graphs
     tp = args.tensor_parallel_size
@@ -253,10 +284,13 @@ def main() -> None:
         measure(loop, device, max(args.batch), args.prompt_len, 4, max(args.adapters), salt=10**8)
         for chunk in args.mixed_chunk[:1]:
             measure_mixed(loop, device, max(args.batch), args.prompt_len, chunk, max(args.adapters), num_steps=3, salt=10**8)
-        for batch in args.batch:
+        gpu = GpuState(device)
+        for batch, repeat in [(b, r) for b in args.batch for r in range(args.repeats)]:
             base_ms = None
             for num_adapters in args.adapters:
-                row = measure(loop, device, batch, args.prompt_len, args.num_decode, num_adapters)
+                row = measure(loop, device, batch, args.prompt_len, args.num_decode, num_adapters, salt=repeat * 10**7, gpu=gpu)
+                if args.repeats > 1:
+                    row["repeat"] = repeat
                 row["floor_ms"] = row["param_gb"] / args.copy_gbps * 1e3
                 row["rank_floor_ms"] = row["rank_param_gb"] / args.copy_gbps * 1e3
                 base_ms = row["decode_step_ms"] if num_adapters == 0 else base_ms
