@@ -90,9 +90,10 @@ class EngineConfig:
     # LoRA kernels no longer wait for whole SMs; 0 = the GEMMs take every SM
     lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT
     # (fused target, SMs) pairs: those targets' GEMMs take their own carve-out in place of lora_sm_carveout.
-    # A GEMM's carve-out can cost it more than its LoRA kernels gain: with 48 SMs free cuBLASLt runs
-    # Llama-3-8B's gate/up GEMM at batch 32 in 95 us against 85 with every SM, beside ~30 us of LoRA
-    # kernels (an H100, BENCHMARKS.md, 2026-12-05). None by default until measured
+    # With 48 SMs free cuBLASLt runs Llama-3-8B's gate/up GEMM at batch 32 in 95 us against 85 with every
+    # SM, beside ~30 us of LoRA kernels; yet giving gate/up, q/k/v, o or down back their SMs (0, or 16 for
+    # gate/up) made 8- and 32-adapter decode steps 0-8% slower, never faster beyond noise, and 32 or 64
+    # SMs for all did no better than 48 (an H100, BENCHMARKS.md, 2026-12-05). None by default
     lora_sm_carveout_targets: tuple[tuple[str, int], ...] = ()
     # On CUDA with the Triton SGMV ops, the fused targets ("qkv", "gate_up") whose LoRA expand a decode
     # step runs in the kernel that reads the projection next (RoPE with the KV write, lorakernels/rope_kv.py;
