@@ -35,6 +35,11 @@ merges them into one segment per run (engine/lora_inputs.py, `lora_segments`), s
         delta instead of adding it and writes zeros for rank-0 (base-model) segments: y need not be
         zeroed first when the segments cover every row and the slices every column.
 
+    fused delta (`sgmv_lora_delta_decode`): stage 1, then the expand with FROM_PARTIALS: each program
+        sums its rows' splits from the partials (SPLIT_CHUNK splits a load) and rounds them as stage 2
+        stores v, then expands; no stage 2 and no v. Every column block's program sums its segment's
+        splits again (from L2), in exchange for one launch and one dependent round trip less.
+
 All grids are fixed by host ints (T, num_segments, in_dim, the device's SM count), so launching never
 syncs and a captured CUDA graph serves every step of its batch size. Prefill-sized steps go to
 `sgmv_shrink` / `sgmv_expand` (`*_auto`: more than DECODE_MAX_TOKENS tokens, or a segment of more than
@@ -60,6 +65,7 @@ ROWS = 16  # rows of a segment per tensor-core tile (tl.dot's least M)
 BLOCK_R = 16
 BLOCK_K = 128  # built-in tiles, where lorakernels/tuned.py has none for the device and shape
 BUILTIN_EXPAND = ExpandTile(128, 4)
+SPLIT_CHUNK = 8  # the fused delta's expand sums this many splits' partials a load
 PROGRAMS_PER_SM = 2  # measured on an H200: 2 beats 4, 8 and 16 in all but one case (BENCHMARKS.md)
 
 
@@ -257,6 +263,23 @@ def sgmv_shrink_decode(
     if meta.num_segments > MAX_DECODE_SEGMENTS:
         raise ValueError(f"{meta.num_segments} segments exceed the decode kernel's {MAX_DECODE_SEGMENTS}")
     config = decode_config(in_dim, num_stack, x.device, num_programs, max_rank=max_rank, num_tokens=num_tokens, tile=tile)
+    partial = _split_partials(x, A, meta, num_stack, config)
+    max_splits = config["max_splits"]
+    _shrink_reduce_kernel[(num_tokens, num_stack)](
+        partial, out, meta.seg_indptr, meta.weight_indices, meta.lora_ranks,
+        in_dim, max_rank, meta.num_segments, config["num_programs"],
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_K=config["block_k"], BLOCK_G=triton.next_power_of_2(meta.num_segments),
+        BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_RR=max(triton.next_power_of_2(max_rank), 16),
+        num_warps=1 if max_splits * max_rank <= 1024 else 4,
+    )  # fmt: skip
+    return out
+
+
+def _split_partials(x: torch.Tensor, A: torch.Tensor, meta: SgmvMeta, num_stack: int, config: dict) -> torch.Tensor:
+    """Stage 1 of the shrink: the fp32 partials [max_splits, T, num_stack * R] of each segment's splits."""
+    num_tokens, in_dim, max_rank = x.shape[0], x.shape[1], A.shape[1] // num_stack
     partial = torch.empty(config["max_splits"], num_tokens, A.shape[1], dtype=torch.float32, device=x.device)
     block_g = triton.next_power_of_2(meta.num_segments)
     _shrink_split_kernel[(config["num_programs"], num_stack)](
@@ -270,17 +293,7 @@ def sgmv_shrink_decode(
         UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,  # the interpreter's bf16 dot
         num_warps=config["num_warps"],
     )  # fmt: skip
-    max_splits = config["max_splits"]
-    _shrink_reduce_kernel[(num_tokens, num_stack)](
-        partial, out, meta.seg_indptr, meta.weight_indices, meta.lora_ranks,
-        in_dim, max_rank, meta.num_segments, config["num_programs"],
-        partial.stride(0), partial.stride(1), partial.stride(2),
-        out.stride(0), out.stride(1),
-        BLOCK_K=config["block_k"], BLOCK_G=block_g,
-        BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_RR=max(triton.next_power_of_2(max_rank), 16),
-        num_warps=1 if max_splits * max_rank <= 1024 else 4,
-    )  # fmt: skip
-    return out
+    return partial
 
 
 def sgmv_shrink_auto(
@@ -320,7 +333,11 @@ def _expand_decode_kernel(
     # sizes
     max_rank,
     off0, size0, off1, size1, off2, size2,  # output slices (offset, size) of up to MAX_STACK targets
+    K,  # FROM_PARTIALS: the shrink's in_dim, num_programs and segment count (its split count follows them)
+    num_programs,
+    num_segments,
     # strides
+    stride_vs,  # FROM_PARTIALS: between splits of the partial workspace
     stride_vm, stride_vn,
     stride_bw, stride_bn, stride_br,
     stride_ym, stride_yn,
@@ -331,6 +348,10 @@ def _expand_decode_kernel(
     OVERWRITE: tl.constexpr,  # store the delta (zeros for rank 0), not y + delta
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    FROM_PARTIALS: tl.constexpr,  # v_ptr is the split shrink's fp32 partials: sum them here (no reduce kernel)
+    SHRINK_BLOCK_K: tl.constexpr,  # FROM_PARTIALS: the shrink's BLOCK_K
+    BLOCK_G: tl.constexpr,  # FROM_PARTIALS: >= num_segments
+    SPLIT_CHUNK: tl.constexpr,  # FROM_PARTIALS: splits summed a load
 ):  # fmt: skip
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -358,14 +379,32 @@ def _expand_decode_kernel(
             b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]: B^T
             if UPCAST_DOT:
                 b = b.to(tl.float32)
+            if FROM_PARTIALS:
+                n = _num_live_segments(seg_indptr_ptr, num_segments, BLOCK_G)
+                _, _, num_splits = _splits(n, num_programs, K, SHRINK_BLOCK_K)
+                offs_s = tl.arange(0, SPLIT_CHUNK)
             for m0 in range(row_start, row_end, ROWS):
                 rows = m0 + offs_m
                 mask_m = rows < row_end
-                vv = tl.load(
-                    v_ptr + rows[:, None] * stride_vm + (pid_k * max_rank + offs_r)[None, :] * stride_vn,
-                    mask=mask_m[:, None] & mask_r[None, :],
-                    other=0.0,
-                )  # [ROWS, BLOCK_R]
+                if FROM_PARTIALS:
+                    # v[rows] = round(sum over splits): what the reduce kernel stores, summed in chunks
+                    acc = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
+                    cols = (pid_k * max_rank + offs_r)[None, :] * stride_vn
+                    for s0 in range(0, num_splits, SPLIT_CHUNK):
+                        splits = s0 + offs_s
+                        p = tl.load(
+                            v_ptr + splits[:, None, None] * stride_vs + rows[None, :, None] * stride_vm + cols[None, :, :],
+                            mask=(splits < num_splits)[:, None, None] & mask_m[None, :, None] & mask_r[None, None, :],
+                            other=0.0,
+                        )  # [SPLIT_CHUNK, ROWS, BLOCK_R]
+                        acc += tl.sum(p, axis=0)
+                    vv = acc.to(y_ptr.dtype.element_ty)
+                else:
+                    vv = tl.load(
+                        v_ptr + rows[:, None] * stride_vm + (pid_k * max_rank + offs_r)[None, :] * stride_vn,
+                        mask=mask_m[:, None] & mask_r[None, :],
+                        other=0.0,
+                    )  # [ROWS, BLOCK_R]
                 if UPCAST_DOT:
                     vv = vv.to(tl.float32)
                 delta = tl.dot(vv, b, input_precision=INPUT_PRECISION) * scaling  # [ROWS, BLOCK_N] fp32
@@ -397,21 +436,38 @@ def sgmv_expand_decode(
     check_expand_args(v, B, meta, y, output_slices)
     if meta.num_segments == 0 or v.shape[0] == 0:
         return
-    max_rank = B.shape[2]
-    widest = max(size for _, size in output_slices)
-    if widest == 0:
+    if max(size for _, size in output_slices) == 0:
         return
+    _launch_expand(v, B, meta, y, output_slices, tile, overwrite)
+
+
+def _launch_expand(
+    v: torch.Tensor,  # [T, num_stack * R]; or with `partials` the shrink's [splits, T, num_stack * R] fp32
+    B: torch.Tensor,
+    meta: SgmvMeta,
+    y: torch.Tensor,
+    output_slices: tuple[tuple[int, int], ...],
+    tile: ExpandTile | None,
+    overwrite: bool,
+    partials: dict | None = None,  # the shrink's decode_config and in_dim: v holds its partials
+) -> None:
+    max_rank, num_tokens = B.shape[2], y.shape[0]
+    widest = max(size for _, size in output_slices)
     num_stack = len(output_slices)
-    tile = tile or device_tiles(v.device).lookup("expand", widest, num_stack, max_rank, v.shape[0]) or BUILTIN_EXPAND
+    tile = tile or device_tiles(y.device).lookup("expand", widest, num_stack, max_rank, num_tokens) or BUILTIN_EXPAND
     slices = [x for pair in output_slices for x in pair] + [0, 0] * (MAX_STACK - len(output_slices))
+    split_stride, rows_stride, cols_stride = (v.stride(0), v.stride(1), v.stride(2)) if partials else (0, v.stride(0), v.stride(1))
     _expand_decode_kernel[(meta.num_segments, triton.cdiv(widest, tile.block_n), num_stack)](
         v, B, y, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
         max_rank, *slices,
-        v.stride(0), v.stride(1),
+        partials["in_dim"] if partials else 0, partials["num_programs"] if partials else 0, meta.num_segments,
+        split_stride, rows_stride, cols_stride,
         B.stride(0), B.stride(1), B.stride(2),
         y.stride(0), y.stride(1),
         ROWS=ROWS, BLOCK_N=tile.block_n, BLOCK_R=max(triton.next_power_of_2(max_rank), 16), OVERWRITE=overwrite,
-        INPUT_PRECISION="ieee", UPCAST_DOT=v.device.type == "cpu" and v.dtype == torch.bfloat16,
+        INPUT_PRECISION="ieee", UPCAST_DOT=y.device.type == "cpu" and y.dtype == torch.bfloat16,
+        FROM_PARTIALS=partials is not None, SHRINK_BLOCK_K=partials["block_k"] if partials else BLOCK_K,
+        BLOCK_G=triton.next_power_of_2(meta.num_segments) if partials else 1, SPLIT_CHUNK=SPLIT_CHUNK,  # 1: no variants
         num_warps=tile.num_warps,
     )  # fmt: skip
 
@@ -462,3 +518,41 @@ def _tiles(output_slices: tuple[tuple[int, int], ...], out_dim: int) -> bool:
             return False
         end += size
     return end == out_dim
+
+
+def sgmv_lora_delta_decode(
+    x: torch.Tensor,  # [T, in_dim]
+    A: torch.Tensor,  # [num_slots, num_stack * R, in_dim], x.dtype
+    B: torch.Tensor,  # [num_slots, out_dim, R], x.dtype
+    meta: SgmvMeta,
+    *,
+    num_stack: int,
+    output_slices: tuple[tuple[int, int], ...],
+    num_programs: int = 0,  # the shrink's (0: decode_config's)
+    shrink_tile: ShrinkTile | None = None,
+    expand_tile: ExpandTile | None = None,
+) -> torch.Tensor:  # [T, out_dim], x.dtype
+    """A decode step's LoRA delta straight from x: scaling * (x @ A^T) @ B^T per segment, 0 where no LoRA,
+    in a new tensor. The split-K shrink's fp32 partials go to the expand, which sums each row's splits as
+    it loads them and rounds the sum to x's dtype, as the reduce kernel stores v: no reduce kernel and no
+    v, one launch and one round trip less on a decode step's side stream, at the price of every column
+    block's program summing its segment's splits again. The same as `sgmv_shrink_decode` then
+    `sgmv_delta_auto` but for the order of the fp32 split sums. Decode-sized steps (`is_decode_sized`)
+    whose segments cover every row and whose slices tile out_dim, as a decode graph's are; ValueError
+    otherwise."""
+    v_like = shrink_output(x, A, meta, num_stack, None)  # the shrink's checks (v itself is never written)
+    num_tokens, in_dim, out_dim = x.shape[0], x.shape[1], B.shape[1]
+    delta = torch.empty(num_tokens, out_dim, dtype=x.dtype, device=x.device)
+    check_expand_args(v_like, B, meta, delta, output_slices)  # also: one slice a stacked target
+    covered = meta.host_seg_lens is not None and sum(meta.host_seg_lens) == num_tokens and _tiles(output_slices, out_dim)
+    if not (is_decode_sized(meta, num_tokens) and covered):
+        raise ValueError("the fused decode delta takes decode-sized steps whose segments cover every row and slices every column")
+    if num_tokens == 0 or out_dim == 0:
+        return delta
+    if in_dim == 0 or meta.num_segments == 0:
+        return delta.zero_()
+    max_rank = A.shape[1] // num_stack
+    config = decode_config(in_dim, num_stack, x.device, num_programs, max_rank=max_rank, num_tokens=num_tokens, tile=shrink_tile)
+    partial = _split_partials(x, A, meta, num_stack, config)
+    _launch_expand(partial, B, meta, delta, output_slices, expand_tile, overwrite=True, partials={**config, "in_dim": in_dim})
+    return delta

@@ -33,6 +33,7 @@ from lorakernels.sgmv_decode import (  # noqa: E402
     sgmv_delta_auto,
     sgmv_expand_auto,
     sgmv_expand_decode,
+    sgmv_lora_delta_decode,
     sgmv_shrink_auto,
     sgmv_shrink_decode,
 )
@@ -417,3 +418,82 @@ def test_cuda_graph_replay_follows_regrouped_segments():
         got = out["delta"].double().cpu()
         assert (got - expected).abs().max().item() <= 4e-2 * max(1.0, expected.abs().max().item()), slots[:24]
         assert expected.abs().max().item() > 0.5
+
+
+# ---- the fused delta: split partials summed in the expand ------------------------------------------
+
+
+def fused_case(popularity, dtype, output_slices, out_dim, batch=24, in_dim=1100, seed=0, padding=0):
+    """A decode step's x, A, B and merged segments (padding: a graph's trailing empty segments)."""
+    seg_lens, slots, ranks = decode_batch(popularity, batch, num_adapters=6, seed=seed)
+    seg_lens, slots = merged(seg_lens, slots)
+    seg_lens, slots = [*seg_lens, *[0] * padding], [*slots, *[1] * padding]
+    gen = torch.Generator().manual_seed(seed)
+    num_stack = len(output_slices)
+    A = (torch.randn(len(ranks), num_stack * MAX_RANK, in_dim, generator=gen) / in_dim**0.5).to(DEVICE, dtype)
+    B = (torch.randn(len(ranks), out_dim, MAX_RANK, generator=gen) / 4).to(DEVICE, dtype)
+    x = torch.randn(batch, in_dim, generator=gen).to(DEVICE, dtype)
+    scalings = [0.0] + [0.25 * (i + 1) for i in range(len(ranks) - 1)]
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    return x, A, B, meta, (seg_lens, slots, ranks, scalings)
+
+
+def fp64_delta(x, A, B, seg_lens, slots, ranks, scalings, output_slices):
+    v = torch.zeros(x.shape[0], len(output_slices) * MAX_RANK, dtype=torch.float64)
+    for (row, col), value in fp64_shrink(x, A, seg_lens, slots, ranks, len(output_slices)).items():
+        v[row, col] = value
+    zeros = torch.zeros(x.shape[0], B.shape[1], dtype=torch.float64)
+    return fp64_expand(zeros, v, B, seg_lens, slots, ranks, scalings, output_slices)
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str), ids=str)
+@pytest.mark.parametrize("num_programs", [48, 0])
+def test_fused_delta_matches_fp64_and_the_shrink_then_delta(popularity, dtype, num_programs):
+    """48 programs over 1100 columns: few segments (identical, skewed) get 9 splits, more than a load's
+    SPLIT_CHUNK of 8, so the expand sums in several chunks; 0: the device's count. The slices turn with
+    the popularity: q/k/v (stacked, unequal widths), gate/up, one target."""
+    output_slices, out_dim = SLICES[POPULARITY.index(popularity) % 3]
+    x, A, B, meta, lists = fused_case(popularity, dtype, output_slices, out_dim, seed=len(popularity) + out_dim)
+    num_stack = len(output_slices)
+    with torch.device(DEVICE):
+        torch.full((24, out_dim), float("nan"), dtype=dtype)  # leave NaN in the allocator's free memory
+    got = sgmv_lora_delta_decode(x, A, B, meta, num_stack=num_stack, output_slices=output_slices, num_programs=num_programs)
+    expected = fp64_delta(x, A, B, *lists, output_slices)
+    tolerance = TOLERANCE[dtype] * max(1.0, expected.abs().max().item())
+    assert (got.double().cpu() - expected).abs().max().item() <= tolerance
+    assert expected.abs().max().item() > 10 * tolerance  # a zero delta would fail above
+    base_rows = [i for i, w in enumerate(w for n, w in zip(lists[0], lists[1], strict=True) for _ in range(n)) if lists[2][w] == 0]
+    assert not got[base_rows].any()  # written as zeros, not left as found
+    v = sgmv_shrink_decode(x, A, meta, num_stack=num_stack, num_programs=num_programs)
+    unfused = sgmv_delta_auto(v, B, meta, output_slices=output_slices)
+    # the same rounding of v and the same expand; only the fp32 split sums' order may differ
+    assert torch.allclose(got.float(), unfused.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+
+
+def test_fused_delta_over_many_splits_a_graph_s_padding_and_a_16_row_tile():
+    """One adapter's 40 rows (three 16-row tiles) beside a short run, trailing empty segments with stale
+    slots, and 64 programs over 2100 columns: 17+ splits a segment, three SPLIT_CHUNK loads."""
+    assert sgmv_decode.SPLIT_CHUNK < 17
+    seg_lens, slots, ranks = [40, 3, 0, 0], [1, 2, 2, 1], [0, 16, 5]
+    gen = torch.Generator().manual_seed(7)
+    A = (torch.randn(3, 2 * MAX_RANK, 2100, generator=gen) / 2100**0.5).to(DEVICE)
+    B = (torch.randn(3, 90, MAX_RANK, generator=gen) / 4).to(DEVICE)
+    x = torch.randn(43, 2100, generator=gen).to(DEVICE)
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, [0.0, 1.5, 0.5], DEVICE)
+    slices = ((0, 50), (50, 40))
+    got = sgmv_lora_delta_decode(x, A, B, meta, num_stack=2, output_slices=slices, num_programs=64)
+    expected = fp64_delta(x, A, B, seg_lens, slots, ranks, [0.0, 1.5, 0.5], slices)
+    assert (got.double().cpu() - expected).abs().max().item() <= 1e-4 * max(1.0, expected.abs().max().item())
+
+
+def test_fused_delta_refuses_what_it_cannot_cover():
+    x, A, B, meta, _ = fused_case("uniform", torch.float32, ((0, 96), (96, 32), (128, 32)), 160, batch=8, in_dim=64)
+    with pytest.raises(ValueError, match="cover every row"):  # a gap in the slices
+        sgmv_lora_delta_decode(x, A, B, meta, num_stack=3, output_slices=((0, 96), (96, 32), (130, 30)))
+    with pytest.raises(ValueError, match="cover every row"):  # more rows than the segments hold
+        sgmv_lora_delta_decode(torch.cat([x, x]), A, B, meta, num_stack=3, output_slices=((0, 96), (96, 32), (128, 32)))
+    with pytest.raises(ValueError, match="want 2 targets"):  # a slice short of the stacked targets
+        sgmv_lora_delta_decode(x, A, B, meta, num_stack=3, output_slices=((0, 96), (96, 64)))
+    with pytest.raises(ValueError, match="x is"):
+        sgmv_lora_delta_decode(x.double(), A, B, meta, num_stack=3, output_slices=((0, 96), (96, 32), (128, 32)))

@@ -1,0 +1,104 @@
+"""A decode projection with its LoRA delta as the engine runs it (the base GEMM under the SM carve-out,
+the LoRA kernels beside it on a side stream, the main stream joining them), against the same with the
+fused delta (`sgmv_lora_delta_decode`: the expand sums the split shrink's partials, no reduce kernel)
+and against the GEMM alone with every SM. Times per projection from CUDA graphs of ten projections,
+each over its own copy of the weights, as `tune_lora_tiles.py` times them (its `Projection`).
+
+    python benchmarks/fused_delta.py --shape llama3-8b --tokens 32 64 --adapters 1 8 32
+
+One JSON row per (target, tokens, adapters): gemm_us, unfused_us, fused_us and fused_vs_unfused; the
+fused delta is checked against the unfused one first. On the CPU (the interpreter) it runs one call
+each, for a smoke test only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.tune_lora_tiles import Projection, decode_grouping, median_us, resolve_device
+from engine.config import DEFAULT_LORA_SM_CARVEOUT
+from engine.lora_inputs import sm_carveout, usable_sm_carveout
+from engine.lora_pool import fused_targets
+from engine.named_shapes import NAMED_SHAPES
+from engine.parallel import TensorParallel, local_config
+from lorakernels.sgmv_decode import _num_sms, sgmv_lora_delta_decode
+from lorakernels.sgmv_ref import SgmvMeta
+
+
+def fused_lora(proj: Projection, meta: SgmvMeta, i: int = 0) -> torch.Tensor:
+    _, a, b = proj.copies[i % len(proj.copies)]
+    t = proj.target
+    return sgmv_lora_delta_decode(proj.x, a, b, meta, num_stack=t.num_stack, output_slices=t.output_slices)
+
+
+def fused_step(proj: Projection, meta: SgmvMeta, i: int) -> None:
+    """`Projection.decode_step` with the fused delta on the side stream."""
+    if proj.side is None:
+        proj.gemm(i)
+        fused_lora(proj, meta, i)
+        return
+    main = torch.cuda.current_stream(proj.device)
+    x_ready = main.record_event()
+    with sm_carveout(proj.carveout):
+        proj.gemm(i)
+    proj.side.wait_event(x_ready)
+    with torch.cuda.stream(proj.side):
+        fused_lora(proj, meta, i)
+    main.wait_stream(proj.side)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(NAMED_SHAPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--targets", nargs="*", default=[], help="fused targets (default: all)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--max-rank", type=int, default=16, help="the slots' capacity")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT)
+    parser.add_argument("--reps", type=int, default=15, help="graph replays a timing")
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # as the engine's workers
+    carveout = usable_sm_carveout(args.lora_sm_carveout, _num_sms(device)) if device.type == "cuda" else 0
+    config = local_config(NAMED_SHAPES[args.shape], TensorParallel(0, 1))
+    reps = args.reps if device.type == "cuda" else 1
+    rows = []
+    for target in fused_targets(config):
+        if args.targets and target.name not in args.targets:
+            continue
+        for num_tokens in args.tokens:
+            counts = sorted({min(n, num_tokens) for n in args.adapters})
+            ranks, scalings = [0] + [args.rank] * max(counts), [0.0] + [2.0] * max(counts)
+            metas = {n: SgmvMeta.from_lists(*decode_grouping(num_tokens, n), ranks, scalings, device) for n in counts}
+            proj = Projection(target, num_tokens, {str(n): m for n, m in metas.items()}, len(ranks), args, device, carveout)
+            gemm_us = median_us(proj.gemm, device, reps)
+            for n, meta in metas.items():
+                unfused, fused = proj.decode_lora(meta, None, None).float(), fused_lora(proj, meta).float()
+                if not torch.allclose(fused, unfused, rtol=2e-2, atol=2e-2 * unfused.abs().max().item() + 1e-6):
+                    raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the fused delta differs from the unfused one")
+                unfused_us = median_us(lambda i, m=meta, p=proj: p.decode_step(m, None, None, i), device, reps)
+                fused_us = median_us(lambda i, m=meta, p=proj: fused_step(p, m, i), device, reps)
+                row = {
+                    "target": target.name, "tokens": num_tokens, "adapters": n, "gemm_us": round(gemm_us, 2),
+                    "unfused_us": round(unfused_us, 2), "fused_us": round(fused_us, 2),
+                    "fused_vs_unfused": round(fused_us / unfused_us, 4), "carveout": carveout, "device": str(device),
+                }  # fmt: skip
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

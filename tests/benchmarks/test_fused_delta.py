@@ -1,0 +1,33 @@
+"""benchmarks/fused_delta.py on the CPU (Triton's interpreter, the tiny shape): a row per target, token
+count and grouping, each with the fused delta checked against the unfused one before it is timed."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+from benchmarks import fused_delta
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke run; the GPU measures for real")
+
+
+def test_rows_for_every_target_token_count_and_grouping():
+    rows = fused_delta.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "1", "3"])
+    assert [(r["target"], r["tokens"], r["adapters"]) for r in rows] == [
+        (t, 4, n) for t in ("qkv", "o", "gate_up", "down") for n in (1, 3)
+    ]
+    for row in rows:
+        assert row["unfused_us"] > 0 and row["fused_us"] > 0 and row["gemm_us"] > 0
+
+
+def test_a_fused_delta_that_differs_stops_the_run(monkeypatch):
+    real = fused_delta.sgmv_lora_delta_decode
+    monkeypatch.setattr(fused_delta, "sgmv_lora_delta_decode", lambda *a, **k: real(*a, **k) * 1.5)
+    with pytest.raises(SystemExit, match="differs from the unfused one"):
+        fused_delta.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "2", "--targets", "o"])
