@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.tune_lora_tiles import Projection, decode_grouping, median_us, resolve_device
 from engine.config import DEFAULT_LORA_SM_CARVEOUT
-from engine.lora_inputs import sm_carveout, usable_sm_carveout
+from engine.lora_inputs import usable_sm_carveout
 from engine.lora_pool import fused_targets
 from engine.named_shapes import NAMED_SHAPES
 from engine.parallel import TensorParallel, local_config
@@ -40,18 +40,7 @@ def fused_lora(proj: Projection, meta: SgmvMeta, i: int = 0) -> torch.Tensor:
 
 def fused_step(proj: Projection, meta: SgmvMeta, i: int) -> None:
     """`Projection.decode_step` with the fused delta on the side stream."""
-    if proj.side is None:
-        proj.gemm(i)
-        fused_lora(proj, meta, i)
-        return
-    main = torch.cuda.current_stream(proj.device)
-    x_ready = main.record_event()
-    with sm_carveout(proj.carveout):
-        proj.gemm(i)
-    proj.side.wait_event(x_ready)
-    with torch.cuda.stream(proj.side):
-        fused_lora(proj, meta, i)
-    main.wait_stream(proj.side)
+    proj.beside_gemm(lambda: fused_lora(proj, meta, i), i)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -173,9 +173,13 @@ class Projection:
 
     def decode_step(self, meta: SgmvMeta, shrink: ShrinkTile, expand: ExpandTile, i: int) -> None:
         """What `LoraInputs.project_deferred` enqueues for one projection of a decode step."""
+        self.beside_gemm(lambda: self.decode_lora(meta, shrink, expand, i), i)
+
+    def beside_gemm(self, lora: Callable[[], object], i: int) -> None:
+        """The i-th GEMM under the carve-out and lora() on the side stream beside it, joined (in line on the CPU)."""
         if self.side is None:
             self.gemm(i)
-            self.decode_lora(meta, shrink, expand, i)
+            lora()
             return
         main = torch.cuda.current_stream(self.device)
         x_ready = main.record_event()
@@ -183,7 +187,7 @@ class Projection:
             self.gemm(i)
         self.side.wait_event(x_ready)
         with torch.cuda.stream(self.side):
-            self.decode_lora(meta, shrink, expand, i)
+            lora()
         main.wait_stream(self.side)
 
     def prefill_lora(self, meta: SgmvMeta, shrink: SgmvTile, expand: SgmvTile, i: int = 0, y: torch.Tensor | None = None) -> torch.Tensor:
