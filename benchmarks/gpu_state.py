@@ -91,18 +91,20 @@ class GpuState:
         """The samples since the last reset: the lowest clocks, the highest power and temperature, and every
         reason but idle that held the clocks back in any sample ({} without samples); why readings
         stopped, if NVML refused one."""
-        if not self.samples:
-            return {"gpu_state_error": self.error} if self.error else {}
-        mask = 0
-        for s in self.samples:
-            mask |= s["reasons"]
-        return {
-            "gpu_samples": len(self.samples),
-            "sm_mhz_min": min(s["sm_mhz"] for s in self.samples),
-            "sm_mhz_max": max(s["sm_mhz"] for s in self.samples),
-            "mem_mhz_min": min(s["mem_mhz"] for s in self.samples),
-            "power_w_max": round(max(s["power_w"] for s in self.samples), 1),
-            "temp_c_max": max(s["temp_c"] for s in self.samples),
-            "clock_limits": [name for name in reason_names(mask) if name != "gpu_idle"],
-            **({"gpu_state_error": self.error} if self.error else {}),
-        }
+        fields = {}
+        if self.samples:
+            mask = 0
+            for s in self.samples:
+                mask |= s["reasons"]
+            fields = {
+                "gpu_samples": len(self.samples),
+                "sm_mhz_min": min(s["sm_mhz"] for s in self.samples),
+                "sm_mhz_max": max(s["sm_mhz"] for s in self.samples),
+                "mem_mhz_min": min(s["mem_mhz"] for s in self.samples),
+                "power_w_max": round(max(s["power_w"] for s in self.samples), 1),
+                "temp_c_max": max(s["temp_c"] for s in self.samples),
+                "clock_limits": [name for name in reason_names(mask) if name != "gpu_idle"],
+            }
+        if self.error:
+            fields["gpu_state_error"] = self.error
+        return fields

@@ -496,18 +496,24 @@ def sgmv_delta_auto(
     decode step whose segments cover every row and slices every column, the decode expand writes each
     entry once (no zero fill first); otherwise zeros plus `sgmv_expand_auto`."""
     num_rows, out_dim = v.shape[0], B.shape[1]
-    covered = (
-        meta.host_seg_lens is not None
-        and sum(meta.host_seg_lens) == num_rows
-        and _tiles(output_slices, out_dim)
-    )
-    if is_decode_sized(meta, num_rows) and covered:
+    if _decode_covers(meta, num_rows, output_slices, out_dim):
         delta = torch.empty(num_rows, out_dim, dtype=v.dtype, device=v.device)
         sgmv_expand_decode(v, B, meta, delta, output_slices=output_slices, overwrite=True)
         return delta
     delta = torch.zeros(num_rows, out_dim, dtype=v.dtype, device=v.device)
     sgmv_expand_auto(v, B, meta, delta, output_slices=output_slices)
     return delta
+
+
+def _decode_covers(meta: SgmvMeta, num_rows: int, output_slices: tuple[tuple[int, int], ...], out_dim: int) -> bool:
+    """A decode-sized step whose segments hold every row and whose slices tile out_dim: an overwriting
+    decode expand writes each entry of the delta once (host ints only)."""
+    return (
+        is_decode_sized(meta, num_rows)
+        and meta.host_seg_lens is not None
+        and sum(meta.host_seg_lens) == num_rows
+        and _tiles(output_slices, out_dim)
+    )
 
 
 def _tiles(output_slices: tuple[tuple[int, int], ...], out_dim: int) -> bool:
@@ -544,8 +550,7 @@ def sgmv_lora_delta_decode(
     num_tokens, in_dim, out_dim = x.shape[0], x.shape[1], B.shape[1]
     delta = torch.empty(num_tokens, out_dim, dtype=x.dtype, device=x.device)
     check_expand_args(v_like, B, meta, delta, output_slices)  # also: one slice a stacked target
-    covered = meta.host_seg_lens is not None and sum(meta.host_seg_lens) == num_tokens and _tiles(output_slices, out_dim)
-    if not (is_decode_sized(meta, num_tokens) and covered):
+    if not _decode_covers(meta, num_tokens, output_slices, out_dim):
         raise ValueError("the fused decode delta takes decode-sized steps whose segments cover every row and slices every column")
     if num_tokens == 0 or out_dim == 0:
         return delta
