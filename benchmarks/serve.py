@@ -70,6 +70,7 @@ from engine.config import (
     DEFAULT_FETCH_PROCESSES,
     DEFAULT_LORA_LOAD_AHEAD,
     DEFAULT_LORA_SM_CARVEOUT,
+    LORA_FUSED_TARGETS,
     EngineConfig,
     parse_target_sms,
 )
@@ -696,6 +697,8 @@ def engine_serve_args(config: EngineConfig) -> list[str]:
         args += ["--kernel-configs", config.kernel_configs]
     if config.lora_decode_fused_expand:
         args += ["--lora-decode-fused-expand", *config.lora_decode_fused_expand]
+    if config.lora_decode_fused_delta:
+        args += ["--lora-decode-fused-delta", *config.lora_decode_fused_delta]
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
     return args
@@ -864,6 +867,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_sm_carveout_targets=tuple(args.lora_sm_carveout_target),
         kernel_configs=args.kernel_configs,
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
+        lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),
     )
 
 
@@ -922,6 +926,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernel-configs", default="", help="the engine's --kernel-configs (tuned LoRA tiles' directory)")
     p.add_argument(
         "--lora-decode-fused-expand", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-fused-expand"
+    )
+    p.add_argument(
+        "--lora-decode-fused-delta", nargs="*", default=[], choices=LORA_FUSED_TARGETS, help="the engine's --lora-decode-fused-delta"
     )
     p.add_argument(
         "--timeline-ms", type=float, default=0.0,

@@ -100,6 +100,12 @@ class EngineConfig:
     # SiLU-mul, lorakernels/silu_mul.py) instead of beside the base GEMM on the side stream: that kernel
     # reads the slots' B as it loads the projection. None by default until measured (BENCHMARKS.md)
     lora_decode_fused_expand: tuple[str, ...] = ()
+    # On CUDA with the splitk LoRA backend, the fused targets (LORA_FUSED_TARGETS) whose LoRA delta a decode
+    # step computes beside the base GEMM in one pass from x (lorakernels/sgmv_decode.py
+    # `sgmv_lora_delta_decode`: the expand sums the split shrink's partials itself, so no reduce kernel
+    # and no v on the side stream) rather than shrink, reduce and expand. A target here may not also be in
+    # lora_decode_fused_expand. None by default until measured in the engine's step (BENCHMARKS.md)
+    lora_decode_fused_delta: tuple[str, ...] = ()
     # a directory of tuned LoRA-kernel tile files (lorakernels/tuned.py; benchmarks/tune_lora_tiles.py writes
     # them); "" = the package's lorakernels/configs
     kernel_configs: str = ""
@@ -158,6 +164,13 @@ class EngineConfig:
             raise ValueError(f"lora_sm_carveout_targets must be 0-1024 SMs each, got {self.lora_sm_carveout_targets}")
         if not set(self.lora_decode_fused_expand) <= set(DECODE_FUSED_TARGETS):
             raise ValueError(f"lora_decode_fused_expand takes {', '.join(DECODE_FUSED_TARGETS)}, got {self.lora_decode_fused_expand}")
+        if not set(self.lora_decode_fused_delta) <= set(LORA_FUSED_TARGETS):
+            raise ValueError(f"lora_decode_fused_delta takes {', '.join(LORA_FUSED_TARGETS)}, got {self.lora_decode_fused_delta}")
+        if both := sorted(set(self.lora_decode_fused_delta) & set(self.lora_decode_fused_expand)):
+            raise ValueError(
+                f"{', '.join(both)} cannot be in both lora_decode_fused_delta (the delta beside the GEMM) and"
+                " lora_decode_fused_expand (the expand in the next kernel)"
+            )
         if self.kernel_configs and not Path(self.kernel_configs).is_dir():
             raise ValueError(f"kernel_configs {self.kernel_configs!r} is not a directory")
         if self.max_concurrent_fetches < 1:

@@ -4,7 +4,8 @@ Each fused projection adds its LoRA delta, with one shrink per input for all its
 one expand (`LoraInputs.project_deferred`; in CUDA decode steps both run on a side stream beside the
 base GEMM, and the delta comes back for the next kernel to add; in prefill-sized CUDA steps gate/up's
 expand is left to the SiLU-mul kernel, `PendingExpand`, and with `decode_fused_expand` a decode step's
-q/k/v or gate/up expand to the RoPE/KV-write or SiLU-mul kernel):
+q/k/v or gate/up expand to the RoPE/KV-write or SiLU-mul kernel; with `decode_fused_delta` a decode step's
+side stream computes a target's delta in one fused pass from x):
 
     y[T, out] += scalings[slot] * (x[T, in] @ A[slot]^T) @ B[slot]^T     per segment of tokens
 """
@@ -135,6 +136,10 @@ class LoraInputs:
     # (gate_up) kernel reads the slots' B as it loads the projection (EngineConfig's
     # lora_decode_fused_expand: `decode_fused_targets`)
     decode_fused_expand: frozenset[str] = frozenset()
+    # Fused targets whose decode-step delta (side stream) is one fused pass from x: the split shrink's
+    # partials summed by the expand, no reduce kernel and no v (lorakernels/sgmv_decode.py
+    # `sgmv_lora_delta_auto`; EngineConfig's lora_decode_fused_delta: `fused_delta_targets`)
+    decode_fused_delta: frozenset[str] = frozenset()
 
     def project_deferred(
         self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor
@@ -172,8 +177,11 @@ class LoraInputs:
             y = linear(x)
         self.side.wait_event(x_ready)
         with torch.cuda.stream(self.side):
-            v = self.shrink(x, a, meta, num_stack=t.num_stack)
-            delta = None if target in self.decode_fused_expand else self.delta(v, b, meta, output_slices=t.output_slices)
+            if target in self.decode_fused_delta:
+                v, delta = None, _fused_delta(x, a, b, meta, t.num_stack, t.output_slices)
+            else:
+                v = self.shrink(x, a, meta, num_stack=t.num_stack)
+                delta = None if target in self.decode_fused_expand else self.delta(v, b, meta, output_slices=t.output_slices)
         main.wait_stream(self.side)
         if delta is None:  # v, allocated on the side stream, is read on main: as the delta, see above
             return y, PendingExpand(v, b, meta, t.output_slices, self.expand)
@@ -210,6 +218,19 @@ def decode_fused_targets(targets: Collection[str], device: torch.device, lora_ba
 
     fits = device.type == "cuda" and lora_backend in ("triton", "splitk") and max_rank <= FUSED_MAX_RANK
     return frozenset(targets) if fits else frozenset()
+
+
+def _fused_delta(x, a, b, meta: SgmvMeta, num_stack: int, output_slices: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The delta in one fused pass from x (decode_fused_delta targets; imports Triton only where one asks)."""
+    from lorakernels.sgmv_decode import sgmv_lora_delta_auto
+
+    return sgmv_lora_delta_auto(x, a, b, meta, num_stack=num_stack, output_slices=output_slices)
+
+
+def fused_delta_targets(targets: Collection[str], device: torch.device, lora_backend: str) -> frozenset[str]:
+    """LoraInputs.decode_fused_delta of an engine: the targets asked for where decode steps run the splitk
+    kernels on CUDA (the fused delta is theirs); none elsewhere."""
+    return frozenset(targets) if device.type == "cuda" and lora_backend == "splitk" else frozenset()
 
 
 def _fuses_expand(meta: SgmvMeta, num_tokens: int, max_rank: int) -> bool:

@@ -24,6 +24,7 @@ from engine.lora_inputs import (
     LoraInputs,
     SgmvMetaBuffers,
     decode_fused_targets,
+    fused_delta_targets,
     lora_segments,
     sgmv_ops,
     usable_sm_carveout,
@@ -49,6 +50,7 @@ class ModelRunner:
         lora_sm_carveout: int = 0,  # CUDA decode steps: SMs the base GEMMs leave to the LoRA kernels
         lora_sm_carveout_targets: Mapping[str, int] | None = None,  # the same for some fused targets' GEMMs
         lora_decode_fused_expand: tuple[str, ...] = (),  # CUDA decode steps: targets whose expand the next kernel does
+        lora_decode_fused_delta: tuple[str, ...] = (),  # CUDA decode steps: targets whose delta is one fused pass
     ):
         self.model = model
         self.kv = kv
@@ -74,6 +76,8 @@ class ModelRunner:
         self._decode_fused_expand = (
             decode_fused_targets(lora_decode_fused_expand, self.device, lora_backend, lora_pool.max_rank) if lora_pool is not None else frozenset()
         )  # fmt: skip
+        # ... and compute these targets' delta beside the GEMM in one fused pass from x
+        self._decode_fused_delta = fused_delta_targets(lora_decode_fused_delta, self.device, lora_backend) if lora_pool is not None else frozenset()
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran
@@ -112,7 +116,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side, sm_carveout=self.lora_sm_carveout,
                 sm_carveout_targets=self.lora_sm_carveout_targets,
-                fused_expand=self._decode_fused_expand,
+                fused_expand=self._decode_fused_expand, fused_delta=self._decode_fused_delta,
             )  # fmt: skip
             self.graphs.pool = pool
             self.graphs.capture()
@@ -200,6 +204,7 @@ class ModelRunner:
             fused_expand=self._fused_expand, sm_carveout=self.lora_sm_carveout if side is not None else 0,
             sm_carveout_targets=self.lora_sm_carveout_targets if side is not None else {},
             decode_fused_expand=self._decode_fused_expand if side is not None else frozenset(),
+            decode_fused_delta=self._decode_fused_delta if side is not None else frozenset(),
         )  # fmt: skip
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

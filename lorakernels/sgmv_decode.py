@@ -505,6 +505,24 @@ def sgmv_delta_auto(
     return delta
 
 
+def sgmv_lora_delta_auto(
+    x: torch.Tensor,  # [T, in_dim]
+    A: torch.Tensor,  # [num_slots, num_stack * R, in_dim], x.dtype
+    B: torch.Tensor,  # [num_slots, out_dim, R], x.dtype
+    meta: SgmvMeta,
+    *,
+    num_stack: int,
+    output_slices: tuple[tuple[int, int], ...],
+) -> torch.Tensor:  # [T, out_dim], x.dtype
+    """A step's LoRA delta from x in a new tensor: the fused decode delta (`sgmv_lora_delta_decode`) where
+    the step is decode-sized with segments over every row and slices over every column (host ints, so a
+    captured decode graph keeps it), else the shrink then `sgmv_delta_auto`."""
+    if _decode_covers(meta, x.shape[0], output_slices, B.shape[1]):
+        return sgmv_lora_delta_decode(x, A, B, meta, num_stack=num_stack, output_slices=output_slices)
+    v = sgmv_shrink_auto(x, A, meta, num_stack=num_stack)
+    return sgmv_delta_auto(v, B, meta, output_slices=output_slices)
+
+
 def _decode_covers(meta: SgmvMeta, num_rows: int, output_slices: tuple[tuple[int, int], ...], out_dim: int) -> bool:
     """A decode-sized step whose segments hold every row and whose slices tile out_dim: an overwriting
     decode expand writes each entry of the delta once (host ints only)."""

@@ -178,6 +178,24 @@ def test_lora_decode_fused_expand_reaches_the_engine_config_from_the_flag_or_its
         EngineConfig(model_dir="m", lora_decode_fused_expand=("o",))
 
 
+def test_lora_decode_fused_delta_reaches_the_engine_config_and_refuses_a_target_fused_both_ways():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_decode_fused_delta == ()
+    args = cli.build_parser({}).parse_args([*serve, "--lora-decode-fused-delta", "o", "down", "qkv"])
+    assert engine_config(args, "m", 0).lora_decode_fused_delta == ("o", "down", "qkv")
+    args = cli.build_parser({"LORAMUX_LORA_DECODE_FUSED_DELTA": "gate_up down"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_decode_fused_delta == ("gate_up", "down")
+    with pytest.raises(SystemExit):
+        cli.build_parser({}).parse_args([*serve, "--lora-decode-fused-delta", "lm_head"])
+    with pytest.raises(ValueError, match="lora_decode_fused_delta takes qkv, o, gate_up, down"):
+        EngineConfig(model_dir="m", lora_decode_fused_delta=("q_proj",))
+    with pytest.raises(ValueError, match="gate_up cannot be in both"):
+        EngineConfig(model_dir="m", lora_decode_fused_delta=("o", "gate_up"), lora_decode_fused_expand=("gate_up",))
+    EngineConfig(model_dir="m", lora_decode_fused_delta=("o", "down"), lora_decode_fused_expand=("qkv", "gate_up"))
+
+
 def test_gil_switch_interval_reaches_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

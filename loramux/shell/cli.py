@@ -319,6 +319,13 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " computing it beside the base GEMM (default: none)",
     )
     p.add_argument(
+        "--lora-decode-fused-delta", nargs="+", metavar="TARGET", choices=LORA_FUSED_TARGETS,
+        default=env("--lora-decode-fused-delta", "").split(),
+        help="on cuda with the splitk LoRA backend, decode steps compute these projections' LoRA delta beside"
+        " the base GEMM in one fused pass (the expand sums the split shrink's partials; no reduce kernel)"
+        f" rather than shrink, reduce and expand (TARGET: {', '.join(LORA_FUSED_TARGETS)}; default: none)",
+    )
+    p.add_argument(
         "--kernel-configs", metavar="DIR", default=env("--kernel-configs", ""),
         help="a directory of tuned tile files for the LoRA kernels, one per GPU model"
         " (benchmarks/tune_lora_tiles.py writes them; default: the ones loramux ships)",

@@ -268,44 +268,62 @@ def test_decode_fused_expand_is_the_asked_targets_where_the_kernels_can_take_it(
     assert not decode_fused_targets(both, cuda, "splitk", 2 * FUSED_MAX_RANK)
 
 
-def test_lora_decode_fused_expand_reaches_the_decode_steps_lora_inputs(tiny_llama_dir, adapter_dirs, tmp_path, monkeypatch):
-    """EngineConfig.lora_decode_fused_expand -> the worker's runner (with its backend and rank capacity)
-    -> each LoRA decode graph's LoraInputs and an eager decode step's, not a prefill step's (those fuse
-    gate/up by their own rule). On the CPU the targets are stubbed: the kernels only run on CUDA
-    (tests/engine/test_gpu.py)."""
+def test_decode_fused_delta_is_the_asked_targets_where_the_splitk_kernels_run():
+    """--lora-decode-fused-delta takes effect on CUDA with the splitk ops (whose kernel it is); anywhere
+    else it is a no-op, never an error."""
+    from engine.lora_inputs import fused_delta_targets
+
+    cuda, cpu, all_four = torch.device("cuda", 0), torch.device("cpu"), ("qkv", "o", "gate_up", "down")
+    assert fused_delta_targets(all_four, cuda, "splitk") == set(all_four)
+    assert fused_delta_targets(("down",), cuda, "splitk") == {"down"}
+    assert not fused_delta_targets((), cuda, "splitk") and not fused_delta_targets(all_four, cpu, "splitk")
+    assert not any(fused_delta_targets(all_four, cuda, backend) for backend in ("triton", "chunked", "ref"))
+
+
+def test_lora_decode_fused_options_reach_the_decode_steps_lora_inputs(tiny_llama_dir, adapter_dirs, tmp_path, monkeypatch):
+    """EngineConfig.lora_decode_fused_expand and lora_decode_fused_delta -> the worker's runner (with its
+    backend and rank capacity) -> each LoRA decode graph's LoraInputs and an eager decode step's, not a
+    prefill step's (those fuse gate/up by their own rule). On the CPU the targets are stubbed: the kernels
+    only run on CUDA (tests/engine/test_gpu.py)."""
     import engine.cuda_graphs
     import engine.model_runner
 
-    asked = []
+    asked, asked_delta = [], []
 
     def targets(wanted, device, backend, max_rank):
         asked.append((tuple(wanted), device.type, backend, max_rank))
         return frozenset(wanted)
 
+    def delta_targets(wanted, device, backend):
+        asked_delta.append((tuple(wanted), device.type, backend))
+        return frozenset(wanted)
+
     monkeypatch.setattr(engine.model_runner, "decode_fused_targets", targets)
+    monkeypatch.setattr(engine.model_runner, "fused_delta_targets", delta_targets)
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
-    for wanted in ((), ("qkv", "gate_up")):
+    for i, (wanted, wanted_delta) in enumerate([((), ()), (("qkv", "gate_up"), ("o", "down")), ((), ("qkv", "gate_up"))]):
         config = EngineConfig(
-            model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / f"work{len(wanted)}"), lora_backend="splitk",
-            max_lora_rank=32, lora_decode_fused_expand=wanted,
+            model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / f"work{i}"), lora_backend="splitk",
+            max_lora_rank=32, lora_decode_fused_expand=wanted, lora_decode_fused_delta=wanted_delta,
         )  # fmt: skip
         runner = EngineCore.build(config).workers.local.runner
-        assert asked[-1] == (wanted, "cpu", "splitk", 32)
+        assert asked[-1] == (wanted, "cpu", "splitk", 32) and asked_delta[-1] == (wanted_delta, "cpu", "splitk")
         made, real = [], engine.cuda_graphs.LoraInputs
 
         def lora_inputs(*args, made=made, real=real, **kwargs):
-            made.append(kwargs["decode_fused_expand"])
+            made.append((kwargs["decode_fused_expand"], kwargs["decode_fused_delta"]))
             return real(*args, **kwargs)
 
         monkeypatch.setattr(engine.cuda_graphs, "LoraInputs", lora_inputs)
         monkeypatch.setattr(engine.cuda_graphs, "capture_steps", lambda keys, make, device, pool, capture: ({k: make(*k) for k in keys}, pool))
         runner.enable_cuda_graphs(2, (2,))
-        want = frozenset(wanted)
+        want = (frozenset(wanted), frozenset(wanted_delta))
         assert made == [want] * len(runner.graphs.lora_variants)
 
         runner.lora_side = object()  # a decode step's side stream on CUDA
-        assert runner._lora_inputs(two_row_plan(1)).decode_fused_expand == want
-        assert runner._lora_inputs(two_row_plan(3)).decode_fused_expand == frozenset()
+        decode, prefill = runner._lora_inputs(two_row_plan(1)), runner._lora_inputs(two_row_plan(3))
+        assert (decode.decode_fused_expand, decode.decode_fused_delta) == want
+        assert prefill.decode_fused_expand == prefill.decode_fused_delta == frozenset()
 
 
 def test_a_launched_step_runs_in_inference_mode(tiny_llama_dir, tmp_path):

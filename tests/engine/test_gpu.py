@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.model_config import ModelConfig
 from engine.request import TokenDelta
 from engine.sampling import SamplingParams
 
@@ -183,6 +185,41 @@ def test_cuda_decode_fused_expand_matches_cpu(tiny_llama_dir, make_adapter, tmp_
     assert run("cuda", ("qkv", "gate_up"), fused) == expected
     assert plain.get("rope_kv", 0) == 0 and fused["rope_kv"] > 0
     assert fused["silu_mul"] > plain.get("silu_mul", 0)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_decode_fused_delta_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
+    """--lora-decode-fused-delta on all four fused targets: decode steps compute each LoRA delta beside the
+    base GEMM in one pass from x (lorakernels/sgmv_decode.py `sgmv_lora_delta_decode`, the expand summing
+    the split shrink's partials), in the decode graphs or eagerly. Greedy tokens equal the CPU reference's,
+    and the fused kernel ran for every target (none without the option)."""
+    import lorakernels.sgmv_decode
+
+    adapters = three_adapters(make_adapter, "decode-fused-delta", seed=90)
+    real = lorakernels.sgmv_decode.sgmv_lora_delta_decode
+
+    def run(device: str, fused: tuple[str, ...], widths: list[int]) -> list[list[int]]:
+        def counted(x, A, B, *args, **kwargs):
+            widths.append(B.shape[1])
+            return real(x, A, B, *args, **kwargs)
+
+        monkeypatch.setattr(lorakernels.sgmv_decode, "sgmv_lora_delta_decode", counted)
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
+            work_dir=str(tmp_path / f"{device}-{len(fused)}"), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",
+            cuda_graph_max_batch=16 if graphs else 0, cuda_graph_max_tokens=1024 if graphs else 0, lora_decode_fused_delta=fused,
+        )  # fmt: skip
+        core = EngineCore.build(config)
+        return generate_all(core, 8, [None, *(core.resolve_adapter(name) for name, _ in adapters)])
+
+    expected = run("cpu", (), [])
+    plain, fused = [], []
+    assert run("cuda", (), plain) == expected
+    assert run("cuda", ("qkv", "o", "gate_up", "down"), fused) == expected
+    assert not plain
+    c = ModelConfig.from_hf(json.loads((tiny_llama_dir / "config.json").read_text()))
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    assert set(fused) == {qkv, c.hidden_size, 2 * c.intermediate_size}  # o and down: hidden_size wide
 
 
 def three_adapters(make_adapter, prefix: str, seed: int) -> tuple[tuple[str, str], ...]:

@@ -12,7 +12,7 @@ import torch
 
 from engine.adapter_cache import HostAdapterCache, pack_adapter
 from engine.adapter_slots import AdapterSlots, SlotsExhausted
-from engine.lora_inputs import LoraInputs, sgmv_ops
+from engine.lora_inputs import LoraInputs, PendingExpand, sgmv_ops
 from engine.lora_manager import LoraManager
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets, served_modules
 from engine.named_shapes import NAMED_SHAPES
@@ -624,32 +624,31 @@ def test_sm_carveout_is_set_inside_and_restored_after():
     assert get() == before
 
 
-def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(monkeypatch):
-    """A decode step's projection with a side stream (LoraInputs.side, CUDA): the base GEMM is enqueued
-    first, on the main stream, under the carve-out (it leaves `sm_carveout` SMs free); the side stream
-    forks from an event recorded before the GEMM (when x is ready), not after it, so its shrink and
-    expand run beside the GEMM with the setting as it was, and main joins the side stream before the
-    delta is handed back. Steps without a carve-out leave the setting alone. Streams are stand-ins (the
-    CPU has none) that log what each is asked to do, in order."""
+class LoggedStream:
+    """A CUDA stream stand-in (the CPU has none) that logs what it is asked to do, in order."""
+
+    def __init__(self, name: str, log: list[tuple]) -> None:
+        self.name, self.log = name, log
+
+    def record_event(self):
+        self.log.append((self.name, "record"))
+        return ("event", len(self.log))
+
+    def wait_event(self, event) -> None:
+        self.log.append((self.name, "wait_event", event))
+
+    def wait_stream(self, other) -> None:
+        self.log.append((self.name, "wait_stream", other.name))
+
+
+@pytest.fixture
+def stream_log(monkeypatch) -> tuple[list[tuple], list[LoggedStream]]:
+    """(the log, the stack of current streams): engine.lora_inputs' current stream is a LoggedStream
+    "main" and `torch.cuda.stream(s)` makes s current inside."""
     import engine.lora_inputs
 
     log: list[tuple] = []
-
-    class Stream:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def record_event(self):
-            log.append((self.name, "record"))
-            return ("event", len(log))
-
-        def wait_event(self, event) -> None:
-            log.append((self.name, "wait_event", event))
-
-        def wait_stream(self, other) -> None:
-            log.append((self.name, "wait_stream", other.name))
-
-    main = Stream("main")
+    main = LoggedStream("main", log)
     current = [main]
 
     @contextlib.contextmanager
@@ -662,6 +661,16 @@ def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(monkey
 
     monkeypatch.setattr(engine.lora_inputs.torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(engine.lora_inputs.torch.cuda, "stream", on)
+    return log, current
+
+
+def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(stream_log):
+    """A decode step's projection with a side stream (LoraInputs.side, CUDA): the base GEMM is enqueued
+    first, on the main stream, under the carve-out (it leaves `sm_carveout` SMs free); the side stream
+    forks from an event recorded before the GEMM (when x is ready), not after it, so its shrink and
+    expand run beside the GEMM with the setting as it was, and main joins the side stream before the
+    delta is handed back. Steps without a carve-out leave the setting alone."""
+    log, current = stream_log
     get = torch._C._get_sm_carveout_experimental
     before = get()
     pool = LoraSlotPool(CONFIG, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
@@ -682,7 +691,7 @@ def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(monkey
     cases = ((16, {}, 16), (0, {}, before), (16, {"qkv": 0}, before), (16, {"qkv": 8}, 8), (16, {"gate_up": 0}, 16))
     for carveout, by_target, expected in cases:
         log.clear()
-        side = Stream("side")
+        side = LoggedStream("side", log)
         lora = LoraInputs(
             pool, meta, recorded("shrink", shrink), expand, recorded("delta", delta), side=side, sm_carveout=carveout,
             sm_carveout_targets=by_target,
@@ -698,6 +707,54 @@ def test_decode_side_stream_runs_only_the_base_gemm_under_the_sm_carveout(monkey
         ]
         assert get() == before
         assert torch.equal(y, gemm(x)) and d is not None and d.abs().sum() > 0
+
+
+def test_decode_fused_delta_targets_take_one_fused_pass_on_the_side_stream(stream_log, monkeypatch):
+    """LoraInputs.decode_fused_delta: those targets' side stream runs the fused delta from x (no shrink,
+    no delta of v) and hands it back like the unfused delta; other targets keep shrink then delta; a
+    target in decode_fused_expand still hands back its PendingExpand. The fused pass is the reference
+    shrink then delta here (its kernel runs only in Triton: tests/lorakernels/test_sgmv_decode.py)."""
+    import engine.lora_inputs
+
+    log, current = stream_log
+    pool = LoraSlotPool(CONFIG, num_slots=3, max_rank=8, dtype=torch.float32, device="cpu")
+    pool.load(1, packed("all", rank=4))
+    pool.load(2, packed("mlp", rank=8, modules=("gate_proj", "up_proj", "down_proj"), seed=1))
+    meta = SgmvMeta.from_lists([1, 2], [1, 2], pool.ranks, pool.scalings)
+    shrink, expand, delta = sgmv_ops("ref")
+
+    def fused(x, a, b, meta, num_stack, output_slices):
+        log.append((current[-1].name, "fused", num_stack, output_slices))
+        return delta(shrink(x, a, meta, num_stack=num_stack), b, meta, output_slices=output_slices)
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            log.append((current[-1].name, name))
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(engine.lora_inputs, "_fused_delta", fused)
+    unfused = LoraInputs(pool, meta, shrink, expand, delta, side=LoggedStream("side", log))
+    lora = LoraInputs(
+        pool, meta, recorded("shrink", shrink), expand, recorded("delta", delta), side=LoggedStream("side", log),
+        decode_fused_delta=frozenset({"o", "down", "gate_up"}), decode_fused_expand=frozenset({"qkv"}),
+    )  # fmt: skip
+    for target, in_dim in (("o", CONFIG.hidden_size), ("down", CONFIG.intermediate_size), ("gate_up", CONFIG.hidden_size)):
+        t = pool.targets[target]
+        x = torch.randn(3, in_dim)
+        gemm = torch.nn.Linear(in_dim, t.out_dim, bias=False)
+        _, want = unfused.project_deferred(gemm, target, 0, x)
+        log.clear()
+        y, got = lora.project_deferred(gemm, target, 0, x)
+        assert [entry[1] for entry in log] == ["record", "wait_event", "fused", "wait_stream"], target
+        assert log[2] == ("side", "fused", t.num_stack, t.output_slices)
+        assert torch.equal(y, gemm(x)) and torch.equal(got, want) and want.abs().sum() > 0
+    log.clear()
+    qkv = torch.nn.Linear(CONFIG.hidden_size, pool.targets["qkv"].out_dim, bias=False)
+    _, pending = lora.project_deferred(qkv, "qkv", 0, torch.randn(3, CONFIG.hidden_size))
+    assert [entry[1] for entry in log] == ["record", "wait_event", "shrink", "wait_stream"]
+    assert isinstance(pending, PendingExpand)
 
 
 def test_the_sm_carveout_is_at_most_half_the_device():

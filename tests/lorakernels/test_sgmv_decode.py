@@ -33,6 +33,7 @@ from lorakernels.sgmv_decode import (  # noqa: E402
     sgmv_delta_auto,
     sgmv_expand_auto,
     sgmv_expand_decode,
+    sgmv_lora_delta_auto,
     sgmv_lora_delta_decode,
     sgmv_shrink_auto,
     sgmv_shrink_decode,
@@ -380,10 +381,12 @@ def test_cuda_graph_replay_follows_refilled_slots_and_ranks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
-def test_cuda_graph_replay_follows_regrouped_segments():
+@pytest.mark.parametrize("fused", [False, True], ids=["shrink-delta", "fused-delta"])
+def test_cuda_graph_replay_follows_regrouped_segments(fused):
     """The engine's decode graph: captured with one segment per row, replayed after SgmvMetaBuffers was
     refilled with each adapter's rows merged (fewer, longer segments, empty ones trailing) or one row
-    each; shrink and overwriting delta both follow (bf16, q/k/v-shaped, against fp64)."""
+    each; shrink and overwriting delta both follow, or the fused delta (its split counts per live
+    segment found on the device at each replay) (bf16, q/k/v-shaped, against fp64)."""
     from engine.lora_inputs import SgmvMetaBuffers
 
     batch, in_dim, output_slices = 48, 512, ((0, 256), (256, 64), (320, 64))
@@ -397,6 +400,9 @@ def test_cuda_graph_replay_follows_regrouped_segments():
     out = {}
 
     def step():
+        if fused:
+            out["delta"] = sgmv_lora_delta_decode(x, A, B, meta, num_stack=3, output_slices=output_slices)
+            return
         v = sgmv_shrink_decode(x, A, meta, num_stack=3)
         out["delta"] = sgmv_delta_auto(v, B, meta, output_slices=output_slices)
 
@@ -497,3 +503,35 @@ def test_fused_delta_refuses_what_it_cannot_cover():
         sgmv_lora_delta_decode(x, A, B, meta, num_stack=3, output_slices=((0, 96), (96, 64)))
     with pytest.raises(ValueError, match="x is"):
         sgmv_lora_delta_decode(x.double(), A, B, meta, num_stack=3, output_slices=((0, 96), (96, 32), (128, 32)))
+
+
+def test_fused_delta_auto_fuses_decode_steps_and_falls_back_elsewhere(monkeypatch):
+    """Decode-sized steps whose segments and slices cover the delta take the fused kernel; a prefill-sized
+    segment, rows past the segments or a gap between the slices take the shrink then the delta, whose
+    uncovered entries are 0. Every case equals the fp64 delta."""
+    fused = []
+    real = sgmv_decode.sgmv_lora_delta_decode
+    monkeypatch.setattr(sgmv_decode, "sgmv_lora_delta_decode", lambda *a, **k: fused.append(1) or real(*a, **k))
+    slices, out_dim = ((0, 40), (40, 24)), 64
+    x, A, B, meta, lists = fused_case("zipf", torch.float32, slices, out_dim, batch=20, in_dim=300, seed=3)
+    got = sgmv_lora_delta_auto(x, A, B, meta, num_stack=2, output_slices=slices)
+    expected = fp64_delta(x, A, B, *lists, slices)
+    assert fused == [1] and (got.double().cpu() - expected).abs().max().item() <= 1e-4 * max(1.0, expected.abs().max().item())
+    assert expected.abs().max().item() > 0.1
+    ranks, scalings = lists[2], lists[3]
+    gen = torch.Generator().manual_seed(4)
+    cases = [  # (seg_lens, slots, rows, slices)
+        ([70, 2], [1, 2], 72, slices),  # a prefill-sized segment
+        ([3, 4], [1, 2], 9, slices),  # two rows no segment holds
+        ([3, 4], [2, 1], 7, ((0, 30), (40, 24))),  # columns 30-39 in no slice
+    ]
+    for seg_lens, slots, rows, case_slices in cases:
+        x = torch.randn(rows, 300, generator=gen).to(DEVICE)
+        meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+        got = sgmv_lora_delta_auto(x, A, B, meta, num_stack=2, output_slices=case_slices)
+        expected = fp64_delta(x[: sum(seg_lens)], A, B, seg_lens, slots, ranks, scalings, case_slices)
+        expected = torch.cat([expected, torch.zeros(rows - sum(seg_lens), out_dim, dtype=torch.float64)])
+        assert got.shape == (rows, out_dim)
+        assert (got.double().cpu() - expected).abs().max().item() <= 1e-4 * max(1.0, expected.abs().max().item()), seg_lens
+        assert expected.abs().max().item() > 0.1
+    assert fused == [1]
