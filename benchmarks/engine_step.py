@@ -7,7 +7,10 @@ workers -> sampled tokens), with random weights in a named shape, on 1..N tensor
 
 Reports, per batch size and number of distinct rank-16 adapters, the median time of a decode step
 (every request computes one token and samples), next to the weight-read floors: the whole model's
-parameter bytes / copy bandwidth, and one rank's (what each GPU reads per step), and prefill tokens/s.
+parameter bytes / copy bandwidth, and one rank's (what each GPU reads per step), and the step's read floor:
+the bytes a decode step cannot avoid reading (every weight but an untied embedding table, of which it
+gathers its rows only, and the KV cache its requests attend over, at the measured steps' mean context),
+/ copy bandwidth; and prefill tokens/s.
 With --mixed-chunk C, also the median mixed step: batch - 1 requests decoding beside C tokens of another
 request's prompt (chunked prefill), replayed from a step graph or (--graph-max-tokens 0) run eagerly.
 One engine (its slot pool sized for the most adapters, one decode graph per batch size) serves every row.
@@ -179,6 +182,7 @@ def measure(
     tp = model.tp.size
     rank_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     replicated = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "proj" not in n)
+    param_bytes = tp * (rank_bytes - replicated) + replicated
     return {
         "batch": batch,
         "num_adapters": num_adapters,
@@ -187,10 +191,25 @@ def measure(
         "decode_step_ms_p10_p90": [round(q * 1e3, 3) for q in _p10_p90(times[3:])],
         "prefill_tokens": num_prefill,
         "prefill_tok_s": num_prefill / prefill_s,
-        "param_gb": (tp * (rank_bytes - replicated) + replicated) / 1e9,  # the whole model
+        "param_gb": param_bytes / 1e9,  # the whole model
         "rank_param_gb": rank_bytes / 1e9,  # what one GPU holds and reads per step
+        "step_read_gb": step_read_bytes(model, param_bytes, batch, prompt_len, len(times)) / 1e9,
         **(gpu.summary() if gpu is not None else {}),
     }
+
+
+def step_read_bytes(model, param_bytes: int, batch: int, prompt_len: int, num_steps: int) -> float:
+    """The bytes a decode step of the whole model cannot avoid reading, averaged over the measured steps
+    (the 4th to the last of num_steps): every parameter but an untied embedding table (a step gathers
+    its batch's rows of it; a tied one is read whole by the LM head), and each request's KV cache, K and
+    V of every layer over its context (prompt_len + 1 + i tokens at decode step i)."""
+    c = model.full_config  # the whole model's KV heads (model.config is one rank's)
+    embed = model.embed_tokens.weight
+    unread = embed.numel() * embed.element_size() if model.lm_head is not None else 0
+    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * embed.element_size()
+    measured = range(3, num_steps) if num_steps > 3 else range(num_steps)
+    context = statistics.mean(prompt_len + 1 + i for i in measured) if measured else prompt_len
+    return param_bytes - unread + batch * context * kv_per_token
 
 
 def _p10_p90(values: list[float]) -> tuple[float, float]:
@@ -303,6 +322,7 @@ def main() -> None:
                     row["repeat"] = repeat
                 row["floor_ms"] = row["param_gb"] / args.copy_gbps * 1e3
                 row["rank_floor_ms"] = row["rank_param_gb"] / args.copy_gbps * 1e3
+                row["read_floor_ms"] = row["step_read_gb"] / args.copy_gbps * 1e3
                 base_ms = row["decode_step_ms"] if num_adapters == 0 else base_ms
                 if base_ms is not None:
                     row["throughput_vs_base"] = base_ms / row["decode_step_ms"]

@@ -131,3 +131,27 @@ def test_repeats_measure_each_batch_s_adapter_counts_in_turn_with_their_own_rati
 def test_repeats_below_one_are_refused():
     done = run_engine_step("--repeats", "0")
     assert done.returncode == 2 and "--repeats must be at least 1" in done.stderr
+
+
+def test_step_read_bytes_leave_out_an_untied_embedding_and_add_the_kv_over_the_measured_contexts():
+    """A decode step's unavoidable reads: every weight but an untied embedding table, plus K and V of
+    every layer over each request's context at the measured steps (the 4th on)."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=4)
+    embed = torch.nn.Embedding(10, 6, dtype=torch.bfloat16)
+    untied = SimpleNamespace(full_config=config, embed_tokens=embed, lm_head=torch.nn.Linear(6, 10))
+    kv_per_token = 2 * 2 * 3 * 4 * 2  # K and V, 2 layers, 3 heads of 4, bf16
+    # steps 3..6 of 7 attend over 8 + 1 + i tokens: 12, 13, 14, 15 -> 13.5 on average
+    assert engine_step.step_read_bytes(untied, 1000, 5, 8, 7) == 1000 - 120 + 5 * 13.5 * kv_per_token
+    tied = SimpleNamespace(full_config=config, embed_tokens=embed, lm_head=None)  # the LM head reads it whole
+    assert engine_step.step_read_bytes(tied, 1000, 5, 8, 7) == 1000 + 5 * 13.5 * kv_per_token
+    assert engine_step.step_read_bytes(tied, 1000, 1, 8, 2) == 1000 + 9.5 * kv_per_token  # too few steps: all of them
+
+
+def test_rows_report_the_step_read_floor():
+    done = run_engine_step("--num-decode", "6", "--adapters", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert row["read_floor_ms"] == pytest.approx(row["step_read_gb"] / 4200.0 * 1e3)
+    assert 0 < row["step_read_gb"] != row["param_gb"]
