@@ -95,13 +95,16 @@ def decode_expand_tiles(quick: bool) -> list[ExpandTile]:
 
 def sgmv_tiles(is_shrink: bool, max_rank: int, quick: bool) -> list[SgmvTile]:
     """The built-in tile, then rows x columns x K x warps x stages (shrink columns 16: one rank-16 tile a
-    program, where the built-in tile is the slot's capacity wide; expand K 16 or 32: the rank), those
-    within the parser's shared-memory bound."""
+    program, where the built-in tile is the slot's capacity wide; expand K 16 or 32: the rank), and for
+    the shrink a few tiles split 2, 4 or 8 ways over in_dim (more programs where row blocks are few),
+    those within the parser's shared-memory bound."""
     builtin = builtin_tile(is_shrink, max_rank)
     if quick:
         grid = [(m, 16, 64, 4, 3) if is_shrink else (m, 64, 16, 4, 2) for m in (32, 64)]
+        grid += [(64, 16, 64, 4, 3, 4)] if is_shrink else []
     elif is_shrink:
         grid = [(m, n, k, w, s) for m in (32, 64, 128) for n in (16, 64) for k in (64, 128) for w in (4, 8) for s in (3, 4)]
+        grid += [(m, 16, 128, 4, 3, split) for m in (32, 64) for split in (2, 4, 8)]
     else:
         grid = [(m, n, k, w, s) for m in (32, 64, 128) for n in (64, 128, 256) for k in (16, 32) for w in (4, 8) for s in (2, 3)]
     tiles = (SgmvTile(*g) for g in grid)

@@ -23,6 +23,12 @@ A captured CUDA graph therefore replays any segmentation of its T rows (a mixed 
 with one long segment and many short ones launches about T / BLOCK_M + num_segments row programs, not
 their product). Programs past the last block, past N, or of a rank-0 slot return at once.
 Fused q/k/v (num_stack 3) and gate/up (2) share one shrink per input and one expand.
+
+A shrink tile with split_k = S > 1 (lorakernels/tuned.py; where a step's row blocks leave SMs idle,
+as a 2048-token prompt's 32 blocks of 64 rows do on 132 SMs, each walking all of in_dim) launches S
+programs a tile over the grid's third axis, split s taking a contiguous S-th of in_dim's BLOCK_K tiles
+and storing its fp32 partial in a [S, T, num_stack * R] workspace; `_split_sum_kernel`, on the shrink's
+grid and masks, sums each tile's S partials in split order and stores v (deterministic, no atomics).
 fp32 inputs use IEEE fp32 dot products (no TF32), so they match the reference to fp32 rounding.
 """
 
@@ -89,6 +95,7 @@ def _sgmv_kernel(
     stride_im, stride_ik,
     stride_ww, stride_wn, stride_wk,
     stride_om, stride_on,
+    stride_os,  # SPLIT_K > 1: out is the fp32 partials [SPLIT_K, T, *], this the split's stride
     IS_SHRINK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -96,6 +103,7 @@ def _sgmv_kernel(
     BLOCK_S: tl.constexpr,  # segments scanned at once by row_block
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # shrink: programs that split K; each stores its fp32 partial
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)  # stacked target
@@ -134,7 +142,16 @@ def _sgmv_kernel(
 
     # -- inner loop: acc[BLOCK_M, BLOCK_N] = inp[rows, :k_size] @ W[cols, :k_size]^T in fp32 -----------
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(k_size, BLOCK_K)):
+    k_tiles = tl.cdiv(k_size, BLOCK_K)
+    k_first = 0
+    if SPLIT_K > 1:  # split s takes K tiles [s * per, (s + 1) * per) into its partial (none: zeros)
+        out_ptr += tl.program_id(2).to(tl.int64) * stride_os
+        per = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = tl.program_id(2) * per
+        k_tiles = tl.minimum(k_first + per, k_tiles)
+        inp_ptrs += k_first * BLOCK_K * stride_ik
+        w_ptrs += k_first * BLOCK_K * stride_wk
+    for k in range(k_first, k_tiles):
         k_left = k_size - k * BLOCK_K
         a = tl.load(inp_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
@@ -151,6 +168,44 @@ def _sgmv_kernel(
     if not IS_SHRINK:
         scaling = tl.load(scalings_ptr + slot)
         acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + scaling * acc
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(
+    partial_ptr,  # [SPLIT_K, T, num_stack * R] fp32
+    out_ptr,  # [T, num_stack * R]
+    seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr,
+    num_segments, max_rank, n_tiles,
+    size_0, size_1, size_2,
+    stride_ps, stride_pm, stride_pn,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """v of a split shrink: program (tile, k) of the shrink's grid sums its tile's SPLIT_K partials in
+    split order and stores them rounded, under the shrink's masks (v's other entries stay as they were)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_n = pid % n_tiles
+    seg, m_start, seg_end = row_block(seg_indptr_ptr, num_segments, pid // n_tiles, BLOCK_M, BLOCK_S)
+    if seg >= num_segments:
+        return
+    rank = tl.load(lora_ranks_ptr + tl.load(weight_indices_ptr + seg))
+    n_size = tl.minimum(_pick(pid_k, size_0, size_1, size_2), rank)
+    if (rank == 0) | (m_start >= seg_end) | (pid_n * BLOCK_N >= n_size):
+        return
+    offs_m = (m_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < seg_end)[:, None] & (offs_n < n_size)[None, :]
+    cols = pid_k * max_rank + offs_n
+    ptrs = partial_ptr + offs_m[:, None] * stride_pm + cols[None, :] * stride_pn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -196,21 +251,27 @@ def row_blocks(meta: SgmvMeta, num_rows: int, block_m: int) -> int:
     return min(triton.cdiv(meta.max_seg_len, block_m) * meta.num_segments, num_rows // block_m + meta.num_segments)
 
 
-def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config) -> None:
+def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config, split_k: int = 1) -> None:
+    """One SGMV launch; split_k > 1 (a shrink): the shrink's programs split K and store fp32 partials,
+    then `_split_sum_kernel` sums them into `out`."""
     offsets = [off for off, _ in slices] + [0] * (MAX_STACK - len(slices))
     sizes = [size for _, size in slices] + [0] * (MAX_STACK - len(slices))
     n_tiles = triton.cdiv(max(sizes), config["BLOCK_N"])
     blocks = row_blocks(meta, inp.shape[0], config["BLOCK_M"])
     if blocks == 0 or n_tiles == 0:
         return
-    _sgmv_kernel[(blocks * n_tiles, len(slices))](
-        inp, w, out,
+    target = out
+    if split_k > 1:
+        target = torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
+    _sgmv_kernel[(blocks * n_tiles, len(slices), split_k)](
+        inp, w, target,
         meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
         meta.num_segments, K, max_rank, n_tiles, *offsets, *sizes,
         inp.stride(0), inp.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1),
+        target.stride(-2), target.stride(-1), target.stride(0) if split_k > 1 else 0,
         IS_SHRINK=is_shrink,
+        SPLIT_K=split_k,
         BLOCK_S=SEGMENT_CHUNK,
         INPUT_PRECISION="ieee",  # only fp32 operands look at it: exact fp32, no TF32
         # Triton's CPU interpreter (the only way Triton runs on CPU tensors) gets bf16 tl.dot wrong
@@ -218,6 +279,15 @@ def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config) -> Non
         UPCAST_DOT=inp.device.type == "cpu" and inp.dtype == torch.bfloat16,
         **config,
     )  # fmt: skip
+    if split_k > 1:
+        _split_sum_kernel[(blocks * n_tiles, len(slices))](
+            target, out, meta.seg_indptr, meta.weight_indices, meta.lora_ranks,
+            meta.num_segments, max_rank, n_tiles, *sizes,
+            target.stride(0), target.stride(1), target.stride(2),
+            out.stride(0), out.stride(1),
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_S=SEGMENT_CHUNK, SPLIT_K=split_k,
+            num_warps=4,
+        )  # fmt: skip
 
 
 def shrink_output(
@@ -256,8 +326,10 @@ def sgmv_shrink(
     max_rank = A.shape[1] // num_stack
     slices = tuple((k * max_rank, max_rank) for k in range(num_stack))
     tile = tile or device_tiles(x.device).lookup("sgmv_shrink", x.shape[1], num_stack, max_rank, x.shape[0])
-    config = _tile_config(tile or builtin_tile(True, max_rank), meta.max_seg_len)
-    _launch(x, A, out, meta, is_shrink=True, K=x.shape[1], max_rank=max_rank, slices=slices, config=config)
+    tile = tile or builtin_tile(True, max_rank)
+    config = _tile_config(tile, meta.max_seg_len)
+    split_k = tile.split_k if x.shape[1] > config["BLOCK_K"] else 1  # one K tile: nothing to split
+    _launch(x, A, out, meta, is_shrink=True, K=x.shape[1], max_rank=max_rank, slices=slices, config=config, split_k=split_k)
     return out
 
 

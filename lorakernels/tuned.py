@@ -19,13 +19,14 @@ count: prefill tiles tuned from 256 rows never serve a 32-row step):
         {"kernel": "expand", "out_dim": 4096, "num_stack": 3, "max_rank": 16, "tokens": 32,
          "config": {"block_n": 128, "num_warps": 4}},
         {"kernel": "sgmv_shrink", "in_dim": 14336, "num_stack": 1, "max_rank": 64, "tokens": 2048,
-         "config": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}}]}
+         "config": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3, "split_k": 2}}]}
 
 `out_dim` of an expand is its widest output slice (the fused target's widest projection). Other keys of
 an entry (the tuner's timings) are kept for people and ignored here. The parser admits only tiles the
 kernels can run on any GPU of the kind: a decode shrink of at most MAX_DECODE_PROGRAMS programs and
 BLOCK_K >= 64 (its fp32 split workspace is splits x T x R), a prefill tile whose pipelined operand tiles
-fit SGMV_SMEM_BYTES of shared memory.
+fit SGMV_SMEM_BYTES of shared memory; `split_k` (a prefill shrink's split of in_dim, 1 when left out)
+one of SPLIT_K_CHOICES, and 1 for an expand.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class SgmvTile:  # the shrink and expand of prefill-sized steps (lorakernels/sgm
     block_k: int
     num_warps: int
     num_stages: int
+    # A shrink's programs per tile that split in_dim between them (their fp32 partials summed by a second
+    # kernel): more programs where a step's row blocks are fewer than the SMs. Expands keep 1
+    split_k: int = 1
 
     @property
     def smem_bytes(self) -> int:
@@ -95,6 +99,12 @@ _SGMV_FIELDS = {
 }
 KINDS["sgmv_shrink"] = (("in_dim", "num_stack", "max_rank"), SgmvTile, _SGMV_FIELDS)
 KINDS["sgmv_expand"] = (("out_dim", "num_stack", "max_rank"), SgmvTile, _SGMV_FIELDS)
+SPLIT_K_CHOICES = (1, 2, 4, 8, 16)
+# kernel -> {tile field a config may leave out: (its allowed values, its value when left out)}
+OPTIONAL: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
+    "sgmv_shrink": {"split_k": (SPLIT_K_CHOICES, 1)},
+    "sgmv_expand": {"split_k": ((1,), 1)},
+}
 
 
 class TunedTiles:
@@ -152,7 +162,10 @@ def _entry(entry: dict) -> tuple[tuple, int, object]:
     config = entry["config"]
     if not isinstance(config, dict):
         raise TypeError("'config' is not an object")
-    tile = tile_class(**{name: _choice(config, name, choices) for name, choices in fields.items()})
+    values = {name: _choice(config, name, choices) for name, choices in fields.items()}
+    for name, (choices, default) in OPTIONAL.get(kernel, {}).items():
+        values[name] = _choice(config, name, choices) if name in config else default
+    tile = tile_class(**values)
     if isinstance(tile, SgmvTile) and tile.smem_bytes > SGMV_SMEM_BYTES:
         raise ValueError(f"{tile} needs {tile.smem_bytes} bytes of shared memory, over {SGMV_SMEM_BYTES}")
     return key, tokens, tile

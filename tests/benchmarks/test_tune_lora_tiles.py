@@ -112,6 +112,8 @@ def test_every_candidate_is_a_tile_the_parser_takes(monkeypatch, quick, num_sms)
     assert shrinks[0].num_programs == 2 * num_sms  # the built-in tile first: two programs an SM
     candidates = {"shrink": shrinks, "expand": decode_expand_tiles(quick)}
     candidates |= {"sgmv_shrink": sgmv_tiles(True, 64, quick), "sgmv_expand": sgmv_tiles(False, 16, quick)}
+    # prefill shrinks split over in_dim are candidates; expands never split
+    assert any(t.split_k > 1 for t in candidates["sgmv_shrink"]) and all(t.split_k == 1 for t in candidates["sgmv_expand"])
     for kernel, tiles in candidates.items():
         shape = dict.fromkeys(tuned.KINDS[kernel][0], 64)
         entries = [{"kernel": kernel, **shape, "tokens": i + 1, "config": dataclasses.asdict(t)} for i, t in enumerate(tiles)]

@@ -26,6 +26,7 @@ from lorakernels.sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
 from lorakernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked  # noqa: E402
 from lorakernels.sgmv_decode import sgmv_shrink_decode  # noqa: E402
 from lorakernels.sgmv_ref import SgmvMeta, chunk_segments, sgmv_expand_ref, sgmv_shrink_ref  # noqa: E402
+from lorakernels.tuned import SgmvTile  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -52,6 +53,9 @@ BACKENDS = {
         functools.partial(sgmv_expand_chunked, chunk_size=4),
     ),
     "decode": (sgmv_shrink_decode, sgmv_expand),  # the split-K decode shrink, on any segments
+    # the prefill shrink split 3 ways over in_dim's 16-wide K tiles (64: 2 + 2 + none, 48: 1 each, 176:
+    # 4 + 4 + 3), its partials summed by the second kernel
+    "split": (functools.partial(sgmv_shrink, tile=SgmvTile(16, 64, 16, 4, 2, split_k=3)), sgmv_expand),
     "ref": (sgmv_shrink_ref, sgmv_expand_ref),
 }
 interpreter_slow = pytest.mark.skipif(
@@ -154,17 +158,19 @@ def test_lora_delta_matches_fp64_loop(backend, dtype, target, popularity):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 512])
-@pytest.mark.parametrize("backend", ["triton", "chunked", "decode"])
+@pytest.mark.parametrize("backend", ["triton", "chunked", "decode", "split"])
 def test_token_counts(backend, num_tokens):
     num_reqs = min(num_tokens, 5)
     run_case(backend, torch.bfloat16, "qkv", "uniform", num_reqs, num_tokens, seed=num_tokens)
 
 
 @pytest.mark.parametrize("segment_chunk", [64, 4])  # 4: the row-block lookup scans the segments in three passes
-def test_one_launch_size_serves_any_segmentation(monkeypatch, segment_chunk):
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_one_launch_size_serves_any_segmentation(monkeypatch, segment_chunk, split_k):
     """A mixed-step CUDA graph launches with the host ints of its capture (max_seg_len = T rows,
     num_segments = its capacity) and replays other segmentations of the same rows: one long prefill and
-    many decode rows, rows in no segment (padding), empty segments between and after live ones."""
+    many decode rows, rows in no segment (padding), empty segments between and after live ones. The
+    shrink whole or split in two over in_dim (the sum kernel follows the same row blocks)."""
     import lorakernels.sgmv as sgmv
 
     monkeypatch.setattr(sgmv, "SEGMENT_CHUNK", segment_chunk)
@@ -188,7 +194,8 @@ def test_one_launch_size_serves_any_segmentation(monkeypatch, segment_chunk):
         meta.max_seg_len = num_rows  # the capture's bound, not this layout's
         y = torch.randn(num_rows, out_dim, generator=gen).to(DEVICE, torch.bfloat16)
         expected = loop_reference(x, A, B, y, padded_lens, padded_slots, ranks, scalings, output_slices)
-        v = sgmv_shrink(x, A, meta, num_stack=len(output_slices))
+        tile = SgmvTile(64, 16, 32, 4, 2, split_k=split_k) if split_k > 1 else None  # None: the built-in tile
+        v = sgmv_shrink(x, A, meta, num_stack=len(output_slices), tile=tile)
         sgmv_expand(v, B, meta, y, output_slices=output_slices)
         assert_close(y, expected, torch.bfloat16)
 
@@ -197,7 +204,7 @@ def test_one_launch_size_serves_any_segmentation(monkeypatch, segment_chunk):
     "in_dim, out_dim, rank, num_tokens",
     [(4096, 16, 16, 33), (1000, 176, 64, 17), pytest.param(4096, 14336, 16, 64, marks=interpreter_slow)],
 )
-@pytest.mark.parametrize("backend", ["triton", "chunked"])
+@pytest.mark.parametrize("backend", ["triton", "chunked", "split"])
 def test_medium_dims(backend, in_dim, out_dim, rank, num_tokens):
     """in/out dims that are not multiples of any block, including a Llama-like 4096 -> 14336."""
     dtype = torch.bfloat16

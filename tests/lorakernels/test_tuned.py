@@ -47,10 +47,10 @@ def expand_entry(tokens, block_n, num_warps=4, out_dim=70, num_stack=2, max_rank
     }
 
 
-def sgmv_entry(kernel, dim, tokens, block_m, block_n, block_k, num_warps=4, num_stages=2):
-    config = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}
+def sgmv_entry(kernel, dim, tokens, block_m, block_n, block_k, num_warps=4, num_stages=2, num_stack=3, **optional):
+    config = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages, **optional}
     key = "in_dim" if kernel == "sgmv_shrink" else "out_dim"
-    return {"kernel": kernel, key: dim, "num_stack": 3, "max_rank": 128, "tokens": tokens, "config": config}
+    return {"kernel": kernel, key: dim, "num_stack": num_stack, "max_rank": 128, "tokens": tokens, "config": config}
 
 
 @pytest.fixture
@@ -102,6 +102,9 @@ BAD = [
     ({"entries": [sgmv_entry("sgmv_shrink", 64, 8, 64, 16, 64, num_stages=5)]}, "'num_stages' must be one of"),
     ({"entries": [sgmv_entry("sgmv_expand", 64, 8, 128, 256, 128, num_stages=3)]}, "bytes of shared memory, over"),
     ({"entries": [shrink_entry(8, 3, num_warps=3)]}, "'num_warps' must be one of"),
+    ({"entries": [sgmv_entry("sgmv_shrink", 64, 8, 64, 16, 64, split_k=3)]}, "'split_k' must be one of (1, 2, 4, 8, 16)"),
+    ({"entries": [sgmv_entry("sgmv_shrink", 64, 8, 64, 16, 64, split_k=0)]}, "'split_k' must be one of"),
+    ({"entries": [sgmv_entry("sgmv_expand", 64, 8, 64, 16, 16, split_k=2)]}, "'split_k' must be one of (1,)"),
     ({"entries": [expand_entry(8, 100)]}, "'block_n' must be one of"),
     ({"entries": [{**expand_entry(8, 64), "kernel": "sgmv_expand"}]}, "'block_m'"),
     ({"entries": [expand_entry(-1, 64)]}, "'tokens' must be a positive integer"),
@@ -249,6 +252,41 @@ def test_prefill_kernels_launch_with_the_tuned_tile_and_match_fp64(tuned_dir, mo
     assert tile == {"BLOCK_M": launched_m, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 2}
     tile = {k: expand[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
     assert tile == {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 8, "num_stages": 3}
+
+
+def test_a_prefill_shrink_tile_may_split_in_dim_and_leaves_out_split_k_as_one():
+    tiles = tuned.parse({"entries": [
+        sgmv_entry("sgmv_shrink", 64, 8, 64, 16, 64, split_k=4),
+        sgmv_entry("sgmv_shrink", 64, 256, 64, 16, 64),
+        sgmv_entry("sgmv_expand", 64, 8, 64, 16, 16, split_k=1),
+    ]}, "t")  # fmt: skip
+    assert tiles.lookup("sgmv_shrink", 64, 3, 128, 8) == tuned.SgmvTile(64, 16, 64, 4, 2, split_k=4)
+    assert tiles.lookup("sgmv_shrink", 64, 3, 128, 300).split_k == 1
+    assert tiles.lookup("sgmv_expand", 64, 3, 128, 8).split_k == 1
+
+
+def test_a_tuned_split_shrink_launches_split_with_its_sum_and_matches_fp64(tuned_dir, monkeypatch):
+    """A prefill shrink whose tuned tile splits in_dim launches its programs over a third grid axis of
+    split_k and the sum kernel after it; an in_dim of one K tile is not split (nothing to split)."""
+    from lorakernels import sgmv
+    from tests.lorakernels.test_sgmv import run_case
+
+    write_tiles(tuned_dir, [sgmv_entry("sgmv_shrink", 176, 32, 32, 16, 32, num_stack=1, split_k=4)])  # 176: 6 K tiles
+    tuned.use_dir(tuned_dir)
+    launches, sums = Spy(sgmv._sgmv_kernel), Spy(sgmv._split_sum_kernel)
+    monkeypatch.setattr(sgmv, "_sgmv_kernel", launches)
+    monkeypatch.setattr(sgmv, "_split_sum_kernel", sums)
+    delta = run_case("triton", torch.bfloat16, "single", "zipf", num_reqs=6, num_tokens=40)
+    assert delta.abs().max() > 0.1
+    [(grid, shrink), (_, expand)] = launches.launches
+    assert shrink["IS_SHRINK"] and shrink["SPLIT_K"] == 4 and grid[2] == 4 and expand["SPLIT_K"] == 1
+    [(sum_grid, summed)] = sums.launches
+    assert summed["SPLIT_K"] == 4 and sum_grid == grid[:2]
+    write_tiles(tuned_dir, [sgmv_entry("sgmv_shrink", 176, 32, 32, 16, 256, num_stack=1, split_k=4)])  # one K tile
+    tuned.use_dir(tuned_dir)
+    launches.launches.clear()
+    run_case("triton", torch.bfloat16, "single", "zipf", num_reqs=6, num_tokens=40)
+    assert launches.launches[0][1]["SPLIT_K"] == 1 and len(sums.launches) == 1
 
 
 @pytest.mark.parametrize("kernel", sorted(tuned.KINDS))
