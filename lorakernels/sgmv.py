@@ -15,8 +15,9 @@ over one tile of BLOCK_M rows of one segment and BLOCK_N columns of one stacked 
     shrink  x    A  in_dim       r            0               k*R                     1 (store)
     expand  v    B  r            n_k          k*R             o_k                     scalings[w] (add)
 
-Grid: (row_blocks * n_tiles, num_stack). Each segment's rows split into blocks of BLOCK_M; a program
-finds its (segment, block) on the device from seg_indptr (a running count of blocks per segment), so
+Grid: row_blocks * num_stack * n_tiles programs, those of a row block neighbours in launch order
+(`_tile_ids`: its stacked targets' shrinks then read its x from L2). Each segment's rows split into
+blocks of BLOCK_M; a program finds its (segment, block) on the device from seg_indptr (a running count of blocks per segment), so
 the grid needs only host ints: row_blocks = min(cdiv(max_seg_len, BLOCK_M) * num_segments,
 T // BLOCK_M + num_segments) bounds the blocks of any segmentation of T rows, and launching never syncs.
 A captured CUDA graph therefore replays any segmentation of its T rows (a mixed prefill + decode step
@@ -78,6 +79,16 @@ def row_block(seg_indptr_ptr, num_segments, block, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _tile_ids(n_tiles, num_stack):
+    """(row block, stacked target, column tile) of this program: a row block's programs for every target
+    and column tile are neighbours in launch order, so a shrink's stacked targets read the block's x
+    while it is in L2 (an 8k-token step's x, 64 MB at Llama-3-8B, outgrows an H100/H200's L2 if each
+    target walks all rows in turn)."""
+    pid = tl.program_id(0)
+    return pid // (n_tiles * num_stack), (pid // n_tiles) % num_stack, pid % n_tiles
+
+
+@triton.jit
 def _sgmv_kernel(
     inp_ptr,  # [T, *]
     w_ptr,  # [num_slots, rows, K]
@@ -90,6 +101,7 @@ def _sgmv_kernel(
     K,  # shrink: in_dim; expand: unused (K = rank)
     max_rank,  # R
     n_tiles,  # column tiles per target (max over targets)
+    num_stack,
     off_0, off_1, off_2,  # W row / out column offset of target k
     size_0, size_1, size_2,  # column count of target k (shrink: R, clipped to rank)
     stride_im, stride_ik,
@@ -105,10 +117,8 @@ def _sgmv_kernel(
     UPCAST_DOT: tl.constexpr,
     SPLIT_K: tl.constexpr,  # shrink: programs that split K; each stores its fp32 partial
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)  # stacked target
-    pid_n = pid % n_tiles
-    seg, m_start, seg_end = row_block(seg_indptr_ptr, num_segments, pid // n_tiles, BLOCK_M, BLOCK_S)
+    block, pid_k, pid_n = _tile_ids(n_tiles, num_stack)
+    seg, m_start, seg_end = row_block(seg_indptr_ptr, num_segments, block, BLOCK_M, BLOCK_S)
     if seg >= num_segments:
         return
     slot = tl.load(weight_indices_ptr + seg)
@@ -176,7 +186,7 @@ def _split_sum_kernel(
     partial_ptr,  # [SPLIT_K, T, num_stack * R] fp32
     out_ptr,  # [T, num_stack * R]
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr,
-    num_segments, max_rank, n_tiles,
+    num_segments, max_rank, n_tiles, num_stack,
     size_0, size_1, size_2,
     stride_ps, stride_pm, stride_pn,
     stride_om, stride_on,
@@ -185,12 +195,10 @@ def _split_sum_kernel(
     BLOCK_S: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    """v of a split shrink: program (tile, k) of the shrink's grid sums its tile's SPLIT_K partials in
+    """v of a split shrink: each program of the shrink's grid (less its split axis) sums its tile's SPLIT_K partials in
     split order and stores them rounded, under the shrink's masks (v's other entries stay as they were)."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_n = pid % n_tiles
-    seg, m_start, seg_end = row_block(seg_indptr_ptr, num_segments, pid // n_tiles, BLOCK_M, BLOCK_S)
+    block, pid_k, pid_n = _tile_ids(n_tiles, num_stack)
+    seg, m_start, seg_end = row_block(seg_indptr_ptr, num_segments, block, BLOCK_M, BLOCK_S)
     if seg >= num_segments:
         return
     rank = tl.load(lora_ranks_ptr + tl.load(weight_indices_ptr + seg))
@@ -263,10 +271,11 @@ def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config, split_
     target = out
     if split_k > 1:
         target = torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
-    _sgmv_kernel[(blocks * n_tiles, len(slices), split_k)](
+    grid = (blocks * n_tiles * len(slices), 1, split_k)
+    _sgmv_kernel[grid](
         inp, w, target,
         meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-        meta.num_segments, K, max_rank, n_tiles, *offsets, *sizes,
+        meta.num_segments, K, max_rank, n_tiles, len(slices), *offsets, *sizes,
         inp.stride(0), inp.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         target.stride(-2), target.stride(-1), target.stride(0) if split_k > 1 else 0,
@@ -280,9 +289,9 @@ def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config, split_
         **config,
     )  # fmt: skip
     if split_k > 1:
-        _split_sum_kernel[(blocks * n_tiles, len(slices))](
+        _split_sum_kernel[grid[:2]](
             target, out, meta.seg_indptr, meta.weight_indices, meta.lora_ranks,
-            meta.num_segments, max_rank, n_tiles, *sizes,
+            meta.num_segments, max_rank, n_tiles, len(slices), *sizes,
             target.stride(0), target.stride(1), target.stride(2),
             out.stride(0), out.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_S=SEGMENT_CHUNK, SPLIT_K=split_k,

@@ -22,7 +22,10 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from lorakernels.sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from lorakernels.sgmv import _tile_ids, sgmv_expand, sgmv_shrink  # noqa: E402
 from lorakernels.sgmv_chunked import sgmv_expand_chunked, sgmv_shrink_chunked  # noqa: E402
 from lorakernels.sgmv_decode import sgmv_shrink_decode  # noqa: E402
 from lorakernels.sgmv_ref import SgmvMeta, chunk_segments, sgmv_expand_ref, sgmv_shrink_ref  # noqa: E402
@@ -336,3 +339,24 @@ def test_wrappers_check_shapes_and_dtypes():
     B = torch.randn(2, 24, MAX_RANK).to(DEVICE)
     with pytest.raises(ValueError, match="outside"):
         sgmv_expand(v, B, meta, torch.zeros(2, 24, device=DEVICE), output_slices=((0, 8), (8, 8), (16, 9)))
+
+
+
+@triton.jit
+def _launch_order_kernel(out_ptr, n_tiles, num_stack):
+    """Each program writes its (row block, stacked target, column tile) at its program id."""
+    block, k, n = _tile_ids(n_tiles, num_stack)
+    pid = tl.program_id(0)
+    tl.store(out_ptr + 3 * pid, block)
+    tl.store(out_ptr + 3 * pid + 1, k)
+    tl.store(out_ptr + 3 * pid + 2, n)
+
+
+def test_a_row_block_s_programs_are_neighbours_in_launch_order():
+    """Program ids walk column tiles, then stacked targets, then row blocks: a row block's shrinks of
+    every stacked target run together and read its x once from memory (then from L2)."""
+    n_tiles, num_stack, blocks = 2, 3, 4
+    out = torch.full((blocks * num_stack * n_tiles, 3), -1, dtype=torch.int32, device=DEVICE)
+    _launch_order_kernel[(out.shape[0],)](out, n_tiles, num_stack)
+    expected = [(b, k, n) for b in range(blocks) for k in range(num_stack) for n in range(n_tiles)]
+    assert [tuple(row) for row in out.cpu().tolist()] == expected
