@@ -9,8 +9,8 @@ Reports, per batch size and number of distinct rank-16 adapters, the median time
 (every request computes one token and samples), next to the weight-read floors: the whole model's
 parameter bytes / copy bandwidth, and one rank's (what each GPU reads per step), and the step's read floor:
 the bytes a decode step cannot avoid reading (every weight but an untied embedding table, of which it
-gathers its rows only, and the KV cache its requests attend over, at the measured steps' mean context),
-/ copy bandwidth; and prefill tokens/s.
+gathers its rows only, the KV cache its requests attend over, at the measured steps' mean context, and
+each of its adapters once), / copy bandwidth; and prefill tokens/s.
 With --mixed-chunk C, also the median mixed step: batch - 1 requests decoding beside C tokens of another
 request's prompt (chunked prefill), replayed from a step graph or (--graph-max-tokens 0) run eagerly.
 One engine (its slot pool sized for the most adapters, one decode graph per batch size) serves every row.
@@ -193,7 +193,7 @@ def measure(
         "prefill_tok_s": num_prefill / prefill_s,
         "param_gb": param_bytes / 1e9,  # the whole model
         "rank_param_gb": rank_bytes / 1e9,  # what one GPU holds and reads per step
-        "step_read_gb": step_read_bytes(model, param_bytes, batch, prompt_len, len(times)) / 1e9,
+        "step_read_gb": (step_read_bytes(model, param_bytes, batch, prompt_len, len(times)) + adapter_read_bytes(loop, num_adapters)) / 1e9,
         **(gpu.summary() if gpu is not None else {}),
     }
 
@@ -210,6 +210,21 @@ def step_read_bytes(model, param_bytes: int, batch: int, prompt_len: int, num_st
     measured = range(3, num_steps) if num_steps > 3 else range(num_steps)
     context = statistics.mean(prompt_len + 1 + i for i in measured) if measured else prompt_len
     return param_bytes - unread + batch * context * kv_per_token
+
+
+def adapter_read_bytes(loop: EngineLoop, num_adapters: int) -> int:
+    """The bytes of num_adapters adapters' A and B at the slots' rank on the pool's fused targets of the
+    whole model (each adapter a step serves is read once: the LoRA kernels read a segment's adapter once
+    and follow its rank)."""
+    runner = loop.workers.local.runner
+    pool = runner.lora_pool
+    if pool is None or not num_adapters:
+        return 0
+    served = {t.name for t in pool.targets.values()}
+    targets = [t for t in fused_targets(runner.model.full_config) if t.name in served]
+    elements = sum(t.num_stack * pool.max_rank * t.in_dim + t.out_dim * pool.max_rank for t in targets)
+    element_bytes = next(iter(pool.a.values())).element_size()
+    return num_adapters * runner.model.full_config.num_layers * elements * element_bytes
 
 
 def _p10_p90(values: list[float]) -> tuple[float, float]:

@@ -100,7 +100,7 @@ class EngineConfig:
     # SiLU-mul, lorakernels/silu_mul.py) instead of beside the base GEMM on the side stream: that kernel
     # reads the slots' B as it loads the projection. None by default until measured (BENCHMARKS.md)
     lora_decode_fused_expand: tuple[str, ...] = ()
-    # On CUDA with the splitk LoRA backend, the fused targets (LORA_FUSED_TARGETS) whose LoRA delta a decode
+    # On CUDA with the splitk LoRA backend and a max LoRA rank up to 64, the fused targets (LORA_FUSED_TARGETS) whose LoRA delta a decode
     # step computes beside the base GEMM in one pass from x (lorakernels/sgmv_decode.py
     # `sgmv_lora_delta_decode`: the expand sums the split shrink's partials itself, so no reduce kernel
     # and no v on the side stream) rather than shrink, reduce and expand. A target here may not also be in

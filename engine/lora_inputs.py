@@ -227,10 +227,15 @@ def _fused_delta(x, a, b, meta: SgmvMeta, num_stack: int, output_slices: tuple[t
     return sgmv_lora_delta_auto(x, a, b, meta, num_stack=num_stack, output_slices=output_slices)
 
 
-def fused_delta_targets(targets: Collection[str], device: torch.device, lora_backend: str) -> frozenset[str]:
+def fused_delta_targets(targets: Collection[str], device: torch.device, lora_backend: str, max_rank: int) -> frozenset[str]:
     """LoraInputs.decode_fused_delta of an engine: the targets asked for where decode steps run the splitk
-    kernels on CUDA (the fused delta is theirs); none elsewhere."""
-    return frozenset(targets) if device.type == "cuda" and lora_backend == "splitk" else frozenset()
+    kernels on CUDA (the fused delta is theirs) with a rank capacity its expand holds in registers (it
+    loads SPLIT_CHUNK splits x 16 rows x the capacity of fp32 partials at once: FUSED_MAX_RANK, as the
+    fused expands); none elsewhere."""
+    from lorakernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
+
+    fits = device.type == "cuda" and lora_backend == "splitk" and max_rank <= FUSED_MAX_RANK
+    return frozenset(targets) if fits else frozenset()
 
 
 def _fuses_expand(meta: SgmvMeta, num_tokens: int, max_rank: int) -> bool:

@@ -77,7 +77,7 @@ class ModelRunner:
             decode_fused_targets(lora_decode_fused_expand, self.device, lora_backend, lora_pool.max_rank) if lora_pool is not None else frozenset()
         )  # fmt: skip
         # ... and compute these targets' delta beside the GEMM in one fused pass from x
-        self._decode_fused_delta = fused_delta_targets(lora_decode_fused_delta, self.device, lora_backend) if lora_pool is not None else frozenset()
+        self._decode_fused_delta = fused_delta_targets(lora_decode_fused_delta, self.device, lora_backend, lora_pool.max_rank) if lora_pool is not None else frozenset()
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran

@@ -211,8 +211,9 @@ def _split_sum_kernel(
     cols = pid_k * max_rank + offs_n
     ptrs = partial_ptr + offs_m[:, None] * stride_pm + cols[None, :] * stride_pn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
+    for _ in range(SPLIT_K):  # the pointer walks the splits (an int32 s * stride_ps could overflow)
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += stride_ps
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 

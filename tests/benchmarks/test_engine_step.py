@@ -149,9 +149,15 @@ def test_step_read_bytes_leave_out_an_untied_embedding_and_add_the_kv_over_the_m
     assert engine_step.step_read_bytes(tied, 1000, 1, 8, 2) == 1000 + 9.5 * kv_per_token  # too few steps: all of them
 
 
-def test_rows_report_the_step_read_floor():
-    done = run_engine_step("--num-decode", "6", "--adapters", "0")
+def test_rows_report_the_step_read_floor_with_each_adapter_read_once():
+    done = run_engine_step("--num-decode", "6", "--adapters", "0", "1", "2", "--lora-backend", "ref")
     assert done.returncode == 0, done.stdout + done.stderr
-    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert row["read_floor_ms"] == pytest.approx(row["step_read_gb"] / 4200.0 * 1e3)
-    assert 0 < row["step_read_gb"] != row["param_gb"]
+    base, one, two = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    for row in (base, one, two):
+        assert row["read_floor_ms"] == pytest.approx(row["step_read_gb"] / 4200.0 * 1e3)
+    assert 0 < base["step_read_gb"] != base["param_gb"]
+    # the tiny shape (hidden 64, MLP 176, 2 layers, 4 heads and 2 KV heads of 16) at rank 16, float32:
+    # q/k/v 3 x 16 x 64 + 128 x 16, o 16 x 64 + 64 x 16, gate/up 2 x 16 x 64 + 352 x 16, down 16 x 176 + 64 x 16
+    adapter = 2 * (3 * 16 * 64 + 128 * 16 + 16 * 64 + 64 * 16 + 2 * 16 * 64 + 352 * 16 + 16 * 176 + 64 * 16) * 4
+    assert (one["step_read_gb"] - base["step_read_gb"]) * 1e9 == pytest.approx(adapter)
+    assert (two["step_read_gb"] - base["step_read_gb"]) * 1e9 == pytest.approx(2 * adapter)

@@ -269,15 +269,17 @@ def test_decode_fused_expand_is_the_asked_targets_where_the_kernels_can_take_it(
 
 
 def test_decode_fused_delta_is_the_asked_targets_where_the_splitk_kernels_run():
-    """--lora-decode-fused-delta takes effect on CUDA with the splitk ops (whose kernel it is); anywhere
-    else it is a no-op, never an error."""
+    """--lora-decode-fused-delta takes effect on CUDA with the splitk ops (whose kernel it is), for slots
+    of a rank capacity its expand holds; anywhere else it is a no-op, never an error."""
     from engine.lora_inputs import fused_delta_targets
+    from lorakernels.silu_mul import FUSED_MAX_RANK
 
     cuda, cpu, all_four = torch.device("cuda", 0), torch.device("cpu"), ("qkv", "o", "gate_up", "down")
-    assert fused_delta_targets(all_four, cuda, "splitk") == set(all_four)
-    assert fused_delta_targets(("down",), cuda, "splitk") == {"down"}
-    assert not fused_delta_targets((), cuda, "splitk") and not fused_delta_targets(all_four, cpu, "splitk")
-    assert not any(fused_delta_targets(all_four, cuda, backend) for backend in ("triton", "chunked", "ref"))
+    assert fused_delta_targets(all_four, cuda, "splitk", 16) == fused_delta_targets(all_four, cuda, "splitk", FUSED_MAX_RANK) == set(all_four)
+    assert fused_delta_targets(("down",), cuda, "splitk", 16) == {"down"}
+    assert not fused_delta_targets((), cuda, "splitk", 16) and not fused_delta_targets(all_four, cpu, "splitk", 16)
+    assert not any(fused_delta_targets(all_four, cuda, backend, 16) for backend in ("triton", "chunked", "ref"))
+    assert not fused_delta_targets(all_four, cuda, "splitk", 2 * FUSED_MAX_RANK)  # past what its expand holds
 
 
 def test_lora_decode_fused_options_reach_the_decode_steps_lora_inputs(tiny_llama_dir, adapter_dirs, tmp_path, monkeypatch):
@@ -294,8 +296,8 @@ def test_lora_decode_fused_options_reach_the_decode_steps_lora_inputs(tiny_llama
         asked.append((tuple(wanted), device.type, backend, max_rank))
         return frozenset(wanted)
 
-    def delta_targets(wanted, device, backend):
-        asked_delta.append((tuple(wanted), device.type, backend))
+    def delta_targets(wanted, device, backend, max_rank):
+        asked_delta.append((tuple(wanted), device.type, backend, max_rank))
         return frozenset(wanted)
 
     monkeypatch.setattr(engine.model_runner, "decode_fused_targets", targets)
@@ -307,7 +309,7 @@ def test_lora_decode_fused_options_reach_the_decode_steps_lora_inputs(tiny_llama
             max_lora_rank=32, lora_decode_fused_expand=wanted, lora_decode_fused_delta=wanted_delta,
         )  # fmt: skip
         runner = EngineCore.build(config).workers.local.runner
-        assert asked[-1] == (wanted, "cpu", "splitk", 32) and asked_delta[-1] == (wanted_delta, "cpu", "splitk")
+        assert asked[-1] == (wanted, "cpu", "splitk", 32) and asked_delta[-1] == (wanted_delta, "cpu", "splitk", 32)
         made, real = [], engine.cuda_graphs.LoraInputs
 
         def lora_inputs(*args, made=made, real=real, **kwargs):
