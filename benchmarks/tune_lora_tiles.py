@@ -101,7 +101,7 @@ def sgmv_tiles(is_shrink: bool, max_rank: int, quick: bool) -> list[SgmvTile]:
     builtin = builtin_tile(is_shrink, max_rank)
     if quick:
         grid = [(m, 16, 64, 4, 3) if is_shrink else (m, 64, 16, 4, 2) for m in (32, 64)]
-        grid += [(64, 16, 64, 4, 3, 4)] if is_shrink else []
+        grid += [(64, 16, 128, 4, 3, split) for split in (2, 4, 8)] if is_shrink else []
     elif is_shrink:
         grid = [(m, n, k, w, s) for m in (32, 64, 128) for n in (16, 64) for k in (64, 128) for w in (4, 8) for s in (3, 4)]
         grid += [(m, 16, 128, 4, 3, split) for m in (32, 64) for split in (2, 4, 8)]
