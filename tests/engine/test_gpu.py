@@ -171,13 +171,8 @@ def test_cuda_decode_fused_expand_matches_cpu(tiny_llama_dir, make_adapter, tmp_
 
         monkeypatch.setattr(lorakernels.silu_mul, "silu_mul_expand", silu)
         monkeypatch.setattr(lorakernels.rope_kv, "rope_kv_write", rope)
-        config = EngineConfig(
-            model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
-            work_dir=str(tmp_path / f"{device}-{len(fused)}"), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",
-            cuda_graph_max_batch=16 if graphs else 0, cuda_graph_max_tokens=1024 if graphs else 0, lora_decode_fused_expand=fused,
-        )  # fmt: skip
-        core = EngineCore.build(config)
-        return generate_all(core, 8, [None, *(core.resolve_adapter(name) for name, _ in adapters)])
+        work_dir = tmp_path / f"{device}-{len(fused)}"
+        return greedy_three_adapters(tiny_llama_dir, adapters, device, work_dir, graphs, lora_decode_fused_expand=fused)
 
     expected = run("cpu", (), {})
     plain, fused = {}, {}
@@ -204,13 +199,8 @@ def test_cuda_decode_fused_delta_matches_cpu(tiny_llama_dir, make_adapter, tmp_p
             return real(x, A, B, *args, **kwargs)
 
         monkeypatch.setattr(lorakernels.sgmv_decode, "sgmv_lora_delta_decode", counted)
-        config = EngineConfig(
-            model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
-            work_dir=str(tmp_path / f"{device}-{len(fused)}"), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",
-            cuda_graph_max_batch=16 if graphs else 0, cuda_graph_max_tokens=1024 if graphs else 0, lora_decode_fused_delta=fused,
-        )  # fmt: skip
-        core = EngineCore.build(config)
-        return generate_all(core, 8, [None, *(core.resolve_adapter(name) for name, _ in adapters)])
+        work_dir = tmp_path / f"{device}-{len(fused)}"
+        return greedy_three_adapters(tiny_llama_dir, adapters, device, work_dir, graphs, lora_decode_fused_delta=fused)
 
     expected = run("cpu", (), [])
     plain, fused = [], []
@@ -220,6 +210,19 @@ def test_cuda_decode_fused_delta_matches_cpu(tiny_llama_dir, make_adapter, tmp_p
     c = ModelConfig.from_hf(json.loads((tiny_llama_dir / "config.json").read_text()))
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     assert set(fused) == {qkv, c.hidden_size, 2 * c.intermediate_size}  # o and down: hidden_size wide
+
+
+def greedy_three_adapters(model_dir, adapters, device: str, work_dir, graphs: bool, **options) -> list[list[int]]:
+    """Greedy tokens of 8 prompts over the base model and `adapters` (three_adapters) in fp32: the CPU
+    reference engine, or CUDA with the splitk ops, decode graphs and step graphs (graphs) or neither, and
+    `options` (EngineConfig fields)."""
+    config = EngineConfig(
+        model_dir=str(model_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters, work_dir=str(work_dir),
+        max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref", cuda_graph_max_batch=16 if graphs else 0,
+        cuda_graph_max_tokens=1024 if graphs else 0, **options,
+    )  # fmt: skip
+    core = EngineCore.build(config)
+    return generate_all(core, 8, [None, *(core.resolve_adapter(name) for name, _ in adapters)])
 
 
 def three_adapters(make_adapter, prefix: str, seed: int) -> tuple[tuple[str, str], ...]:
