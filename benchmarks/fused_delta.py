@@ -7,7 +7,10 @@ each over its own copy of the weights, as `tune_lora_tiles.py` times them (its `
     python benchmarks/fused_delta.py --shape llama3-8b --tokens 32 64 --adapters 1 8 32
 
 One JSON row per (target, tokens, adapters): gemm_us, unfused_us, fused_us and fused_vs_unfused; the
-fused delta is checked against the unfused one first. On the CPU (the interpreter) it runs one call
+LoRA kernels alone with every SM (unfused_lora_us, fused_lora_us) and the share of --copy-gbps they move
+of the delta's bytes (x read, the used adapters' A and B at their rank read, the delta written): the
+issue's SGMV target is half the copy rate at 32+ adapters and 128 tokens. The fused delta is checked
+against the unfused one first. On the CPU (the interpreter) it runs one call
 each, for a smoke test only.
 """
 
@@ -38,6 +41,14 @@ def fused_lora(proj: Projection, meta: SgmvMeta, i: int = 0) -> torch.Tensor:
     return sgmv_lora_delta_decode(proj.x, a, b, meta, num_stack=t.num_stack, output_slices=t.output_slices)
 
 
+def delta_bytes(proj: Projection, num_adapters: int, rank: int) -> int:
+    """What a decode delta must move: x read, each used adapter's A and B at its rank read once, the delta
+    written."""
+    t, elem = proj.target, proj.x.element_size()
+    weights = num_adapters * rank * (t.num_stack * t.in_dim + t.out_dim)
+    return elem * (proj.num_tokens * t.in_dim + weights + proj.num_tokens * t.out_dim)
+
+
 def fused_step(proj: Projection, meta: SgmvMeta, i: int) -> None:
     """`Projection.decode_step` with the fused delta on the side stream."""
     proj.beside_gemm(lambda: fused_lora(proj, meta, i), i)
@@ -55,6 +66,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT)
     parser.add_argument("--reps", type=int, default=15, help="graph replays a timing")
+    parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth, GB/s (an H200's)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     if device.type == "cuda":
@@ -79,10 +91,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the fused delta differs from the unfused one")
                 unfused_us = median_us(lambda i, m=meta, p=proj: p.decode_step(m, None, None, i), device, reps)
                 fused_us = median_us(lambda i, m=meta, p=proj: fused_step(p, m, i), device, reps)
+                unfused_lora_us = median_us(lambda i, m=meta, p=proj: p.decode_lora(m, None, None, i), device, reps)
+                fused_lora_us = median_us(lambda i, m=meta, p=proj: fused_lora(p, m, i), device, reps)
+                nbytes = delta_bytes(proj, n, args.rank)
                 row = {
                     "target": target.name, "tokens": num_tokens, "adapters": n, "gemm_us": round(gemm_us, 2),
                     "unfused_us": round(unfused_us, 2), "fused_us": round(fused_us, 2),
-                    "fused_vs_unfused": round(fused_us / unfused_us, 4), "carveout": carveout, "device": str(device),
+                    "fused_vs_unfused": round(fused_us / unfused_us, 4),
+                    "unfused_lora_us": round(unfused_lora_us, 2), "fused_lora_us": round(fused_lora_us, 2), "lora_bytes": nbytes,
+                    "unfused_bw_frac": float(f"{nbytes / unfused_lora_us * 1e-3 / args.copy_gbps:.3g}"),
+                    "fused_bw_frac": float(f"{nbytes / fused_lora_us * 1e-3 / args.copy_gbps:.3g}"),
+                    "carveout": carveout, "device": str(device),
                 }  # fmt: skip
                 print(json.dumps(row), flush=True)
                 rows.append(row)
