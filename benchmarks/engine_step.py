@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks.* beside engine.*
 
+from benchmarks.copy_rate import resolve_copy_gbps
 from benchmarks.gpu_state import GpuState
 from engine.adapter_cache import HostAdapterCache
 from engine.adapter_slots import AdapterSlots
@@ -302,11 +303,16 @@ def main() -> None:
         "--repeats", type=int, default=1,
         help="measure each batch's adapter counts N times in turn (rows carry 'repeat'): each ratio to base compares neighbours in time",
     )  # fmt: skip
-    parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth for the floor")
+    parser.add_argument(
+        "--copy-gbps", type=float, default=0.0, help="device copy bandwidth for the floors, GB/s (0: measured on the device first)"
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.copy_gbps < 0:
+        parser.error("--copy-gbps must be >= 0 (0: measure)")
     device = torch.device(args.device)
+    args.copy_gbps = resolve_copy_gbps(args.copy_gbps, device)
     graphs = device.type == "cuda" and not args.no_cuda_graphs
     tp = args.tensor_parallel_size
     max_context = args.prompt_len + args.num_decode + 8
@@ -338,6 +344,7 @@ def main() -> None:
                 row["floor_ms"] = row["param_gb"] / args.copy_gbps * 1e3
                 row["rank_floor_ms"] = row["rank_param_gb"] / args.copy_gbps * 1e3
                 row["read_floor_ms"] = row["step_read_gb"] / args.copy_gbps * 1e3
+                row["copy_gbps"] = round(args.copy_gbps, 1)
                 base_ms = row["decode_step_ms"] if num_adapters == 0 else base_ms
                 if base_ms is not None:
                     row["throughput_vs_base"] = base_ms / row["decode_step_ms"]

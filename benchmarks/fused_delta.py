@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.copy_rate import resolve_copy_gbps
 from benchmarks.tune_lora_tiles import Projection, decode_grouping, median_us, resolve_device
 from engine.config import DEFAULT_LORA_SM_CARVEOUT
 from engine.lora_inputs import usable_sm_carveout
@@ -66,9 +67,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT)
     parser.add_argument("--reps", type=int, default=15, help="graph replays a timing")
-    parser.add_argument("--copy-gbps", type=float, default=4200.0, help="device copy bandwidth, GB/s (an H200's)")
+    parser.add_argument("--copy-gbps", type=float, default=0.0, help="device copy bandwidth, GB/s (0: measured on the device first)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
+    copy_gbps = resolve_copy_gbps(args.copy_gbps, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.preferred_blas_library("cublaslt")  # as the engine's workers
@@ -99,8 +101,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "unfused_us": round(unfused_us, 2), "fused_us": round(fused_us, 2),
                     "fused_vs_unfused": round(fused_us / unfused_us, 4),
                     "unfused_lora_us": round(unfused_lora_us, 2), "fused_lora_us": round(fused_lora_us, 2), "lora_bytes": nbytes,
-                    "unfused_bw_frac": float(f"{nbytes / unfused_lora_us * 1e-3 / args.copy_gbps:.3g}"),
-                    "fused_bw_frac": float(f"{nbytes / fused_lora_us * 1e-3 / args.copy_gbps:.3g}"),
+                    "unfused_bw_frac": float(f"{nbytes / unfused_lora_us * 1e-3 / copy_gbps:.3g}"),
+                    "fused_bw_frac": float(f"{nbytes / fused_lora_us * 1e-3 / copy_gbps:.3g}"), "copy_gbps": round(copy_gbps, 1),
                     "carveout": carveout, "device": str(device),
                 }  # fmt: skip
                 print(json.dumps(row), flush=True)

@@ -25,7 +25,8 @@ def test_rows_for_every_target_token_count_and_grouping():
     for row in rows:
         assert row["unfused_us"] > 0 and row["fused_us"] > 0 and row["gemm_us"] > 0
         assert row["unfused_lora_us"] > 0 and row["fused_lora_us"] > 0
-        assert row["fused_bw_frac"] == pytest.approx(row["lora_bytes"] / row["fused_lora_us"] * 1e-3 / 4200.0, rel=1e-2)
+        assert row["copy_gbps"] > 0  # measured on the CPU: no --copy-gbps given
+        assert row["fused_bw_frac"] == pytest.approx(row["lora_bytes"] / row["fused_lora_us"] * 1e-3 / row["copy_gbps"], rel=2e-2)
     # o of the tiny shape (64 -> 64), 4 tokens, 3 adapters at rank 16, float32
     (o3,) = [r for r in rows if r["target"] == "o" and r["adapters"] == 3]
     assert o3["lora_bytes"] == 4 * (4 * 64 + 3 * 16 * (64 + 64) + 4 * 64)
