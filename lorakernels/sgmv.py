@@ -17,8 +17,8 @@ over one tile of BLOCK_M rows of one segment and BLOCK_N columns of one stacked 
 
 Grid: row_blocks * num_stack * n_tiles programs, those of a row block neighbours in launch order
 (`_tile_ids`: its stacked targets' shrinks then read its x from L2). Each segment's rows split into
-blocks of BLOCK_M; a program finds its (segment, block) on the device from seg_indptr (a running count of blocks per segment), so
-the grid needs only host ints: row_blocks = min(cdiv(max_seg_len, BLOCK_M) * num_segments,
+blocks of BLOCK_M; a program finds its (segment, block) on the device from seg_indptr (a running count
+of blocks per segment), so the grid needs only host ints: row_blocks = min(cdiv(max_seg_len, BLOCK_M) * num_segments,
 T // BLOCK_M + num_segments) bounds the blocks of any segmentation of T rows, and launching never syncs.
 A captured CUDA graph therefore replays any segmentation of its T rows (a mixed prefill + decode step
 with one long segment and many short ones launches about T / BLOCK_M + num_segments row programs, not
@@ -195,8 +195,9 @@ def _split_sum_kernel(
     BLOCK_S: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    """v of a split shrink: each program of the shrink's grid (less its split axis) sums its tile's SPLIT_K partials in
-    split order and stores them rounded, under the shrink's masks (v's other entries stay as they were)."""
+    """v of a split shrink: each program of the shrink's grid (less its split axis) sums its tile's
+    SPLIT_K partials in split order and stores them rounded, under the shrink's masks (v's other
+    entries stay as they were)."""
     block, pid_k, pid_n = _tile_ids(n_tiles, num_stack)
     seg, m_start, seg_end = row_block(seg_indptr_ptr, num_segments, block, BLOCK_M, BLOCK_S)
     if seg >= num_segments:
