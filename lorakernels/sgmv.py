@@ -18,8 +18,9 @@ over one tile of BLOCK_M rows of one segment and BLOCK_N columns of one stacked 
 Grid: row_blocks * num_stack * n_tiles programs, those of a row block neighbours in launch order
 (`_tile_ids`: its stacked targets' shrinks then read its x from L2). Each segment's rows split into
 blocks of BLOCK_M; a program finds its (segment, block) on the device from seg_indptr (a running count
-of blocks per segment), so the grid needs only host ints: row_blocks = min(cdiv(max_seg_len, BLOCK_M) * num_segments,
-T // BLOCK_M + num_segments) bounds the blocks of any segmentation of T rows, and launching never syncs.
+of blocks per segment), so the grid needs only host ints: row_blocks = min(cdiv(max_seg_len, BLOCK_M) *
+num_segments, T // BLOCK_M + num_segments) bounds the blocks of any segmentation of T rows, and
+launching never syncs.
 A captured CUDA graph therefore replays any segmentation of its T rows (a mixed prefill + decode step
 with one long segment and many short ones launches about T / BLOCK_M + num_segments row programs, not
 their product). Programs past the last block, past N, or of a rank-0 slot return at once.
