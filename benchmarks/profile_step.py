@@ -1,6 +1,7 @@
 """Profile decode steps of the engine (torch.profiler): where the host and the device spend a step.
 
     python benchmarks/profile_step.py --shape llama3-8b --batch 64 --adapters 32
+    python benchmarks/profile_step.py --shape llama3-8b --batch 1 --adapters 8 --prefill-len 2048
 
 First a host timeline of decode steps (median ms a step on rank 0): the front's schedule and plan, the
 worker's preparation up to the graph launch, the launch call itself (`CUDAGraph.replay`), the wait for
@@ -33,9 +34,13 @@ def main() -> None:
     parser.add_argument("--gaps", action="store_true", help="then profile overlapped steps and list the device's idle gaps")
     parser.add_argument("--gaps-json", default="", help="with --gaps: write those steps' kernels and host calls to this file")
     parser.add_argument("--kernels-json", default="", help="then write every kernel of two steps (name, stream, start, duration in us) to this file")
+    parser.add_argument("--prefill-len", type=int, default=0, help="profile prefill steps of prompts this long instead")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     graphs = device.type == "cuda"
+    if args.prefill_len:
+        profile_prefill(args, device, graphs)
+        return
     loop = build(SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], 64 + 64 + 8, args.attention, args.adapters, args.lora_backend, graphs)
     vocab = loop.workers.local.runner.model.config.vocab_size
     for i in range(args.batch):
@@ -63,6 +68,52 @@ def main() -> None:
         if args.kernels_json:
             kernel_lanes(loop, args.kernels_json)
     loop.workers.close()
+
+
+# the LoRA kernels of a prefill step: lorakernels/sgmv.py's shrink/expand and split-K sum, and the expand
+# fused into SiLU-mul (lorakernels/silu_mul.py)
+LORA_KERNELS = ("_sgmv_kernel", "_split_sum_kernel", "_silu_mul_expand_kernel")
+
+
+def profile_prefill(args, device: torch.device, graphs: bool, steps: int = 3) -> None:
+    """Prefill steps of `args.batch` prompts of `args.prefill_len` tokens: their mean wall time, the
+    device-time table, and the LoRA kernels' share of the device time."""
+    loop = build(SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], args.prefill_len + 8, args.attention, args.adapters, args.lora_backend, graphs)
+    vocab = loop.workers.local.runner.model.config.vocab_size
+    rid = iter(range(10**6))
+
+    def prefill() -> int:
+        for i in range(args.batch):
+            loop.scheduler.add(make_request(next(rid), args.prefill_len, vocab, 1, f"adapter-{i % args.adapters}" if args.adapters else ""))
+        tokens = step(loop)  # one new token each: the requests finish with the step
+        if loop.scheduler.running:
+            raise RuntimeError(f"{len(loop.scheduler.running)} requests still running: the prompts did not fit one step")
+        return tokens
+
+    try:
+        for _ in range(2):  # compiles, slot loads, the allocator's growth
+            prefill()
+        sync(device)
+        start = time.perf_counter()
+        tokens = sum(prefill() for _ in range(steps))
+        sync(device)
+        wall = time.perf_counter() - start
+        print(f"prefill step: {wall / steps * 1e3:.2f} ms, {tokens / wall:.0f} tok/s ({tokens // steps} tokens a step)")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                prefill()
+            sync(device)
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=args.rows))
+        if device.type == "cuda":
+            total = sum(e.self_device_time_total for e in averages)
+            lora = {e.key: e.self_device_time_total for e in averages if e.key.startswith(LORA_KERNELS)}
+            print(f"device time {total / steps / 1e3:.2f} ms a step; LoRA kernels {sum(lora.values()) / steps / 1e3:.2f} ms ({sum(lora.values()) / max(total, 1):.1%})")
+            for name, us in sorted(lora.items(), key=lambda kv: -kv[1]):
+                print(f"  {us / steps / 1e3:8.3f} ms  {name[:100]}")
+    finally:
+        loop.workers.close()
 
 
 def idle_gaps(loop, rows: int, steps: int = 8, out: str = "") -> None:
