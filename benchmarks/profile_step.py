@@ -12,11 +12,13 @@ torch.profiler tables, by host time and by device time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections import defaultdict
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.engine_step import SHAPES, build, make_request, step, sync
@@ -55,8 +57,7 @@ def main() -> None:
     print(f"decode step: {(time.perf_counter() - start) / 5 * 1e3:.2f} ms")
     if device.type == "cuda":
         timeline(loop, 20)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=_activities(device)) as prof:
         for _ in range(3):
             step(loop)
         sync(device)
@@ -70,9 +71,21 @@ def main() -> None:
     loop.workers.close()
 
 
+def _activities(device: torch.device) -> list[ProfilerActivity]:
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
 # the LoRA kernels of a prefill step: lorakernels/sgmv.py's shrink/expand and split-K sum, and the expand
 # fused into SiLU-mul (lorakernels/silu_mul.py)
 LORA_KERNELS = ("_sgmv_kernel", "_split_sum_kernel", "_silu_mul_expand_kernel")
+
+
+def lora_kernel_times(averages) -> tuple[float, dict[str, float]]:
+    """(the device's time, us, and each LoRA kernel's) of a profile's key averages: the device's own
+    events only, since a host op's self device time is its kernels' time again."""
+    kernels = [e for e in averages if e.device_type != DeviceType.CPU]
+    total = sum(e.self_device_time_total for e in kernels)
+    return total, {e.key: e.self_device_time_total for e in kernels if e.key.startswith(LORA_KERNELS)}
 
 
 def profile_prefill(args, device: torch.device, graphs: bool, steps: int = 3) -> None:
@@ -80,7 +93,7 @@ def profile_prefill(args, device: torch.device, graphs: bool, steps: int = 3) ->
     device-time table, and the LoRA kernels' share of the device time."""
     loop = build(SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], args.prefill_len + 8, args.attention, args.adapters, args.lora_backend, graphs)
     vocab = loop.workers.local.runner.model.config.vocab_size
-    rid = iter(range(10**6))
+    rid = itertools.count()
 
     def prefill() -> int:
         for i in range(args.batch):
@@ -99,16 +112,14 @@ def profile_prefill(args, device: torch.device, graphs: bool, steps: int = 3) ->
         sync(device)
         wall = time.perf_counter() - start
         print(f"prefill step: {wall / steps * 1e3:.2f} ms, {tokens / wall:.0f} tok/s ({tokens // steps} tokens a step)")
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
+        with profile(activities=_activities(device)) as prof:
             for _ in range(steps):
                 prefill()
             sync(device)
         averages = prof.key_averages()
         print(averages.table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=args.rows))
         if device.type == "cuda":
-            total = sum(e.self_device_time_total for e in averages)
-            lora = {e.key: e.self_device_time_total for e in averages if e.key.startswith(LORA_KERNELS)}
+            total, lora = lora_kernel_times(averages)
             print(f"device time {total / steps / 1e3:.2f} ms a step; LoRA kernels {sum(lora.values()) / steps / 1e3:.2f} ms ({sum(lora.values()) / max(total, 1):.1%})")
             for name, us in sorted(lora.items(), key=lambda kv: -kv[1]):
                 print(f"  {us / steps / 1e3:8.3f} ms  {name[:100]}")

@@ -32,3 +32,22 @@ def test_a_prompt_left_running_stops_the_profile(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["profile_step.py", "--shape", "tiny", "--batch", "1", "--prefill-len", "8"])
     with pytest.raises(RuntimeError, match="still running"):
         profile_step.main()
+
+
+def test_device_time_counts_each_kernel_once():
+    # a host op (aten::mm, a graph launch) carries its kernels' time as its own self device time too
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(key, device_type, us):
+        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=us)
+
+    averages = [
+        event("aten::mm", DeviceType.CPU, 30.0), event("nvjet_gemm", DeviceType.CUDA, 30.0),
+        event("cudaGraphLaunch", DeviceType.CPU, 15.0), event("_sgmv_kernel", DeviceType.CUDA, 10.0),
+        event("_split_sum_kernel", DeviceType.CUDA, 2.0), event("_silu_mul_expand_kernel", DeviceType.CUDA, 3.0),
+    ]  # fmt: skip
+    total, lora = profile_step.lora_kernel_times(averages)
+    assert total == 45.0
+    assert lora == {"_sgmv_kernel": 10.0, "_split_sum_kernel": 2.0, "_silu_mul_expand_kernel": 3.0}
