@@ -168,3 +168,20 @@ def random_model(
                 param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=generator)
     model.set_rope_device(device)
     return model.eval()
+
+
+def store_linears_in_out(model: DecoderModel) -> int:
+    """Store every parallel linear's weight, and an untied LM head's, transposed in memory: the same
+    logical [out, in] tensor with strides (1, out), so `F.linear` hands the GEMM W^T as a contiguous
+    row-major [in, out] matrix (EngineConfig.linear_weight_layout "in_out"). A tied LM head is the
+    embedding, whose rows the token lookup reads, and stays. One weight is copied at a time. Returns the
+    number of weights moved."""
+    linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    if model.lm_head is not None:
+        linears.append(model.lm_head)
+    with torch.no_grad():
+        for module in linears:
+            weight = module.weight
+            module.weight = torch.nn.Parameter(weight.t().contiguous().t(), requires_grad=weight.requires_grad)
+            del weight
+    return len(linears)

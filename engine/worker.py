@@ -43,7 +43,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, SampledTokens
 from engine.parallel import SINGLE, TensorParallel
 from engine.step_plan import StepPlan
-from engine.weights import load_model, random_model
+from engine.weights import load_model, random_model, store_linears_in_out
 from lorakernels import tuned
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ class ModelWorker:
             model = random_model(model_config, device=device, dtype=dtype, seed=tp.rank, tp=tp)
         else:
             model, model_config = load_model(config.model_dir, device=device, dtype=dtype, tp=tp)
+        if config.linear_weight_layout == "in_out":
+            store_linears_in_out(model)
         dtype = next(model.parameters()).dtype
         local = model.config  # this rank's heads and features
         # each rank's pool must hold the same KV slots: the smallest any rank can afford

@@ -18,6 +18,7 @@ from engine.config import (
     DEFAULT_LORA_DRAIN_WAIT_S,
     DEFAULT_LORA_LOAD_AHEAD,
     DEFAULT_LORA_SM_CARVEOUT,
+    LINEAR_WEIGHT_LAYOUTS,
     LORA_FUSED_TARGETS,
     parse_target_sms,
 )
@@ -283,6 +284,12 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         "--cuda-graph-max-tokens", type=int, default=int(env("--cuda-graph-max-tokens", 2048)),
         help="replay captured CUDA graphs for prefill and mixed steps of up to N tokens, padded to a bucket"
         " (0 = off; at most --max-batch-tokens)",
+    )
+    p.add_argument(
+        "--linear-weight-layout", choices=LINEAR_WEIGHT_LAYOUTS, default=env("--linear-weight-layout", "out_in"),
+        help="how the base model's linear weights lie in memory: out_in (as nn.Linear stores them) or in_out"
+        " (stored transposed, so the GEMMs read a row-major [in, out] matrix; cuBLASLt read the wide decode"
+        " GEMMs' weights 2-5%% faster so on an H200; default: out_in)",
     )
     p.add_argument("--attention-backend", default=env("--attention-backend", ""), help="ref, sdpa or triton (default: triton on cuda, ref on cpu)")
     p.add_argument("--max-loras-per-batch", type=int, default=int(env("--max-loras-per-batch", 8)), help="GPU adapter slots")

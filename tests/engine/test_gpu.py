@@ -212,6 +212,16 @@ def test_cuda_decode_fused_delta_matches_cpu(tiny_llama_dir, make_adapter, tmp_p
     assert set(fused) == {qkv, c.hidden_size, 2 * c.intermediate_size}  # o and down: hidden_size wide
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_linears_stored_in_out_match_cpu(tiny_llama_dir, make_adapter, tmp_path, graphs):
+    """--linear-weight-layout in_out on CUDA: every base GEMM reads its weight as a row-major [in, out]
+    matrix (cuBLASLt's other operand layout), eagerly or in the decode and step graphs, with LoRA beside
+    it; greedy tokens equal the CPU reference's."""
+    adapters = three_adapters(make_adapter, "in-out", seed=95)
+    expected = greedy_three_adapters(tiny_llama_dir, adapters, "cpu", tmp_path / "cpu", graphs)
+    assert greedy_three_adapters(tiny_llama_dir, adapters, "cuda", tmp_path / "cuda", graphs, linear_weight_layout="in_out") == expected
+
+
 def greedy_three_adapters(model_dir, adapters, device: str, work_dir, graphs: bool, **options) -> list[list[int]]:
     """Greedy tokens of 8 prompts over the base model and `adapters` (three_adapters) in fp32: the CPU
     reference engine, or CUDA with the splitk ops, decode graphs and step graphs (graphs) or neither, and

@@ -1,6 +1,7 @@
 """The engine's base model against transformers (the numerical oracle), and the paged attention reference
 against naive causal attention."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ from engine.model_config import ModelConfig
 from engine.models.blocks import DecoderModel
 from engine.named_shapes import NAMED_SHAPES
 from engine.rope import cos_sin_cache
-from engine.weights import load_model, random_model
+from engine.weights import load_model, random_model, store_linears_in_out
 from loraformat.errors import FailedPrecondition
 from lorakernels.attention_ref import extend_attention_ref
 from loramux.demo_model import LLAMA3_8B_CONFIG, write_llama_checkpoint
@@ -275,6 +276,28 @@ def test_random_model_runs_a_forward():
     logits = PagedKV(model.config).step(model, [(0, [0, 5, 9, 11]), (1, [0, 7])])
     assert [tuple(x.shape) for x in logits] == [(4, 512), (2, 512)]
     assert all(torch.isfinite(x).all() for x in logits) and 0.2 < logits[0].std() < 5
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_linears_stored_in_out_keep_their_values_and_logits(tied):
+    """EngineConfig.linear_weight_layout "in_out": each parallel linear's weight (and an untied LM head)
+    is the same logical [out, in] tensor stored transposed, strides (1, out), and the model computes the
+    logits it did; a tied LM head is the embedding and keeps its rows."""
+    config = dataclasses.replace(NAMED_SHAPES["tiny"], tie_word_embeddings=tied)
+    plain, moved = random_model(config, seed=3), random_model(config, seed=3)
+    assert store_linears_in_out(moved) == 4 * config.num_layers + (0 if tied else 1)
+    linears = {name: p for name, p in moved.named_parameters() if name.endswith("proj.weight") or name == "lm_head.weight"}
+    assert len(linears) == 4 * config.num_layers + (0 if tied else 1)
+    before = dict(plain.named_parameters())
+    for name, weight in linears.items():
+        assert weight.stride() == (1, weight.shape[0]) and weight.t().is_contiguous(), name
+        assert isinstance(weight, torch.nn.Parameter) and torch.equal(weight, before[name]), name
+    assert moved.embed_tokens.weight.is_contiguous()
+    prompts = _prompts(config.vocab_size, seed=4)
+    expected = PagedKV(config).step(plain, [(row, ids) for row, ids in enumerate(prompts)])
+    got = PagedKV(config).step(moved, [(row, ids) for row, ids in enumerate(prompts)])
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------- extend_attention_ref vs naive attention
