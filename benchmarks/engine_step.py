@@ -97,7 +97,7 @@ def random_packed(
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "out_in"):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "in_out"):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
@@ -297,7 +297,7 @@ def main() -> None:
         "--decode-fused-delta", nargs="*", default=[], choices=LORA_FUSED_TARGETS, help="the engine's --lora-decode-fused-delta"
     )
     parser.add_argument(
-        "--linear-weight-layout", default="out_in", choices=LINEAR_WEIGHT_LAYOUTS, help="the engine's --linear-weight-layout"
+        "--linear-weight-layout", default="in_out", choices=LINEAR_WEIGHT_LAYOUTS, help="the engine's --linear-weight-layout"
     )
     parser.add_argument("--graph-max-tokens", type=int, default=2048, help="prefill and mixed steps up to N tokens replay step graphs (0 = eager)")
     parser.add_argument("--mixed-chunk", type=int, nargs="*", default=[], help="also time mixed steps: batch - 1 decodes + C prompt tokens")

@@ -70,6 +70,7 @@ from engine.config import (
     DEFAULT_FETCH_PROCESSES,
     DEFAULT_LORA_LOAD_AHEAD,
     DEFAULT_LORA_SM_CARVEOUT,
+    LINEAR_WEIGHT_LAYOUTS,
     LORA_FUSED_TARGETS,
     EngineConfig,
     parse_target_sms,
@@ -699,6 +700,7 @@ def engine_serve_args(config: EngineConfig) -> list[str]:
         args += ["--lora-decode-fused-expand", *config.lora_decode_fused_expand]
     if config.lora_decode_fused_delta:
         args += ["--lora-decode-fused-delta", *config.lora_decode_fused_delta]
+    args += ["--linear-weight-layout", config.linear_weight_layout]
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
     return args
@@ -868,6 +870,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         kernel_configs=args.kernel_configs,
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
         lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),
+        linear_weight_layout=args.linear_weight_layout,
     )
 
 
@@ -929,6 +932,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--lora-decode-fused-delta", nargs="*", default=[], choices=LORA_FUSED_TARGETS, help="the engine's --lora-decode-fused-delta"
+    )
+    p.add_argument(
+        "--linear-weight-layout", default="in_out", choices=LINEAR_WEIGHT_LAYOUTS, help="the engine's --linear-weight-layout"
     )
     p.add_argument(
         "--timeline-ms", type=float, default=0.0,

@@ -200,11 +200,12 @@ def test_linear_weight_layout_reaches_the_engine_config_from_the_flag_or_its_var
     from loramux.shell.settings import engine_config
 
     serve = ["engine", "serve", "--model", "m"]
-    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).linear_weight_layout == "out_in"
-    args = cli.build_parser({}).parse_args([*serve, "--linear-weight-layout", "in_out"])
-    assert engine_config(args, "m", 0).linear_weight_layout == "in_out"
-    args = cli.build_parser({"LORAMUX_LINEAR_WEIGHT_LAYOUT": "in_out"}).parse_args(serve)
-    assert engine_config(args, "m", 0).linear_weight_layout == "in_out"
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).linear_weight_layout == "in_out"
+    assert EngineConfig(model_dir="m").linear_weight_layout == "in_out"
+    args = cli.build_parser({}).parse_args([*serve, "--linear-weight-layout", "out_in"])
+    assert engine_config(args, "m", 0).linear_weight_layout == "out_in"
+    args = cli.build_parser({"LORAMUX_LINEAR_WEIGHT_LAYOUT": "out_in"}).parse_args(serve)
+    assert engine_config(args, "m", 0).linear_weight_layout == "out_in"
     with pytest.raises(SystemExit):
         cli.build_parser({}).parse_args([*serve, "--linear-weight-layout", "transposed"])
     with pytest.raises(ValueError, match="linear_weight_layout must be one of out_in, in_out, got 'io'"):

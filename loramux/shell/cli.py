@@ -286,7 +286,7 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " (0 = off; at most --max-batch-tokens)",
     )
     p.add_argument(
-        "--linear-weight-layout", choices=LINEAR_WEIGHT_LAYOUTS, default=env("--linear-weight-layout", "out_in"),
+        "--linear-weight-layout", choices=LINEAR_WEIGHT_LAYOUTS, default=env("--linear-weight-layout", "in_out"),
         help="how the base model's linear weights lie in memory: out_in (as nn.Linear stores them) or in_out"
         " (stored transposed, so the GEMMs read a row-major [in, out] matrix; cuBLASLt read the wide decode"
         " GEMMs' weights 2-5%% faster so on an H200; default: out_in)",

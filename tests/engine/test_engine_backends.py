@@ -328,19 +328,25 @@ def test_lora_decode_fused_options_reach_the_decode_steps_lora_inputs(tiny_llama
         assert prefill.decode_fused_expand == prefill.decode_fused_delta == frozenset()
 
 
-def test_linears_stored_in_out_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, monkeypatch):
-    """--linear-weight-layout in_out: the worker stores the base model's linears transposed (the GEMMs then
-    read row-major [in, out] weights) and a batch of the base model and two adapters gives the reference
-    tokens; the default layout leaves the weights as loaded."""
+def test_both_linear_weight_layouts_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, monkeypatch):
+    """--linear-weight-layout: by default (in_out) the worker stores the base model's linears transposed (the
+    GEMMs then read row-major [in, out] weights), with out_in it leaves them as loaded; a batch of the base
+    model and two adapters gives the reference tokens either way."""
     import engine.worker
 
     moved, real = [], engine.worker.store_linears_in_out
     monkeypatch.setattr(engine.worker, "store_linears_in_out", lambda model: moved.append(real(model)) or model)
-    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "in_out", attention_backend="ref", lora_backend="ref", linear_weight_layout="in_out")
-    assert tokens == reference
+    core_weights = []
+    real_build = engine.worker.ModelWorker.build
+    monkeypatch.setattr(
+        engine.worker.ModelWorker, "build",
+        classmethod(lambda cls, spec: core_weights.append(w := real_build.__func__(cls, spec)) or w),
+    )  # fmt: skip
+    assert run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "out_in", attention_backend="ref", lora_backend="ref", linear_weight_layout="out_in") == reference
+    assert moved == [] and core_weights[-1].runner.model.lm_head.weight.is_contiguous()
+    assert run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "in_out", attention_backend="ref", lora_backend="ref") == reference
     assert moved == [4 * 2 + 1]  # four linears in each of the tiny model's two layers, and its LM head
-    run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "out_in", attention_backend="ref", lora_backend="ref")
-    assert moved == [9]
+    assert core_weights[-1].runner.model.lm_head.weight.t().is_contiguous()
 
 
 def test_a_launched_step_runs_in_inference_mode(tiny_llama_dir, tmp_path):
