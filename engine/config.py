@@ -105,7 +105,8 @@ class EngineConfig:
     # step computes beside the base GEMM in one pass from x (lorakernels/sgmv_decode.py
     # `sgmv_lora_delta_decode`: the expand sums the split shrink's partials itself, so no reduce kernel
     # and no v on the side stream) rather than shrink, reduce and expand. A target here may not also be in
-    # lora_decode_fused_expand. None by default until measured in the engine's step (BENCHMARKS.md)
+    # lora_decode_fused_expand. None by default: level or slower beside each GEMM, and decode steps 1-6%
+    # slower with it on all four targets (an H100, BENCHMARKS.md, 2026-12-06)
     lora_decode_fused_delta: tuple[str, ...] = ()
     # a directory of tuned LoRA-kernel tile files (lorakernels/tuned.py; benchmarks/tune_lora_tiles.py writes
     # them); "" = the package's lorakernels/configs

@@ -26,8 +26,9 @@ with one long segment and many short ones launches about T / BLOCK_M + num_segme
 their product). Programs past the last block, past N, or of a rank-0 slot return at once.
 Fused q/k/v (num_stack 3) and gate/up (2) share one shrink per input and one expand.
 
-A shrink tile with split_k = S > 1 (lorakernels/tuned.py; where a step's row blocks leave SMs idle,
-as a 2048-token prompt's 32 blocks of 64 rows do on 132 SMs, each walking all of in_dim) launches S
+A shrink tile with split_k = S > 1 (lorakernels/tuned.py, or `builtin_split_k` for the built-in tile;
+where a step's row blocks leave SMs idle, as a 2048-token prompt's 32 blocks of 64 rows do on 132 SMs,
+each walking all of in_dim) launches S
 programs a tile over the grid's third axis, split s taking a contiguous S-th of in_dim's BLOCK_K tiles
 and storing its fp32 partial in a [S, T, num_stack * R] workspace; `_split_sum_kernel`, on the shrink's
 grid and masks, sums each tile's S partials in split order and stores v (deterministic, no atomics).
@@ -232,6 +233,34 @@ def builtin_tile(is_shrink: bool, max_rank: int) -> SgmvTile:
     return SgmvTile(64, rank_tile, 128, 4, 3) if is_shrink else SgmvTile(64, 128, rank_tile, 4, 2)
 
 
+# The built-in shrink tile splits in_dim where a step's real row blocks fill at most a quarter of the SMs
+# and the step is at least this long: on an H100 the tuner split o's and down's shrink 4 ways at 2048
+# tokens (32 row blocks of 64 on 132 SMs: 29.9 -> 25.1 and 72.3 -> 49.5 us with the expand) and kept
+# q/k/v (96 blocks) and gate/up (64) whole, and a 2048-token prefill with adapters ran 1.3% faster with
+# those tiles (BENCHMARKS.md, 2026-12-06). Shorter steps are mixed and decode-like: left whole.
+BUILTIN_SPLIT_MIN_TOKENS = 1024
+BUILTIN_SPLIT_MAX = 8
+
+
+def builtin_split_k(num_tokens: int, in_dim: int, block_m: int, block_k: int, programs_per_block: int, num_sms: int) -> int:
+    """The built-in shrink tile's split of in_dim: the largest power of two (at most BUILTIN_SPLIT_MAX)
+    that keeps the split programs within the SMs, where the row blocks of num_tokens rows (times the
+    programs each takes: stacked targets x column tiles) fill at most a quarter of them, each split at
+    least 4 K tiles; else 1."""
+    programs = triton.cdiv(num_tokens, block_m) * programs_per_block
+    if num_tokens < BUILTIN_SPLIT_MIN_TOKENS or programs * 4 > num_sms:
+        return 1
+    split = 1
+    while split * 2 <= BUILTIN_SPLIT_MAX and programs * split * 2 <= num_sms and triton.cdiv(in_dim, block_k) >= split * 2 * 4:
+        split *= 2
+    return split
+
+
+def _num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (0 elsewhere: the interpreter gains nothing from splitting)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
 def _tile_config(tile: SgmvTile, max_seg_len: int) -> dict:
     """A tile's launch: its rows a program where the step's segments are that long (a captured graph's
     max_seg_len is its token count), else as few as `block_m_for` gives shorter segments."""
@@ -338,9 +367,13 @@ def sgmv_shrink(
     max_rank = A.shape[1] // num_stack
     slices = tuple((k * max_rank, max_rank) for k in range(num_stack))
     tile = tile or device_tiles(x.device).lookup("sgmv_shrink", x.shape[1], num_stack, max_rank, x.shape[0])
+    builtin = tile is None
     tile = tile or builtin_tile(True, max_rank)
     config = _tile_config(tile, meta.max_seg_len)
     split_k = tile.split_k if x.shape[1] > config["BLOCK_K"] else 1  # one K tile: nothing to split
+    if builtin:
+        per_block = num_stack * triton.cdiv(max_rank, config["BLOCK_N"])
+        split_k = builtin_split_k(x.shape[0], x.shape[1], config["BLOCK_M"], config["BLOCK_K"], per_block, _num_sms(x.device))
     _launch(x, A, out, meta, is_shrink=True, K=x.shape[1], max_rank=max_rank, slices=slices, config=config, split_k=split_k)
     return out
 

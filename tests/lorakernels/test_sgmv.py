@@ -223,6 +223,45 @@ def test_medium_dims(backend, in_dim, out_dim, rank, num_tokens):
     assert_close(y, expected, dtype)
 
 
+def test_builtin_split_k_splits_only_steps_whose_row_blocks_leave_most_sms_idle():
+    """A 2048-token step's o and down shrinks (32 row blocks of 64) split 4 ways on 132 SMs, as the H100
+    tuner chose; q/k/v (3 programs a block) and gate/up (2) stay whole there; short steps, steps of
+    enough row blocks, a device without SMs (the interpreter) and an in_dim of few K tiles stay whole."""
+    from lorakernels.sgmv import builtin_split_k
+
+    assert [builtin_split_k(2048, 4096, 64, 128, n, 132) for n in (1, 2, 3)] == [4, 1, 1]
+    assert builtin_split_k(2048, 14336, 64, 128, 1, 132) == 4
+    assert builtin_split_k(1024, 4096, 64, 128, 1, 132) == 8  # 16 blocks: at most 8 ways
+    assert builtin_split_k(1024, 4096, 64, 128, 2, 132) == 4
+    assert builtin_split_k(4096, 4096, 64, 128, 1, 132) == 1  # 64 blocks: half the SMs busy already
+    assert builtin_split_k(512, 4096, 64, 128, 1, 132) == 1  # short steps are mixed or decode-like
+    assert builtin_split_k(2048, 4096, 64, 128, 1, 0) == 1
+    assert builtin_split_k(2048, 1024, 64, 128, 1, 132) == 2  # 8 K tiles: each split takes at least 4
+
+
+def test_the_builtin_shrink_splits_where_builtin_split_k_says(monkeypatch):
+    """Without a tuned tile the shrink takes builtin_split_k's split (here on a pretend 132-SM device and
+    a lowered length floor), sums the partials and gives the reference's y; a tuned tile keeps its own."""
+    import lorakernels.sgmv as sgmv
+
+    monkeypatch.setattr(sgmv, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(sgmv, "BUILTIN_SPLIT_MIN_TOKENS", 64)
+    launched, real = [], sgmv._launch
+    monkeypatch.setattr(sgmv, "_launch", lambda *args, **kwargs: (kwargs["is_shrink"] and launched.append(kwargs.get("split_k", 1))) or real(*args, **kwargs))
+    in_dim, out_dim, num_tokens = 4096, 96, 128
+    seg_lens, slots, ranks, scalings = [40, 88], [1, 2], [0, 16, 8], [0.0, 0.5, 2.0]
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    A, B = make_weights(3, in_dim, out_dim, 1, torch.float32, seed=4)
+    x = torch.randn(num_tokens, in_dim).to(DEVICE)
+    y = torch.randn(num_tokens, out_dim).to(DEVICE)
+    expected = loop_reference(x, A, B, y, seg_lens, slots, ranks, scalings, ((0, out_dim),))
+    sgmv_expand(sgmv_shrink(x, A, meta, num_stack=1), B, meta, y, output_slices=((0, out_dim),))
+    assert launched[0] == 8  # 2 row blocks x 2 column tiles (max rank 128) on 132 SMs; 32 K tiles
+    assert_close(y, expected, torch.float32)
+    sgmv_shrink(x, A, meta, num_stack=1, tile=SgmvTile(64, 16, 128, 4, 3))
+    assert launched[-1] == 1
+
+
 # -- poison: what must be written is, what must not be is not ----------------------------------------
 
 
