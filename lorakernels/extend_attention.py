@@ -13,6 +13,8 @@ sit at positions p+j and attend to positions 0..p+j, whose K/V lie in the cache 
         query's own position are masked. Scores and P @ V are `tl.dot`s (tensor cores for fp16/bf16).
 
 The query heads of one KV head share each K/V tile: the program stacks them as GROUP x BLOCK_M rows.
+Blocks run longest first (`block_lists`); tiles wholly before a block's first query go unmasked; the
+softmax runs in powers of two (exp2 of scores scaled by log2(e)), as FlashAttention's Triton kernels do.
 Grids depend only on host lists (lengths), so launching never syncs with the GPU.
 """
 
@@ -23,6 +25,48 @@ import triton
 import triton.language as tl
 
 from lorakernels.attention_ref import check_shapes
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, n0, last_pos, q_pos, table, k_ptr, v_ptr, kv_head, offs_d, mask_d, qk_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # keys past a query's position or past the block's last one: masked
+    UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N tile of keys from position n0: the online softmax's running max m_i, sum l_i (both
+    in powers of two: scores times qk_scale = scale * log2(e)) and output acc, updated."""
+    key_pos = n0 + tl.arange(0, BLOCK_N)
+    valid_n = key_pos <= last_pos
+    if MASKED:
+        slots = tl.load(table + key_pos, mask=valid_n, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                    mask=valid_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]  # fmt: skip
+    else:
+        slots = tl.load(table + key_pos).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], mask=mask_d[:, None], other=0.0)
+    if UPCAST_DOT:
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, k, input_precision="ieee") * qk_scale  # "ieee": fp32 operands stay exact (no TF32)  # [BLOCK_H * BLOCK_M, BLOCK_N] fp32
+    if MASKED:
+        s = tl.where((key_pos[None, :] <= q_pos[:, None]) & valid_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past extend see no key at all
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=valid_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]  # fmt: skip
+    else:
+        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+    if UPCAST_DOT:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -80,32 +124,21 @@ def _extend_attention_kernel(
     l_i = tl.zeros((BLOCK_H * BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H * BLOCK_M, BLOCK_D), dtype=tl.float32)
     last_pos = prefix + tl.minimum(first + BLOCK_M, extend) - 1  # the block's last query position
-    offs_n = tl.arange(0, BLOCK_N)
     table = req_to_token_ptr + row * stride_rr
-    for n0 in range(0, last_pos + 1, BLOCK_N):
-        key_pos = n0 + offs_n
-        valid_n = key_pos <= last_pos
-        slots = tl.load(table + key_pos, mask=valid_n, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                    mask=valid_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]  # fmt: skip
-        if UPCAST_DOT:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, k, input_precision="ieee") * scale  # "ieee": fp32 operands stay exact (no TF32)  # [BLOCK_H * BLOCK_M, BLOCK_N] fp32
-        s = tl.where((key_pos[None, :] <= q_pos[:, None]) & valid_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past extend see no key at all
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=valid_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]  # fmt: skip
-        if UPCAST_DOT:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax in powers of two
+    # Whole tiles at or before the block's first query position are seen by every query: no mask. The
+    # tiles after them, up to the last query's position, are masked key by key.
+    unmasked_end = (prefix + first + 1) // BLOCK_N * BLOCK_N
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, n0, last_pos, q_pos, table, k_ptr, v_ptr, kv_head, offs_d, mask_d, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, False, UPCAST_DOT,
+        )  # fmt: skip
+    for n0 in range(unmasked_end, last_pos + 1, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, n0, last_pos, q_pos, table, k_ptr, v_ptr, kv_head, offs_d, mask_d, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, True, UPCAST_DOT,
+        )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid_m[:, None] & mask_d[None, :])
@@ -116,16 +149,21 @@ def block_size_m(group: int) -> int:
     return max(16, 128 // triton.next_power_of_2(group))
 
 
-def block_lists(extend_lens: list[int], block_m: int) -> tuple[list[int], list[int], list[int]]:
-    """(request of each query block, its first new token, each request's first row of q)."""
-    blocks_req, blocks_start, q_starts, start = [], [], [], 0
+def block_lists(
+    extend_lens: list[int], block_m: int, prefix_lens: list[int] | None = None
+) -> tuple[list[int], list[int], list[int]]:
+    """(request of each query block, its first new token, each request's first row of q). Blocks are
+    listed longest first (by their last query's position, which bounds the keys they read; ties in
+    request order), so the programs that walk the most keys start first and short ones fill the tail."""
+    prefix_lens = prefix_lens or [0] * len(extend_lens)
+    blocks, q_starts, start = [], [], 0
     for b, extend_len in enumerate(extend_lens):
         q_starts.append(start)
         start += extend_len
         for first in range(0, extend_len, block_m):
-            blocks_req.append(b)
-            blocks_start.append(first)
-    return blocks_req, blocks_start, q_starts
+            blocks.append((-(prefix_lens[b] + min(first + block_m, extend_len)), b, first))
+    blocks.sort()
+    return [b for _, b, _ in blocks], [first for _, _, first in blocks], q_starts
 
 
 class ExtendPlan:
@@ -136,7 +174,7 @@ class ExtendPlan:
         if not len(req_rows) == len(prefix_lens) == len(extend_lens):
             raise ValueError("req_rows, prefix_lens and extend_lens must have equal lengths")
         self.block_m = block_size_m(group)
-        blocks_req, blocks_start, q_starts = block_lists(extend_lens, self.block_m)
+        blocks_req, blocks_start, q_starts = block_lists(extend_lens, self.block_m, prefix_lens)
         self.num_tokens = sum(extend_lens)
         self.num_blocks = len(blocks_req)
         ints = torch.tensor([*blocks_req, *blocks_start, *prefix_lens, *extend_lens, *q_starts], dtype=torch.int32)
@@ -190,7 +228,7 @@ class ExtendPlanBuffers:
         if sum(extend_lens) > self.max_tokens:
             raise ValueError(f"{sum(extend_lens)} new tokens; the buffers hold {self.max_tokens}")
         n, b, pad = self.max_blocks, self.max_reqs + 1, self.max_reqs
-        blocks_req, blocks_start, q_starts = block_lists(extend_lens, self.block_m)
+        blocks_req, blocks_start, q_starts = block_lists(extend_lens, self.block_m, prefix_lens)
         used, reqs = len(blocks_req), len(extend_lens)
         host = self._host
         host.zero_()

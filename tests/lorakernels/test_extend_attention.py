@@ -79,7 +79,8 @@ def test_matches_reference(batch_name, heads_name, head_dim, dtype):
 def test_plan_lists_one_block_per_block_m_new_tokens_of_each_request():
     plan = ExtendPlan([4, 0, 2], [0, 10, 3], [70, 1, 33], group=2, device=torch.device("cpu"))
     assert plan.block_m == block_size_m(2) == 64
-    assert plan.block_req.tolist() == [0, 0, 1, 2] and plan.block_start.tolist() == [0, 64, 0, 0]
+    # longest first, by the last query's position: 0 + 70, 0 + 64, 3 + 33, 10 + 1
+    assert plan.block_req.tolist() == [0, 0, 2, 1] and plan.block_start.tolist() == [64, 0, 0, 0]
     assert plan.q_starts.tolist() == [0, 70, 71] and plan.num_tokens == 104
     assert [block_size_m(g) for g in (1, 3, 4, 8, 16)] == [128, 32, 32, 16, 16]
 
