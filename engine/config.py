@@ -42,6 +42,7 @@ DEFAULT_LORA_SM_CARVEOUT = 48
 
 LINEAR_WEIGHT_LAYOUTS = ("out_in", "in_out")  # linear_weight_layout's choices
 DECODE_FUSED_TARGETS = ("qkv", "gate_up")  # lora_decode_fused_expand's choices
+PREFILL_FUSED_TARGETS = ("gate_up", "o", "down")  # lora_prefill_fused_expand's choices
 LORA_FUSED_TARGETS = ("qkv", "o", "gate_up", "down")  # engine/lora_pool.py FusedTarget.name: lora_sm_carveout_targets' keys
 
 
@@ -101,6 +102,12 @@ class EngineConfig:
     # SiLU-mul, lorakernels/silu_mul.py) instead of beside the base GEMM on the side stream: that kernel
     # reads the slots' B as it loads the projection. None by default until measured (BENCHMARKS.md)
     lora_decode_fused_expand: tuple[str, ...] = ()
+    # On CUDA with the Triton SGMV ops, the fused targets whose LoRA expand a prefill-sized step leaves to
+    # the kernel that reads the projection next: gate/up's to SiLU-mul (lorakernels/silu_mul.py), o's and
+    # down's to the residual add + RMSNorm (lorakernels/rmsnorm.py `add_rmsnorm_expand`; one GPU, since
+    # under tensor parallelism their partial sums get the delta before the all-reduce), instead of the
+    # expand reading and writing the projection's output first. o and down not by default until measured
+    lora_prefill_fused_expand: tuple[str, ...] = ("gate_up",)
     # On CUDA with the splitk LoRA backend and a max LoRA rank up to 64, the fused targets (LORA_FUSED_TARGETS) whose LoRA delta a decode
     # step computes beside the base GEMM in one pass from x (lorakernels/sgmv_decode.py
     # `sgmv_lora_delta_decode`: the expand sums the split shrink's partials itself, so no reduce kernel
@@ -173,6 +180,8 @@ class EngineConfig:
             raise ValueError(f"lora_sm_carveout_targets must be 0-1024 SMs each, got {self.lora_sm_carveout_targets}")
         if not set(self.lora_decode_fused_expand) <= set(DECODE_FUSED_TARGETS):
             raise ValueError(f"lora_decode_fused_expand takes {', '.join(DECODE_FUSED_TARGETS)}, got {self.lora_decode_fused_expand}")
+        if not set(self.lora_prefill_fused_expand) <= set(PREFILL_FUSED_TARGETS):
+            raise ValueError(f"lora_prefill_fused_expand takes {', '.join(PREFILL_FUSED_TARGETS)}, got {self.lora_prefill_fused_expand}")
         if not set(self.lora_decode_fused_delta) <= set(LORA_FUSED_TARGETS):
             raise ValueError(f"lora_decode_fused_delta takes {', '.join(LORA_FUSED_TARGETS)}, got {self.lora_decode_fused_delta}")
         if both := sorted(set(self.lora_decode_fused_delta) & set(self.lora_decode_fused_expand)):

@@ -220,6 +220,14 @@ def decode_fused_targets(targets: Collection[str], device: torch.device, lora_ba
     return frozenset(targets) if fits else frozenset()
 
 
+def prefill_fused_targets(targets: Collection[str], device: torch.device, lora_backend: str) -> frozenset[str]:
+    """LoraInputs.fused_expand of an engine: the targets asked for on CUDA with the Triton SGMV ops, whose
+    prefill-sized steps' expand the next kernel does (a step checks the rank capacity, `_fuses_expand`);
+    none elsewhere (the CPU path adds a PendingExpand in line)."""
+    fits = device.type == "cuda" and lora_backend in ("triton", "splitk")
+    return frozenset(targets) if fits else frozenset()
+
+
 def _fused_delta(x, a, b, meta: SgmvMeta, num_stack: int, output_slices: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """The delta in one fused pass from x (decode_fused_delta targets; imports Triton only where one asks)."""
     from lorakernels.sgmv_decode import sgmv_lora_delta_auto

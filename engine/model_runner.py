@@ -26,6 +26,7 @@ from engine.lora_inputs import (
     decode_fused_targets,
     fused_delta_targets,
     lora_segments,
+    prefill_fused_targets,
     sgmv_ops,
     usable_sm_carveout,
 )
@@ -51,6 +52,7 @@ class ModelRunner:
         lora_sm_carveout_targets: Mapping[str, int] | None = None,  # the same for some fused targets' GEMMs
         lora_decode_fused_expand: tuple[str, ...] = (),  # CUDA decode steps: targets whose expand the next kernel does
         lora_decode_fused_delta: tuple[str, ...] = (),  # CUDA decode steps: targets whose delta is one fused pass
+        lora_prefill_fused_expand: tuple[str, ...] = ("gate_up",),  # CUDA prefill-sized steps: targets whose expand the next kernel does
     ):
         self.model = model
         self.kv = kv
@@ -59,8 +61,9 @@ class ModelRunner:
         self.attention = attention
         self.lora_pool = lora_pool
         self.lora_ops = sgmv_ops(lora_backend)
-        # gate/up's expand done by the SiLU-mul kernel in prefill-sized steps: the Triton ops on CUDA
-        self._fused_expand = frozenset({"gate_up"}) if self.device.type == "cuda" and lora_backend in ("triton", "splitk") else frozenset()
+        # Prefill-sized steps leave these targets' expand to the kernel that reads the projection next
+        # (gate/up: SiLU-mul; o, down: the residual add + RMSNorm): the Triton ops on CUDA
+        self._fused_expand = prefill_fused_targets(lora_prefill_fused_expand, self.device, lora_backend)
         # Decode steps compute LoRA deltas on this stream beside their base GEMMs (LoraInputs.side)
         self.lora_side = torch.cuda.Stream(self.device) if lora_pool is not None and self.device.type == "cuda" else None
         self.lora_sm_carveout = lora_sm_carveout  # LoraInputs.sm_carveout of those steps
@@ -107,7 +110,9 @@ class ModelRunner:
         ops = sgmv_ops("triton") if self.lora_ops in (sgmv_ops("chunked"), sgmv_ops("ref")) else self.lora_ops
         pool = None
         if max_tokens > 0:  # the largest activations first: the decode graphs then reuse their memory
-            self.step_graphs = StepGraphs(self.model, self.kv, self.req_to_token, max_tokens, self.lora_pool, ops)
+            self.step_graphs = StepGraphs(
+                self.model, self.kv, self.req_to_token, max_tokens, self.lora_pool, ops, fused_expand=self._fused_expand
+            )
             self.step_graphs.capture()
             pool = self.step_graphs.pool
         if max_batch > 0:

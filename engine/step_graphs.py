@@ -63,11 +63,12 @@ class StepGraphs:
         lora_ops: tuple,
         buckets: tuple[int, ...] | None = None,  # padded token counts to capture; default TOKEN_BUCKETS
         capture: bool = True,  # False: run the same static-buffer step eagerly (a CPU test of the padding)
+        fused_expand: frozenset[str] = frozenset({"gate_up"}),  # LoraInputs.fused_expand of the LoRA graphs
     ):
         from lorakernels.extend_attention import ExtendPlanBuffers  # Triton: imported on use
 
         self.model, self.kv, self.req_to_token = model, kv, req_to_token
-        self.lora_pool, self.lora_ops = lora_pool, lora_ops
+        self.lora_pool, self.lora_ops, self.fused_expand = lora_pool, lora_ops, fused_expand
         self.device = req_to_token.device
         self.max_reqs = req_to_token.shape[0]
         self.buckets = token_buckets(max_tokens, buckets)
@@ -151,7 +152,7 @@ class StepGraphs:
             # then cover every segmentation a replay brings (lorakernels/sgmv.py)
             meta = self.lora_meta.fill([0] * rows, [pool.base_slot] * rows, pool.ranks, pool.scalings, pool.target_ranks)
             meta = dataclasses.replace(meta, max_seg_len=bucket, host_seg_lens=None, host_slots=None)  # replays differ
-            lora = LoraInputs(pool, meta, *self.lora_ops, by_target=self.lora_meta.by_target(meta), fused_expand=frozenset({"gate_up"}))
+            lora = LoraInputs(pool, meta, *self.lora_ops, by_target=self.lora_meta.by_target(meta), fused_expand=self.fused_expand)
 
         def step() -> torch.Tensor:
             hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], attn, self.kv, lora)

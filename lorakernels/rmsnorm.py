@@ -27,6 +27,9 @@ import triton
 import triton.language as tl
 
 from lorakernels.pending_delta import load_plus_delta
+from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, row_block, row_blocks
+from lorakernels.sgmv_ref import SgmvMeta
+from lorakernels.silu_mul import FUSED_MAX_RANK
 
 MAX_HIDDEN = 16384
 
@@ -111,6 +114,135 @@ def add_rmsnorm(
         HAS_DELTA=delta is not None,
         BLOCK_N=block_n,
         num_warps=min(max(block_n // 512, 1), 16),
+    )  # fmt: skip
+    return out, residual_out
+
+
+@triton.jit
+def _add_rmsnorm_expand_kernel(
+    # pointers
+    x_ptr,  # [T, N]
+    residual_ptr,  # [T, N] (unused without HAS_RESIDUAL)
+    v_ptr,  # [T, R]: the projection's shrink
+    b_ptr,  # [num_slots, N, R]
+    weight_ptr,  # [N]
+    out_ptr,  # [T, N]
+    residual_out_ptr,  # [T, N]
+    seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr,
+    # sizes
+    num_tokens,
+    N,
+    eps,
+    num_segments,
+    seg_blocks,  # row programs for the segments; the rest take the rows after the last segment
+    # strides
+    stride_x, stride_r, stride_v, stride_bw, stride_bn, stride_bk, stride_o, stride_ro,
+    # meta-parameters
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid < seg_blocks:
+        seg, m_start, m_end = row_block(seg_indptr_ptr, num_segments, pid, BLOCK_M, BLOCK_S)
+        live = seg < num_segments
+        slot = tl.load(weight_indices_ptr + seg, mask=live, other=0)
+        rank = tl.load(lora_ranks_ptr + slot, mask=live, other=0)
+    else:  # rows no segment covers (a graph's padding): the add and the norm alone
+        m_start = tl.load(seg_indptr_ptr + num_segments) + (pid - seg_blocks) * BLOCK_M
+        m_end = num_tokens
+        slot = tl.load(weight_indices_ptr, mask=False, other=0)  # 0, typed as the loads above
+        rank = slot  # 0: no LoRA
+    if m_start >= m_end:
+        return
+    offs_m = (m_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = offs_m < m_end
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank  # v past the rank is not written by the shrink
+    scaling = tl.load(scalings_ptr + slot)
+    vt = tl.load(v_ptr + offs_m[:, None] * stride_v + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    if UPCAST_DOT:
+        vt = vt.to(tl.float32)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bw
+    # -- pass 1: x + its expand, + the residual (each sum rounded once), stored; the rows' sums of squares
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_n[None, :], mask=mask, other=0.0)
+        if rank > 0:
+            b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_bk,
+                        mask=mask_r[:, None] & (offs_n < N)[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]: B^T  # fmt: skip
+            if UPCAST_DOT:
+                b = b.to(tl.float32)
+            d = tl.dot(vt, b, input_precision=INPUT_PRECISION)
+            x = (x.to(tl.float32) + scaling * d).to(x_ptr.dtype.element_ty)  # what sgmv_expand stores in y
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + offs_m[:, None] * stride_r + offs_n[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + offs_m[:, None] * stride_ro + offs_n[None, :], x, mask=mask)
+        x32 = x.to(tl.float32)
+        sum_sq += tl.sum(x32 * x32, axis=1)
+    rstd = tl.rsqrt(sum_sq / N + eps)
+    tl.debug_barrier()  # pass 2 reads what other threads of the program stored in pass 1
+    # -- pass 2: normalise in fp32, round, scale in the model dtype -----------------------------------
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        s32 = tl.load(residual_out_ptr + offs_m[:, None] * stride_ro + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        normed = (s32 * rstd[:, None]).to(x_ptr.dtype.element_ty)
+        w = tl.load(weight_ptr + offs_n, mask=offs_n < N, other=0.0)
+        out = w.to(tl.float32)[None, :] * normed.to(tl.float32)
+        tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm_expand(
+    x: torch.Tensor,  # [T, N]
+    residual: torch.Tensor | None,  # [T, N] or None
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    v: torch.Tensor,  # [T, R]: the projection's shrink
+    B: torch.Tensor,  # [num_slots, N, R], x.dtype
+    meta: SgmvMeta,
+    *,
+    block_m: int = 16,
+    block_n: int = 256,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, N], new residual [T, N]); x is left as it was
+    """add_rmsnorm(x after `sgmv_expand(v, B, meta, x, output_slices=((0, N),))`, residual, weight, eps)
+    in one kernel: a prefill-sized step's o or down expand added as x is loaded, instead of the expand
+    reading and writing x first (engine/lora_inputs.py PendingExpand). Row blocks of block_m rows follow
+    the segments (lorakernels/sgmv.py `row_block`); each walks its rows twice in block_n columns, the
+    second pass normalising what the first stored. Rows past the last segment (a graph's padding) get
+    the add and the norm alone. Ranks up to FUSED_MAX_RANK."""
+    _check(x, residual, weight, None)
+    check_expand_args(v, B, meta, x, ((0, x.shape[1]),))
+    if B.shape[2] > FUSED_MAX_RANK:
+        raise ValueError(f"rank capacity {B.shape[2]} > {FUSED_MAX_RANK}: expand first, then add_rmsnorm")
+    if v.stride(1) != 1 or B.dtype != x.dtype:
+        raise ValueError(f"want v with contiguous rows and B in x's dtype {x.dtype}, got {B.dtype}")
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    num_tokens = x.shape[0]
+    if num_tokens == 0:
+        return out, residual_out
+    seg_blocks = row_blocks(meta, num_tokens, block_m)
+    covered = meta.host_seg_lens is not None and sum(meta.host_seg_lens) == num_tokens
+    tail_blocks = 0 if covered else triton.cdiv(num_tokens, block_m)
+    r = x if residual is None else residual
+    _add_rmsnorm_expand_kernel[(seg_blocks + tail_blocks,)](
+        x, r, v, B, weight, out, residual_out,
+        meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
+        num_tokens, x.shape[1], eps, meta.num_segments, seg_blocks,
+        x.stride(0), r.stride(0), v.stride(0), B.stride(0), B.stride(1), B.stride(2), out.stride(0), residual_out.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(B.shape[2])), BLOCK_S=SEGMENT_CHUNK,
+        INPUT_PRECISION="ieee",  # as lorakernels/sgmv.py: fp32 operands exact, no TF32
+        UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+        num_warps=num_warps,
     )  # fmt: skip
     return out, residual_out
 

@@ -196,6 +196,23 @@ def test_lora_decode_fused_delta_reaches_the_engine_config_and_refuses_a_target_
     EngineConfig(model_dir="m", lora_decode_fused_delta=("o", "down"), lora_decode_fused_expand=("qkv", "gate_up"))
 
 
+def test_lora_prefill_fused_expand_reaches_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_prefill_fused_expand == ("gate_up",)
+    args = cli.build_parser({}).parse_args([*serve, "--lora-prefill-fused-expand", "gate_up", "o", "down"])
+    assert engine_config(args, "m", 0).lora_prefill_fused_expand == ("gate_up", "o", "down")
+    args = cli.build_parser({}).parse_args([*serve, "--lora-prefill-fused-expand"])
+    assert engine_config(args, "m", 0).lora_prefill_fused_expand == ()
+    args = cli.build_parser({"LORAMUX_LORA_PREFILL_FUSED_EXPAND": "o down"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_prefill_fused_expand == ("o", "down")
+    with pytest.raises(SystemExit):
+        cli.build_parser({}).parse_args([*serve, "--lora-prefill-fused-expand", "qkv"])
+    with pytest.raises(ValueError, match="lora_prefill_fused_expand takes gate_up, o, down"):
+        EngineConfig(model_dir="m", lora_prefill_fused_expand=("qkv",))
+
+
 def test_linear_weight_layout_reaches_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

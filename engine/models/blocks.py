@@ -60,8 +60,13 @@ class RMSNorm(nn.Module):
         """Add x (plus its pending LoRA delta) to the residual stream (None: x starts it) and normalise
         the sum; one kernel on CUDA, rounding where the PyTorch path rounds (lorakernels/rmsnorm.py)."""
         if x.is_cuda:
-            from lorakernels.rmsnorm import add_rmsnorm  # Triton: imported only where it runs
+            from lorakernels.rmsnorm import (  # Triton: imported only where it runs
+                add_rmsnorm,
+                add_rmsnorm_expand,
+            )
 
+            if isinstance(delta, PendingExpand):  # o's or down's expand (a prefill-sized step's), done as x loads
+                return add_rmsnorm_expand(x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta)
             return add_rmsnorm(x, residual, self.weight, self.eps, delta)
         x = _plus(x, delta)
         s = x if residual is None else residual + x

@@ -20,6 +20,7 @@ from engine.config import (
     DEFAULT_LORA_SM_CARVEOUT,
     LINEAR_WEIGHT_LAYOUTS,
     LORA_FUSED_TARGETS,
+    PREFILL_FUSED_TARGETS,
     parse_target_sms,
 )
 from loraformat.errors import StatusError
@@ -324,6 +325,14 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="on cuda with the triton or splitk LoRA backend, decode steps add these projections' LoRA expand"
         " in the kernel that reads them next (qkv: RoPE with the KV write; gate_up: SiLU-mul) rather than"
         " computing it beside the base GEMM (default: none)",
+    )
+    p.add_argument(
+        "--lora-prefill-fused-expand", nargs="*", metavar="TARGET", choices=PREFILL_FUSED_TARGETS,
+        default=env("--lora-prefill-fused-expand", "gate_up").split(),
+        help="on cuda with the triton or splitk LoRA backend, prefill-sized steps add these projections' LoRA"
+        " expand in the kernel that reads them next (gate_up: SiLU-mul; o, down: the residual add + RMSNorm,"
+        " on one GPU) rather than reading and writing the projection's output first (default: gate_up;"
+        " none: every expand in line)",
     )
     p.add_argument(
         "--lora-decode-fused-delta", nargs="+", metavar="TARGET", choices=LORA_FUSED_TARGETS,

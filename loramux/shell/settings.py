@@ -85,6 +85,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_sm_carveout_targets=tuple(args.lora_sm_carveout_target),
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
         lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),
+        lora_prefill_fused_expand=tuple(args.lora_prefill_fused_expand),
         kernel_configs=args.kernel_configs,
         lora_eviction_policy=args.lora_eviction_policy,
         lora_load_ahead=args.lora_load_ahead,

@@ -47,7 +47,7 @@ def adapter_dirs(make_adapter):
 
 def run_batch(
     model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] = (), static_decode: tuple[int, ...] = (), jobs=JOBS,
-    replayed: list | None = None, **config,
+    replayed: list | None = None, step_fused_expand: frozenset[str] = frozenset({"gate_up"}), **config,
 ) -> list[list[int]]:
     """JOBS submitted together before the loop starts (one batch); each job's greedy tokens.
     static_steps: token buckets of CUDA-graph steps (engine/step_graphs.py) run uncaptured on the CPU,
@@ -81,7 +81,7 @@ def run_batch(
         runner = core.workers.local.runner
         runner.step_graphs = StepGraphs(
             runner.model, runner.kv, runner.req_to_token, max(static_steps), runner.lora_pool, runner.lora_ops,
-            buckets=static_steps, capture=False,
+            buckets=static_steps, capture=False, fused_expand=step_fused_expand,
         )  # fmt: skip
         runner.step_graphs.capture()
         core.loop.overlap = True  # plans made before the last step's tokens arrive: chained input ids
@@ -168,6 +168,24 @@ def test_graph_steps_over_static_buffers_give_the_reference_tokens(tiny_llama_di
         max_batch_tokens=budget, max_running_requests=3,
     )  # fmt: skip
     assert tokens == reference
+
+
+def test_graph_steps_leaving_o_and_down_expands_to_the_norm_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, monkeypatch):
+    """--lora-prefill-fused-expand gate_up o down in the steps graphs replay, run uncaptured: the prompts'
+    step, padded to 96 tokens (past a decode-sized step's 64-row segments), hands o's and down's expand on
+    to the residual add + RMSNorm (on the CPU it adds it in line; lorakernels/rmsnorm.py
+    `add_rmsnorm_expand` on CUDA), and the tokens are the reference's."""
+    from engine.lora_inputs import PendingExpand
+    from engine.models.blocks import RMSNorm
+
+    pending, real = [], RMSNorm.add_forward
+    monkeypatch.setattr(RMSNorm, "add_forward", lambda self, x, residual, delta=None: pending.append(isinstance(delta, PendingExpand)) or real(self, x, residual, delta))
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, static_steps=(4, 96), attention_backend="ref", lora_backend="splitk",
+        max_batch_tokens=96, max_running_requests=3, step_fused_expand=frozenset({"gate_up", "o", "down"}),
+    )  # fmt: skip
+    assert tokens == reference
+    assert sum(pending) >= 2 * 2  # the prompt step's o and down in both layers at least
 
 
 @pytest.mark.parametrize("buckets, lora_backend", [((1, 2, 4), "triton"), ((4,), "splitk")])

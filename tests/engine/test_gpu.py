@@ -222,6 +222,42 @@ def test_cuda_linears_stored_in_out_match_cpu(tiny_llama_dir, make_adapter, tmp_
     assert greedy_three_adapters(tiny_llama_dir, adapters, "cuda", tmp_path / "cuda", graphs, linear_weight_layout="in_out") == expected
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_prefill_fused_o_and_down_expands_match_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
+    """--lora-prefill-fused-expand gate_up o down: prefill-sized steps leave o's and down's LoRA expand to
+    the residual add + RMSNorm (lorakernels/rmsnorm.py `add_rmsnorm_expand`), eagerly or in step graphs.
+    Greedy tokens equal the CPU reference's, and the fused kernel ran on prompt-sized steps for both
+    targets (a layer's o and down, the last layer's down in the final norm)."""
+    import lorakernels.rmsnorm
+
+    adapters = three_adapters(make_adapter, "norm-expand", seed=97)
+    prompts = ["The quick brown fox jumps over the lazy dog " * 12, "café 日本語 " * 20, "Hello world, this is"]
+    calls = []
+    real = lorakernels.rmsnorm.add_rmsnorm_expand
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    def run(device: str, **options) -> list[list[int]]:
+        config = EngineConfig(
+            model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
+            work_dir=str(tmp_path / device), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",
+            cuda_graph_max_tokens=1024 if graphs else 0, **options,
+        )  # fmt: skip
+        core = EngineCore.build(config)
+        records = [None, *(core.resolve_adapter(name) for name, _ in adapters)]
+        return generate_all(core, 8, records, prompts=prompts)
+
+    expected = run("cpu")
+    monkeypatch.setattr(lorakernels.rmsnorm, "add_rmsnorm_expand", counted)
+    assert run("cuda", lora_prefill_fused_expand=("gate_up", "o", "down")) == expected
+    assert calls and max(calls) > 64
+    calls.clear()
+    assert run("cuda") == expected  # by default gate/up's alone
+    assert not calls
+
+
 def greedy_three_adapters(model_dir, adapters, device: str, work_dir, graphs: bool, **options) -> list[list[int]]:
     """Greedy tokens of 8 prompts over the base model and `adapters` (three_adapters) in fp32: the CPU
     reference engine, or CUDA with the splitk ops, decode graphs and step graphs (graphs) or neither, and

@@ -284,6 +284,95 @@ def test_only_prefill_sized_steps_within_the_rank_capacity_fuse_the_expand():
     assert not _fuses_expand(decode, 32, 16)
 
 
+def norm_expand_case(dtype, seg_lens, slots, padding, hidden=600, seed=0):
+    """x, a residual, a norm weight and o's (or down's) shrink and B: one target, max rank 8."""
+    ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
+    max_rank, num_tokens = 8, sum(seg_lens) + padding
+    x = randn(num_tokens, hidden, dtype=dtype, seed=seed, scale=2.0)
+    residual = randn(num_tokens, hidden, dtype=dtype, seed=seed + 1, scale=3.0)
+    weight = randn(hidden, dtype=dtype, seed=seed + 2)
+    v = randn(num_tokens, max_rank, dtype=dtype, seed=seed + 3)
+    B = randn(len(ranks), hidden, max_rank, dtype=dtype, seed=seed + 4, scale=0.5)
+    start = 0
+    for n, w in zip(seg_lens, slots, strict=True):  # what the shrink does not write: NaN, never read
+        v[start : start + n, ranks[w] :] = float("nan")
+        start += n
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    return x, residual, weight, v, B, meta
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(EXPAND_CASES))
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first"])
+def test_add_rmsnorm_expand_is_the_expand_then_add_rmsnorm(dtype, case, with_residual):
+    """add_rmsnorm_expand(x, residual, w, eps, v, B, meta) = add_rmsnorm(x after o's or down's expand,
+    residual, w, eps), x left as it was: every segmentation, ranks below R (v past the rank unread), base
+    and empty slots, rows past the last segment (a graph's padding) normalised without LoRA, and a width
+    that is no multiple of the column block."""
+    from lorakernels.rmsnorm import add_rmsnorm_expand
+
+    seg_lens, slots, padding = EXPAND_CASES[case]
+    x, residual, weight, v, B, meta = norm_expand_case(dtype, seg_lens, slots, padding)
+    residual = residual if with_residual else None
+    before = x.clone()
+    expanded = x.clone()
+    sgmv_expand_ref(torch.nan_to_num(v), B, meta, expanded, output_slices=((0, x.shape[1]),))
+    want_out, want_sum = add_rmsnorm_ref(expanded, residual, weight, 1e-5)
+    out, summed = add_rmsnorm_expand(x, residual, weight, 1e-5, v, B, meta)
+    # x + its expand is rounded before the residual is added, at that sum's magnitude: where the residual
+    # then cancels it, one rounding step apart (the interpreter rounds bf16 toward zero) is relative to it
+    magnitude = expanded if residual is None else expanded.abs() + residual.abs()
+    err = ((summed.double() - want_sum.double()).abs() / magnitude.double().abs().clamp(min=1.0)).max().item()
+    assert torch.isfinite(summed).all() and err <= 2 * TOLERANCE[dtype], f"{case} sum: {err:.3g}"
+    assert_close(out, add_rmsnorm_ref(summed, None, weight, 1e-5)[0], dtype, f"{case} out")  # the norm of that sum
+    if dtype == torch.float32:  # in 16 bits the dot's fp32 sum order may move x + d a rounding step
+        assert_close(out, want_out, dtype, f"{case} out")
+    assert torch.equal(x, before)
+    plain, _ = add_rmsnorm_ref(before, residual, weight, 1e-5)
+    adapted = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    start = 0
+    for n, w in zip(seg_lens, slots, strict=True):
+        adapted[start : start + n] = w in (1, 2, 3)
+        start += n
+    assert_close(out[~adapted], plain[~adapted], dtype, f"{case} rows without LoRA", roundings=2)
+    if adapted.any():
+        assert not torch.allclose(out[adapted].float(), plain[adapted].float())
+
+
+def test_add_rmsnorm_expand_replays_any_segmentation_from_one_launch_size():
+    """A step graph's meta (max_seg_len and the segment count as captured, the segments refilled on the
+    device; no host lengths): one launch size gives each segmentation's result, every row normalised."""
+    from lorakernels.rmsnorm import add_rmsnorm_expand
+
+    x, residual, weight, v, B, _ = norm_expand_case(torch.float32, [40, 10], [1, 2], 14, hidden=300)
+    v = torch.nan_to_num(v)
+    ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
+    for seg_lens, slots in (([40, 10, 0, 0], [1, 2, 0, 0]), ([1, 1, 1, 61], [3, 0, 2, 1]), ([0, 0, 0, 0], [0, 0, 0, 0])):
+        meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+        meta = dataclasses.replace(meta, max_seg_len=64, host_seg_lens=None)
+        expanded = x.clone()
+        sgmv_expand_ref(v, B, meta, expanded, output_slices=((0, x.shape[1]),))
+        want_out, want_sum = add_rmsnorm_ref(expanded, residual, weight, 1e-5)
+        out, summed = add_rmsnorm_expand(x, residual, weight, 1e-5, v, B, meta)
+        assert_close(summed, want_sum, torch.float32, str(seg_lens))
+        assert_close(out, want_out, torch.float32, str(seg_lens))
+
+
+def test_add_rmsnorm_expand_refuses_mismatched_inputs():
+    from lorakernels.rmsnorm import add_rmsnorm_expand
+
+    x, residual, weight, v, B, meta = norm_expand_case(torch.float32, [6], [1], 0, hidden=64)
+    with pytest.raises(ValueError, match="columns"):
+        add_rmsnorm_expand(x, residual, weight, 1e-5, v[:, :4], B, meta)
+    with pytest.raises(ValueError, match="out_dim"):
+        add_rmsnorm_expand(x[:, :-2], residual[:, :-2], weight[:-2], 1e-5, v, B, meta)
+    with pytest.raises(ValueError, match="residual"):
+        add_rmsnorm_expand(x, residual[:, :-2], weight, 1e-5, v, B, meta)
+    wide = torch.zeros(B.shape[0], B.shape[1], 2 * FUSED_MAX_RANK, dtype=B.dtype, device=B.device)
+    with pytest.raises(ValueError, match="rank capacity 128 > 64"):
+        add_rmsnorm_expand(x, residual, weight, 1e-5, torch.zeros(v.shape[0], 2 * FUSED_MAX_RANK, device=v.device), wide, meta)
+
+
 def test_silu_mul_ref_is_the_model_mlp_activation():
     gate_up = torch.randn(5, 64).to(torch.bfloat16)
     gate, up = gate_up.chunk(2, dim=-1)
