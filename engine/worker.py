@@ -112,6 +112,8 @@ class ModelWorker:
             model, model_config = load_model(config.model_dir, device=device, dtype=dtype, tp=tp)
         if config.linear_weight_layout == "in_out":
             store_linears_in_out(model)
+            if device.type == "cuda":  # the old layout's blocks back to the device before the KV pool is sized
+                torch.cuda.empty_cache()
         dtype = next(model.parameters()).dtype
         local = model.config  # this rank's heads and features
         # each rank's pool must hold the same KV slots: the smallest any rank can afford

@@ -242,12 +242,12 @@ BUILTIN_SPLIT_MIN_TOKENS = 1024
 BUILTIN_SPLIT_MAX = 8
 
 
-def builtin_split_k(num_tokens: int, in_dim: int, block_m: int, block_k: int, programs_per_block: int, num_sms: int) -> int:
-    """The built-in shrink tile's split of in_dim: the largest power of two (at most BUILTIN_SPLIT_MAX)
-    that keeps the split programs within the SMs, where the row blocks of num_tokens rows (times the
-    programs each takes: stacked targets x column tiles) fill at most a quarter of them, each split at
-    least 4 K tiles; else 1."""
-    programs = triton.cdiv(num_tokens, block_m) * programs_per_block
+def builtin_split_k(num_tokens: int, row_blocks: int, in_dim: int, block_k: int, programs_per_block: int, num_sms: int) -> int:
+    """The built-in shrink tile's split of in_dim for a step of num_tokens rows in row_blocks blocks: the
+    largest power of two (at most BUILTIN_SPLIT_MAX) that keeps the split programs within the SMs, where
+    the blocks (times the programs each takes: stacked targets x column tiles) fill at most a quarter of
+    them, each split at least 4 K tiles; else 1."""
+    programs = row_blocks * programs_per_block
     if num_tokens < BUILTIN_SPLIT_MIN_TOKENS or programs * 4 > num_sms:
         return 1
     split = 1
@@ -373,7 +373,12 @@ def sgmv_shrink(
     split_k = tile.split_k if x.shape[1] > config["BLOCK_K"] else 1  # one K tile: nothing to split
     if builtin:
         per_block = num_stack * triton.cdiv(max_rank, config["BLOCK_N"])
-        split_k = builtin_split_k(x.shape[0], x.shape[1], config["BLOCK_M"], config["BLOCK_K"], per_block, _num_sms(x.device))
+        block_m = config["BLOCK_M"]
+        # the step's real row blocks where the host knows its segments (an eager step; many short ones fill
+        # the grid), else a long prompt's (a graph replays other segmentations of its rows)
+        lens = meta.host_seg_lens
+        blocks = sum(triton.cdiv(n, block_m) for n in lens) if lens is not None else triton.cdiv(x.shape[0], block_m)
+        split_k = builtin_split_k(x.shape[0], blocks, x.shape[1], config["BLOCK_K"], per_block, _num_sms(x.device))
     _launch(x, A, out, meta, is_shrink=True, K=x.shape[1], max_rank=max_rank, slices=slices, config=config, split_k=split_k)
     return out
 

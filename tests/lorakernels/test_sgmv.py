@@ -226,17 +226,19 @@ def test_medium_dims(backend, in_dim, out_dim, rank, num_tokens):
 def test_builtin_split_k_splits_only_steps_whose_row_blocks_leave_most_sms_idle():
     """A 2048-token step's o and down shrinks (32 row blocks of 64) split 4 ways on 132 SMs, as the H100
     tuner chose; q/k/v (3 programs a block) and gate/up (2) stay whole there; short steps, steps of
-    enough row blocks, a device without SMs (the interpreter) and an in_dim of few K tiles stay whole."""
+    enough row blocks (a long step of many short segments too), a device without SMs (the interpreter)
+    and an in_dim of few K tiles stay whole."""
     from lorakernels.sgmv import builtin_split_k
 
-    assert [builtin_split_k(2048, 4096, 64, 128, n, 132) for n in (1, 2, 3)] == [4, 1, 1]
-    assert builtin_split_k(2048, 14336, 64, 128, 1, 132) == 4
-    assert builtin_split_k(1024, 4096, 64, 128, 1, 132) == 8  # 16 blocks: at most 8 ways
-    assert builtin_split_k(1024, 4096, 64, 128, 2, 132) == 4
-    assert builtin_split_k(4096, 4096, 64, 128, 1, 132) == 1  # 64 blocks: half the SMs busy already
-    assert builtin_split_k(512, 4096, 64, 128, 1, 132) == 1  # short steps are mixed or decode-like
-    assert builtin_split_k(2048, 4096, 64, 128, 1, 0) == 1
-    assert builtin_split_k(2048, 1024, 64, 128, 1, 132) == 2  # 8 K tiles: each split takes at least 4
+    assert [builtin_split_k(2048, 32, 4096, 128, n, 132) for n in (1, 2, 3)] == [4, 1, 1]
+    assert builtin_split_k(2048, 32, 14336, 128, 1, 132) == 4
+    assert builtin_split_k(1024, 16, 4096, 128, 1, 132) == 8  # 16 blocks: at most 8 ways
+    assert builtin_split_k(1024, 16, 4096, 128, 2, 132) == 4
+    assert builtin_split_k(1024, 520, 4096, 128, 1, 132) == 1  # a prompt beside 512 decode rows
+    assert builtin_split_k(4096, 64, 4096, 128, 1, 132) == 1  # 64 blocks: half the SMs busy already
+    assert builtin_split_k(512, 8, 4096, 128, 1, 132) == 1  # short steps are mixed or decode-like
+    assert builtin_split_k(2048, 32, 4096, 128, 1, 0) == 1
+    assert builtin_split_k(2048, 32, 1024, 128, 1, 132) == 2  # 8 K tiles: each split takes at least 4
 
 
 def test_the_builtin_shrink_splits_where_builtin_split_k_says(monkeypatch):
@@ -256,8 +258,11 @@ def test_the_builtin_shrink_splits_where_builtin_split_k_says(monkeypatch):
     y = torch.randn(num_tokens, out_dim).to(DEVICE)
     expected = loop_reference(x, A, B, y, seg_lens, slots, ranks, scalings, ((0, out_dim),))
     sgmv_expand(sgmv_shrink(x, A, meta, num_stack=1), B, meta, y, output_slices=((0, out_dim),))
-    assert launched[0] == 8  # 2 row blocks x 2 column tiles (max rank 128) on 132 SMs; 32 K tiles
+    assert launched[0] == 8  # 1 + 2 row blocks x 2 column tiles (max rank 128) on 132 SMs; 32 K tiles
     assert_close(y, expected, torch.float32)
+    many = SgmvMeta.from_lists([1] * 64 + [64], [1, 2] * 32 + [1], ranks, scalings, DEVICE)  # 65 blocks of this step
+    sgmv_shrink(x, A, many, num_stack=1)
+    assert launched[-1] == 1
     sgmv_shrink(x, A, meta, num_stack=1, tile=SgmvTile(64, 16, 128, 4, 3))
     assert launched[-1] == 1
 
