@@ -27,7 +27,7 @@ rounded as the decode expand rounds the delta it writes (lorakernels/sgmv_decode
 delta path gives up to the order of the rank's fp32 sum.
 
 Grid (T, H + Hkv): program (t, h) rotates query head h, or (h >= H) key head h - H and copies its value
-head. The unfused path reads q and k in fp32 copies, concatenates, casts, then scatters k and v: five
+head; prompt-sized steps without an expand take HEADS_PER_PROGRAM heads a program (`_rope_kv_heads_kernel`). The unfused path reads q and k in fp32 copies, concatenates, casts, then scatters k and v: five
 passes over the heads where this is one. The fp32 products may contract into FMAs, so a rotated value
 can differ from PyTorch's by an ulp of fp32 before rounding to the model dtype.
 """
@@ -41,6 +41,12 @@ import triton.language as tl
 from lorakernels.pending_delta import load_plus_delta
 from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
+
+# A prefill step's rotation: 81920 one-head programs for 2048 tokens of Llama-3-8B took 51 us a layer on an
+# H100, about 3x its bytes (BENCHMARKS.md, 2026-12-06); 8 heads a program launch 10240. Decode steps keep
+# one head a program (their few tokens need the programs).
+HEADS_PER_PROGRAM = 8
+GROUP_MIN_TOKENS = 256
 
 
 @triton.jit
@@ -156,6 +162,71 @@ def _rope_kv_kernel(
         tl.store(v_dst + HALF + offs, second, mask=mask)
 
 
+@triton.jit
+def _rope_kv_heads_kernel(
+    # pointers
+    qkv_ptr,  # [T, (H + 2 Hkv) * D]
+    delta_ptr,  # [T, (H + 2 Hkv) * D] (unused without HAS_DELTA)
+    positions_ptr,  # [T] int
+    cos_sin_ptr,  # [P, D] fp32
+    k_cache_ptr,  # [num_slots, Hkv, D]
+    v_cache_ptr,  # [num_slots, Hkv, D]
+    out_cache_loc_ptr,  # [T] int
+    q_out_ptr,  # [T, H, D]
+    # sizes
+    num_heads,
+    num_kv_heads,
+    # strides
+    stride_qkv, stride_d, stride_cs,
+    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
+    stride_qo_tok, stride_qo_head,
+    # meta-parameters
+    HAS_DELTA: tl.constexpr,
+    HALF: tl.constexpr,  # D // 2
+    BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
+    HEADS: tl.constexpr,  # heads a program rotates (a power of two)
+):  # fmt: skip
+    """`_rope_kv_kernel` without an expand for HEADS heads of one token a program (grid (T, cdiv(H + Hkv,
+    HEADS))): a prefill step's thousands of tokens then launch H + Hkv / HEADS times fewer programs, each
+    loading its token's cos and sin once. Query heads and key heads (with their value heads) may share a
+    program: each store is masked to its kind."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS]
+    offs = tl.arange(0, BLOCK_HALF)
+    mask_d = offs < HALF
+    live = heads < num_heads + num_kv_heads
+    is_q = heads < num_heads
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=mask_d, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=mask_d, other=0.0)[None, :]
+    cols = heads[:, None] * 2 * HALF + offs[None, :]  # [HEADS, BLOCK_HALF]: each head's first half
+    mask = live[:, None] & mask_d[None, :]
+    row_ptr = qkv_ptr + t * stride_qkv
+    d_ptr = delta_ptr + t * stride_d
+    u1 = load_plus_delta(row_ptr, d_ptr, cols, mask, HAS_DELTA).to(tl.float32)
+    u2 = load_plus_delta(row_ptr + HALF, d_ptr + HALF, cols, mask, HAS_DELTA).to(tl.float32)
+    r1 = (u1 * cos - u2 * sin).to(q_out_ptr.dtype.element_ty)
+    r2 = (u2 * cos + u1 * sin).to(q_out_ptr.dtype.element_ty)
+    # query heads: q_out[t, h]
+    q_mask = mask & is_q[:, None]
+    q_dst = q_out_ptr + t * stride_qo_tok + heads[:, None] * stride_qo_head + offs[None, :]
+    tl.store(q_dst, r1, mask=q_mask)
+    tl.store(q_dst + HALF, r2, mask=q_mask)
+    # key heads j = h - H: k_cache[loc, j] rotated, v_cache[loc, j] the value head Hkv heads on
+    k_mask = mask & (~is_q)[:, None]
+    j = tl.where(is_q, 0, heads - num_heads)[:, None]
+    loc = tl.load(out_cache_loc_ptr + t).to(tl.int64)
+    k_dst = k_cache_ptr + loc * stride_kc_slot + j * stride_kc_head + offs[None, :]
+    tl.store(k_dst, r1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    v_cols = cols + num_kv_heads * 2 * HALF
+    first = load_plus_delta(row_ptr, d_ptr, v_cols, k_mask, HAS_DELTA)
+    second = load_plus_delta(row_ptr + HALF, d_ptr + HALF, v_cols, k_mask, HAS_DELTA)
+    v_dst = v_cache_ptr + loc * stride_vc_slot + j * stride_vc_head + offs[None, :]
+    tl.store(v_dst, first, mask=k_mask)
+    tl.store(v_dst + HALF, second, mask=k_mask)
+
+
 def _check(
     qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim, delta
 ) -> None:
@@ -199,8 +270,11 @@ def rope_kv_write(
     head_dim: int,
     delta: torch.Tensor | None = None,  # [T, (H + 2 Hkv) * D]: a LoRA delta still to add to qkv, first
     expand: tuple[torch.Tensor, torch.Tensor, SgmvMeta] | None = None,  # (v, B, meta): the delta's expand, done here
+    heads_per_program: int | None = None,  # without an expand: None = HEADS_PER_PROGRAM from GROUP_MIN_TOKENS tokens, else 1
 ) -> torch.Tensor:  # q [T, H, D], rotated
-    """Rotate q and k by their positions, write k and v into the paged cache, return q; see the module doc."""
+    """Rotate q and k by their positions, write k and v into the paged cache, return q; see the module doc.
+    Steps of GROUP_MIN_TOKENS tokens or more without an expand rotate HEADS_PER_PROGRAM heads a program
+    (`_rope_kv_heads_kernel`); decode-sized ones one head a program."""
     _check(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim, delta)
     if expand is not None:
         _check_expand(qkv, expand, delta, _qkv_slices(num_heads, num_kv_heads, head_dim))
@@ -210,6 +284,20 @@ def rope_kv_write(
         return q_out
     half = head_dim // 2
     d = qkv if delta is None else delta
+    if heads_per_program is None:
+        heads_per_program = HEADS_PER_PROGRAM if num_tokens >= GROUP_MIN_TOKENS else 1
+    if expand is None and heads_per_program > 1:
+        heads = triton.next_power_of_2(heads_per_program)
+        _rope_kv_heads_kernel[(num_tokens, triton.cdiv(num_heads + num_kv_heads, heads))](
+            qkv, d, positions, cos_sin, k_cache, v_cache, out_cache_loc, q_out,
+            num_heads, num_kv_heads,
+            qkv.stride(0), d.stride(0), cos_sin.stride(0),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            q_out.stride(0), q_out.stride(1),
+            HAS_DELTA=delta is not None, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HEADS=heads,
+            num_warps=4,
+        )  # fmt: skip
+        return q_out
     if expand is None:  # the expand's arguments unused: any tensors of the right kinds
         lora_args, max_rank = (qkv, qkv, positions, positions, positions, cos_sin), 1
         num_segments, strides = 0, (0, 0, 0)

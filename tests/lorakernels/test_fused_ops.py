@@ -23,6 +23,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from triton import next_power_of_2 as triton_next_power_of_2  # noqa: E402
+
 from engine.rope import apply_rope  # noqa: E402
 from lorakernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref  # noqa: E402
 from lorakernels.rope_kv import rope_kv_write, rope_kv_write_ref  # noqa: E402
@@ -402,16 +404,21 @@ def caches(num_kv_heads, head_dim, dtype, num_slots=20):
     return nan.clone(), nan.clone()
 
 
+# one head a program (decode steps), or 4 / 8 heads (prefill steps): query and key heads then share programs
+PER_PROGRAM = [1, 4, 8]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("head_dim", [16, 64, 96])  # 96: half of 48 is not a power of two
-def test_rope_kv_write_matches_reference(dtype, heads, head_dim):
+@pytest.mark.parametrize("per_program", PER_PROGRAM)
+def test_rope_kv_write_matches_reference(dtype, heads, head_dim, per_program):
     num_heads, num_kv_heads = HEADS[heads]
     cos_sin, qkv, positions, loc = rope_case(dtype, num_heads, num_kv_heads, head_dim, seed=head_dim)
     kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     k_cache, v_cache = caches(num_kv_heads, head_dim, dtype)
     k_ref, v_ref = caches(num_kv_heads, head_dim, dtype)
-    q = rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, **kw)
+    q = rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, heads_per_program=per_program, **kw)
     q_ref = rope_kv_write_ref(qkv, positions, cos_sin, k_ref, v_ref, loc, **kw)
     assert_close(q, q_ref, dtype, "q")
     assert_close(k_cache[loc], k_ref[loc], dtype, "k")
@@ -423,15 +430,17 @@ def test_rope_kv_write_matches_reference(dtype, heads, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", ["gqa", "mqa"])
-def test_rope_kv_write_adds_a_pending_delta_first(dtype, heads):
+@pytest.mark.parametrize("per_program", PER_PROGRAM)
+def test_rope_kv_write_adds_a_pending_delta_first(dtype, heads, per_program):
     num_heads, num_kv_heads = HEADS[heads]
     cos_sin, qkv, positions, loc = rope_case(dtype, num_heads, num_kv_heads, 64, seed=5)
     delta = randn(*qkv.shape, dtype=dtype, seed=6, scale=0.5)
-    kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": 64}
+    kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": 64, "heads_per_program": per_program}
     k_cache, v_cache = caches(num_kv_heads, 64, dtype)
     k_ref, v_ref = caches(num_kv_heads, 64, dtype)
     q = rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, delta=delta, **kw)
-    q_ref = rope_kv_write_ref(qkv, positions, cos_sin, k_ref, v_ref, loc, delta=delta, **kw)
+    kw_ref = {name: value for name, value in kw.items() if name != "heads_per_program"}
+    q_ref = rope_kv_write_ref(qkv, positions, cos_sin, k_ref, v_ref, loc, delta=delta, **kw_ref)
     assert_close(q, q_ref, dtype, "q")
     assert_close(k_cache[loc], k_ref[loc], dtype, "k")
     assert_close(v_cache[loc], v_ref[loc], dtype, "v")
@@ -443,6 +452,28 @@ def test_rope_kv_write_adds_a_pending_delta_first(dtype, heads):
     assert not torch.equal(q, q_plain)
     with pytest.raises(ValueError, match="delta"):
         rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, delta=delta[:3], **kw)
+
+
+def test_rope_kv_write_rotates_several_heads_a_program_in_prompt_sized_steps(kernel_launches):
+    """From GROUP_MIN_TOKENS tokens on (without an expand) one program takes HEADS_PER_PROGRAM heads of
+    its token, query and key heads alike; shorter steps one head a program. Both give the reference."""
+    import lorakernels.rope_kv as rope_kv
+
+    grouped = kernel_launches(rope_kv, "_rope_kv_heads_kernel")
+    single = kernel_launches(rope_kv, "_rope_kv_kernel")
+    num_heads, num_kv_heads = HEADS["gqa"]
+    kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": 16}
+    for num_tokens in (rope_kv.GROUP_MIN_TOKENS, 6):
+        cos_sin, qkv, positions, loc = rope_case(torch.float32, num_heads, num_kv_heads, 16, num_tokens=num_tokens, num_slots=300)
+        k_cache, v_cache = caches(num_kv_heads, 16, torch.float32, num_slots=300)
+        k_ref, v_ref = caches(num_kv_heads, 16, torch.float32, num_slots=300)
+        q = rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, loc, **kw)
+        assert_close(q, rope_kv_write_ref(qkv, positions, cos_sin, k_ref, v_ref, loc, **kw), torch.float32, "q")
+        assert_close(k_cache[loc], k_ref[loc], torch.float32, "k")
+        assert torch.equal(v_cache[loc], v_ref[loc])
+    heads = triton_next_power_of_2(rope_kv.HEADS_PER_PROGRAM)
+    assert grouped == [(rope_kv.GROUP_MIN_TOKENS, -(-(num_heads + num_kv_heads) // heads))]
+    assert single == [(6, num_heads + num_kv_heads)]
 
 
 ROPE_SEGMENTS = {  # (segment lengths, slots, rows); slot 4 is the base slot (rank 0)
