@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from lorakernels.pending_delta import load_plus_delta
-from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, row_block, row_blocks
+from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, seg_and_tail_blocks, segment_or_tail_block
 from lorakernels.sgmv_ref import SgmvMeta
 from lorakernels.silu_mul import FUSED_MAX_RANK
 
@@ -146,17 +146,10 @@ def _add_rmsnorm_expand_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    if pid < seg_blocks:
-        seg, m_start, m_end = row_block(seg_indptr_ptr, num_segments, pid, BLOCK_M, BLOCK_S)
-        live = seg < num_segments
-        slot = tl.load(weight_indices_ptr + seg, mask=live, other=0)
-        rank = tl.load(lora_ranks_ptr + slot, mask=live, other=0)
-    else:  # rows no segment covers (a graph's padding): the add and the norm alone
-        m_start = tl.load(seg_indptr_ptr + num_segments) + (pid - seg_blocks) * BLOCK_M
-        m_end = num_tokens
-        slot = tl.load(weight_indices_ptr, mask=False, other=0)  # 0, typed as the loads above
-        rank = slot  # 0: no LoRA
+    # a segment's row block, or rows no segment covers (a graph's padding): the add and the norm alone
+    slot, rank, m_start, m_end = segment_or_tail_block(
+        seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, num_tokens, tl.program_id(0), seg_blocks, BLOCK_M, BLOCK_S
+    )  # fmt: skip
     if m_start >= m_end:
         return
     offs_m = (m_start + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -229,9 +222,7 @@ def add_rmsnorm_expand(
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return out, residual_out
-    seg_blocks = row_blocks(meta, num_tokens, block_m)
-    covered = meta.host_seg_lens is not None and sum(meta.host_seg_lens) == num_tokens
-    tail_blocks = 0 if covered else triton.cdiv(num_tokens, block_m)
+    seg_blocks, tail_blocks = seg_and_tail_blocks(meta, num_tokens, block_m)
     r = x if residual is None else residual
     _add_rmsnorm_expand_kernel[(seg_blocks + tail_blocks,)](
         x, r, v, B, weight, out, residual_out,

@@ -81,6 +81,28 @@ def row_block(seg_indptr_ptr, num_segments, block, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def segment_or_tail_block(
+    seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, num_tokens, pid, seg_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """(slot, rank, first row, end row) of row program `pid` of a kernel that must reach every row, not only
+    the segments' (a fused expand's next kernel: SiLU-mul, the residual add + RMSNorm): programs below
+    seg_blocks take the segments' row blocks (`row_block`; past the last block an empty range), the rest
+    the rows after the last segment (a graph's padding) with rank 0. `seg_and_tail_blocks` sizes both."""
+    if pid < seg_blocks:
+        seg, m_start, m_end = row_block(seg_indptr_ptr, num_segments, pid, BLOCK_M, BLOCK_S)
+        live = seg < num_segments
+        slot = tl.load(weight_indices_ptr + seg, mask=live, other=0)
+        rank = tl.load(lora_ranks_ptr + slot, mask=live, other=0)
+    else:
+        m_start = tl.load(seg_indptr_ptr + num_segments) + (pid - seg_blocks) * BLOCK_M
+        m_end = num_tokens
+        slot = tl.load(weight_indices_ptr, mask=False, other=0)  # 0, typed as the loads above
+        rank = slot  # 0: no LoRA
+    return slot, rank, m_start, m_end
+
+
+@triton.jit
 def _tile_ids(n_tiles, num_stack):
     """(row block, stacked target, column tile) of this program: a row block's programs for every target
     and column tile are neighbours in launch order, so a shrink's stacked targets read the block's x
@@ -289,6 +311,13 @@ def row_blocks(meta: SgmvMeta, num_rows: int, block_m: int) -> int:
     """Row programs of a launch: enough for every segmentation of num_rows rows into meta.num_segments
     segments of at most meta.max_seg_len rows (host ints only)."""
     return min(triton.cdiv(meta.max_seg_len, block_m) * meta.num_segments, num_rows // block_m + meta.num_segments)
+
+
+def seg_and_tail_blocks(meta: SgmvMeta, num_rows: int, block_m: int) -> tuple[int, int]:
+    """(segment row programs, tail row programs) of a `segment_or_tail_block` launch over num_rows rows:
+    no tail where the host knows the segments cover every row."""
+    covered = meta.host_seg_lens is not None and sum(meta.host_seg_lens) == num_rows
+    return row_blocks(meta, num_rows, block_m), 0 if covered else triton.cdiv(num_rows, block_m)
 
 
 def _launch(inp, w, out, meta, *, is_shrink, K, max_rank, slices, config, split_k: int = 1) -> None:

@@ -30,7 +30,13 @@ import triton
 import triton.language as tl
 
 from lorakernels.pending_delta import load_plus_delta
-from lorakernels.sgmv import SEGMENT_CHUNK, block_m_for, check_expand_args, row_block, row_blocks
+from lorakernels.sgmv import (
+    SEGMENT_CHUNK,
+    block_m_for,
+    check_expand_args,
+    seg_and_tail_blocks,
+    segment_or_tail_block,
+)
 from lorakernels.sgmv_ref import SgmvMeta
 
 BLOCK = 1024
@@ -108,19 +114,11 @@ def _silu_mul_expand_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m < seg_blocks:
-        # past the last block: segment num_segments, an empty row range
-        seg, m_start, m_end = row_block(seg_indptr_ptr, num_segments, pid_m, BLOCK_M, BLOCK_S)
-        live = seg < num_segments
-        slot = tl.load(weight_indices_ptr + seg, mask=live, other=0)
-        rank = tl.load(lora_ranks_ptr + slot, mask=live, other=0)
-    else:  # rows no segment covers (a graph's padding): the SiLU-mul alone
-        m_start = tl.load(seg_indptr_ptr + num_segments) + (pid_m - seg_blocks) * BLOCK_M
-        m_end = num_tokens
-        slot = tl.load(weight_indices_ptr, mask=False, other=0)  # 0, typed as the loads above
-        rank = slot  # 0: no LoRA
+    # a segment's row block, or rows no segment covers (a graph's padding): the SiLU-mul alone
+    slot, rank, m_start, m_end = segment_or_tail_block(
+        seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, num_tokens, tl.program_id(0), seg_blocks, BLOCK_M, BLOCK_S
+    )  # fmt: skip
     if m_start >= m_end:
         return
     offs_m = (m_start + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -190,10 +188,7 @@ def launch_silu_mul_expand(
     """The kernel's launch over checked, non-empty inputs (`silu_mul_expand`; the tile sizes are the
     benchmark's to vary, benchmarks/silu_mul_expand.py)."""
     num_tokens, inter = out.shape
-    seg_blocks = row_blocks(meta, num_tokens, block_m)
-    # rows past the last segment: a graph's padding; none where the host knows the segments cover all
-    covered = meta.host_seg_lens is not None and sum(meta.host_seg_lens) == num_tokens
-    tail_blocks = 0 if covered else triton.cdiv(num_tokens, block_m)
+    seg_blocks, tail_blocks = seg_and_tail_blocks(meta, num_tokens, block_m)
     grid = (seg_blocks + tail_blocks, triton.cdiv(inter, block_n))
     _silu_mul_expand_kernel[grid](
         gate_up, v, B, out,
