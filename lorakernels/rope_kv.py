@@ -27,8 +27,9 @@ rounded as the decode expand rounds the delta it writes (lorakernels/sgmv_decode
 delta path gives up to the order of the rank's fp32 sum.
 
 Grid (T, H + Hkv): program (t, h) rotates query head h, or (h >= H) key head h - H and copies its value
-head; prompt-sized steps without an expand take HEADS_PER_PROGRAM heads a program (`_rope_kv_heads_kernel`). The unfused path reads q and k in fp32 copies, concatenates, casts, then scatters k and v: five
-passes over the heads where this is one. The fp32 products may contract into FMAs, so a rotated value
+head; prompt-sized steps without an expand take HEADS_PER_PROGRAM heads a program
+(`_rope_kv_heads_kernel`). The unfused path reads q and k in fp32 copies, concatenates, casts, then
+scatters k and v: five passes over the heads where this is one. The fp32 products may contract into FMAs, so a rotated value
 can differ from PyTorch's by an ulp of fp32 before rounding to the model dtype.
 """
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from lorakernels.sgmv_ref import SgmvMeta
-from lorakernels.tuned import SgmvTile, device_tiles
+from lorakernels.tuned import SgmvTile, device_sms, device_tiles
 
 MAX_STACK = 3  # q/k/v; the slice table below is passed as scalars so launching needs no device tensor
 # Segments a program scans at once when it looks up its row block: fixed, so steps with other segment
@@ -278,11 +278,6 @@ def builtin_split_k(num_tokens: int, row_blocks: int, in_dim: int, block_k: int,
     return split
 
 
-def _num_sms(device: torch.device) -> int:
-    """SMs of a CUDA device (0 elsewhere: the interpreter gains nothing from splitting)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
-
-
 def _tile_config(tile: SgmvTile, max_seg_len: int) -> dict:
     """A tile's launch: its rows a program where the step's segments are that long (a captured graph's
     max_seg_len is its token count), else as few as `block_m_for` gives shorter segments."""
@@ -399,15 +394,16 @@ def sgmv_shrink(
     builtin = tile is None
     tile = tile or builtin_tile(True, max_rank)
     config = _tile_config(tile, meta.max_seg_len)
-    split_k = tile.split_k if x.shape[1] > config["BLOCK_K"] else 1  # one K tile: nothing to split
-    if builtin:
+    if builtin:  # the interpreter (no SMs) and in_dims of few K tiles stay whole
         per_block = num_stack * triton.cdiv(max_rank, config["BLOCK_N"])
         block_m = config["BLOCK_M"]
         # the step's real row blocks where the host knows its segments (an eager step; many short ones fill
         # the grid), else a long prompt's (a graph replays other segmentations of its rows)
         lens = meta.host_seg_lens
         blocks = sum(triton.cdiv(n, block_m) for n in lens) if lens is not None else triton.cdiv(x.shape[0], block_m)
-        split_k = builtin_split_k(x.shape[0], blocks, x.shape[1], config["BLOCK_K"], per_block, _num_sms(x.device))
+        split_k = builtin_split_k(x.shape[0], blocks, x.shape[1], config["BLOCK_K"], per_block, device_sms(x.device))
+    else:
+        split_k = tile.split_k if x.shape[1] > config["BLOCK_K"] else 1  # one K tile: nothing to split
     _launch(x, A, out, meta, is_shrink=True, K=x.shape[1], max_rank=max_rank, slices=slices, config=config, split_k=split_k)
     return out
 

@@ -48,15 +48,13 @@ DECODE_MAX_SEG_LEN).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from lorakernels.sgmv import MAX_STACK, check_expand_args, sgmv_expand, sgmv_shrink, shrink_output
 from lorakernels.sgmv_ref import SgmvMeta
-from lorakernels.tuned import ExpandTile, ShrinkTile, device_tiles
+from lorakernels.tuned import ExpandTile, ShrinkTile, device_sms, device_tiles
 
 DECODE_MAX_SEG_LEN = 64  # a decode step's merged run of one adapter's requests (engine/lora_inputs.py)
 DECODE_MAX_TOKENS = 512  # the split workspace is [splits, T, stack * R] fp32: bounded for prefill-sized T
@@ -209,11 +207,8 @@ def _shrink_reduce_kernel(
         )
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: enough to exercise several splits on small test shapes
+    return device_sms(device) or 8  # the interpreter: enough to exercise several splits on small test shapes
 
 
 def builtin_shrink_tile(num_stack: int, device: torch.device) -> ShrinkTile:

@@ -215,6 +215,13 @@ def tiles_for(device_name: str) -> TunedTiles:
     return load_file(path) if path.is_file() else NO_TILES
 
 
+@functools.cache
+def device_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (asked once per device: the launches that size grids by it run every step);
+    0 elsewhere (Triton's CPU interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
 def device_tiles(device: torch.device) -> TunedTiles:
     """The tuned tiles of `device` (a CUDA device by its name; any other by its type, "cpu": no such
     file ships, so the interpreter keeps the built-in tiles unless a test writes one)."""

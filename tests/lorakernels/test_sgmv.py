@@ -246,7 +246,7 @@ def test_the_builtin_shrink_splits_where_builtin_split_k_says(monkeypatch):
     a lowered length floor), sums the partials and gives the reference's y; a tuned tile keeps its own."""
     import lorakernels.sgmv as sgmv
 
-    monkeypatch.setattr(sgmv, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(sgmv, "device_sms", lambda device: 132)
     monkeypatch.setattr(sgmv, "BUILTIN_SPLIT_MIN_TOKENS", 64)
     launched, real = [], sgmv._launch
     monkeypatch.setattr(sgmv, "_launch", lambda *args, **kwargs: (kwargs["is_shrink"] and launched.append(kwargs.get("split_k", 1))) or real(*args, **kwargs))
