@@ -98,17 +98,17 @@ def random_packed(
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "in_out", prefill_fused_expand: tuple[str, ...] = ("gate_up",)):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "in_out", prefill_fused_expand: tuple[str, ...] = ("gate_up",), gemm_tail_blocks: int = 0, max_lora_rank: int = 16):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
         num_kv_slots=kv_tokens or max_reqs * max_context + 8, attention_backend=attention, max_loras_per_batch=num_adapters,
-        max_lora_rank=16, lora_backend=lora_backend, cuda_graph_max_batch=max_reqs if graphs else 0, tensor_parallel_size=tp,
+        max_lora_rank=max_lora_rank, lora_backend=lora_backend, cuda_graph_max_batch=max_reqs if graphs else 0, tensor_parallel_size=tp,
         cuda_graph_max_tokens=graph_max_tokens if graphs else 0,
         disable_custom_all_reduce=nccl_only, lora_sm_carveout=lora_sm_carveout, kernel_configs=kernel_configs,
         lora_decode_fused_expand=decode_fused_expand, lora_sm_carveout_targets=lora_sm_carveout_targets,
         lora_decode_fused_delta=decode_fused_delta, linear_weight_layout=linear_weight_layout,
-        lora_prefill_fused_expand=prefill_fused_expand,
+        lora_prefill_fused_expand=prefill_fused_expand, lora_gemm_tail_blocks=gemm_tail_blocks,
     )  # fmt: skip
     spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=tuple(sorted(set(batches))))
     workers = start_workers(spec)
@@ -302,6 +302,8 @@ def main() -> None:
         "--prefill-fused-expand", nargs="*", default=["gate_up"], choices=PREFILL_FUSED_TARGETS,
         help="the engine's --lora-prefill-fused-expand",
     )
+    parser.add_argument("--gemm-tail-blocks", type=int, default=4, help="the engine's --lora-gemm-tail-blocks (0: off)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the engine's --max-lora-rank (the slots' rank capacity; adapters are rank 16)")
     parser.add_argument(
         "--linear-weight-layout", default="in_out", choices=LINEAR_WEIGHT_LAYOUTS, help="the engine's --linear-weight-layout"
     )
@@ -336,7 +338,7 @@ def main() -> None:
         SHAPES[args.shape], device, tp, args.batch, max_context, args.attention, max(args.adapters), args.lora_backend, graphs,
         args.disable_custom_all_reduce, tuple(args.adapter_targets), args.graph_max_tokens, kv_tokens, args.lora_sm_carveout,
         args.kernel_configs, tuple(args.decode_fused_expand), tuple(args.lora_sm_carveout_target), tuple(args.decode_fused_delta),
-        args.linear_weight_layout, tuple(args.prefill_fused_expand),
+        args.linear_weight_layout, tuple(args.prefill_fused_expand), args.gemm_tail_blocks, args.max_lora_rank,
     )  # fmt: skip
     loop.overlap = args.overlap
     try:
@@ -365,7 +367,7 @@ def main() -> None:
                     all_reduce="nccl" if args.disable_custom_all_reduce or tp == 1 else "peer+nccl", overlap=args.overlap,
                     lora_sm_carveout=args.lora_sm_carveout, lora_sm_carveout_targets=dict(args.lora_sm_carveout_target), lora_tiles=tuned.describe(device), decode_fused_expand=args.decode_fused_expand,
                     decode_fused_delta=args.decode_fused_delta, linear_weight_layout=args.linear_weight_layout,
-                    prefill_fused_expand=args.prefill_fused_expand,
+                    prefill_fused_expand=args.prefill_fused_expand, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)
                 for chunk in args.mixed_chunk:

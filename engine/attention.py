@@ -65,12 +65,16 @@ class TritonMetadata:
     plan: object = None
 
     def attend(self, q, k_cache, v_cache, scale):
+        return self.attend_into(q, k_cache, v_cache, scale, None)
+
+    def attend_into(self, q, k_cache, v_cache, scale, out):
+        """`attend` writing `out` when given (a view into the LoRA tail's x_aug: engine/lora_tail.py)."""
         from lorakernels.extend_attention import ExtendPlan, extend_attention  # Triton: imported on use
 
         if self.plan is None:
             group = q.shape[1] // k_cache.shape[1]
             self.plan = ExtendPlan(self.req_rows, self.prefix_lens, self.extend_lens, group, q.device)
-        return extend_attention(q, k_cache, v_cache, self.req_to_token, self.plan, scale)
+        return extend_attention(q, k_cache, v_cache, self.req_to_token, self.plan, scale, out=out)
 
 
 @dataclass

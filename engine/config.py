@@ -108,6 +108,14 @@ class EngineConfig:
     # under tensor parallelism their partial sums get the delta before the all-reduce), instead of the
     # expand reading and writing the projection's output first. o and down not by default until measured
     lora_prefill_fused_expand: tuple[str, ...] = ("gate_up",)
+    # With the Triton SGMV ops on one GPU, prefill-sized steps (engine/lora_tail.py MIN_TOKENS+) of at most
+    # this many adapters add their LoRA in the base GEMMs (the shrinks as extra input columns, the B
+    # matrices as extra weight rows beside each layer's weights: engine/lora_tail.py), so no expand
+    # reads and writes a projection's output; more adapters run in line. Prefill with 8 adapters 3-4%
+    # faster at rank capacity 16, 2-11% at 64 (an H100, Llama-3-8B; BENCHMARKS.md, 2026-12-06), for
+    # blocks x (A and B^T of one slot) of device memory (~2 GB at 4 blocks, rank 64, Llama-3-8B).
+    # Unused under tensor parallelism (a row-parallel delta would be summed over the ranks). 0: off
+    lora_gemm_tail_blocks: int = 4
     # On CUDA with the splitk LoRA backend and a max LoRA rank up to 64, the fused targets (LORA_FUSED_TARGETS) whose LoRA delta a decode
     # step computes beside the base GEMM in one pass from x (lorakernels/sgmv_decode.py
     # `sgmv_lora_delta_decode`: the expand sums the split shrink's partials itself, so no reduce kernel
@@ -189,6 +197,8 @@ class EngineConfig:
                 f"{', '.join(both)} cannot be in both lora_decode_fused_delta (the delta beside the GEMM) and"
                 " lora_decode_fused_expand (the expand in the next kernel)"
             )
+        if not 0 <= self.lora_gemm_tail_blocks <= 64:
+            raise ValueError(f"lora_gemm_tail_blocks must be 0-64, got {self.lora_gemm_tail_blocks}")
         if self.linear_weight_layout not in LINEAR_WEIGHT_LAYOUTS:
             raise ValueError(f"linear_weight_layout must be one of {', '.join(LINEAR_WEIGHT_LAYOUTS)}, got {self.linear_weight_layout!r}")
         if self.kernel_configs and not Path(self.kernel_configs).is_dir():

@@ -21,8 +21,15 @@ class AttentionInputs:
     out_cache_loc: torch.Tensor  # [T] int64: KV slot each new token's K/V is written to
     metadata: AttentionMetadata
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.metadata.attend(q, k_cache, v_cache, scale)  # [T, H, D]
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [T, H, D]: out when given (a view into a wider tensor, say)
+        if out is None:
+            return self.metadata.attend(q, k_cache, v_cache, scale)
+        attend_into = getattr(self.metadata, "attend_into", None)  # a backend that writes out itself
+        if attend_into is not None:
+            return attend_into(q, k_cache, v_cache, scale, out)
+        return out.copy_(self.metadata.attend(q, k_cache, v_cache, scale))
 
 
 @dataclass

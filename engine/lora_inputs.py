@@ -17,13 +17,18 @@ import dataclasses
 import functools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from engine.forward_inputs import StagingFence
 from engine.lora_pool import LoraSlotPool
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
+
+if TYPE_CHECKING:
+    from engine.lora_tail import GemmTail
 
 # A decode step merges each adapter's neighbouring requests into segments of at most this many rows: the
 # decode kernels read the adapter once per segment, and 16-row segments still spread one popular
@@ -140,6 +145,21 @@ class LoraInputs:
     # partials summed by the expand, no reduce kernel and no v (lorakernels/sgmv_decode.py
     # `sgmv_lora_delta_auto`; EngineConfig's lora_decode_fused_delta: `fused_delta_targets`)
     decode_fused_delta: frozenset[str] = frozenset()
+    # Prefill-sized steps whose expands the base GEMMs do (engine/lora_tail.py, EngineConfig's
+    # lora_gemm_tail_blocks): the weights' tail and the blocks this step's GEMMs cover (0: not this step)
+    tail: GemmTail | None = None
+    tail_blocks: int = 0
+    _tail_x: dict[str, torch.Tensor] = field(default_factory=dict)  # target -> its x_aug, head not yet projected
+
+    def tail_head(self, target: str, num_tokens: int, like: torch.Tensor) -> torch.Tensor | None:
+        """Where the kernel producing fused target `target`'s input should write it: the head [T, in] of a
+        new x_aug = [x | tail] (engine/lora_tail.py), or None where this step's `target` runs in line."""
+        if not self.tail_blocks or target in self.idle or self.tail is None or target not in self.tail.width:
+            return None
+        in_dim = self.tail.in_dim[target]
+        x_aug = torch.empty(num_tokens, in_dim + self.tail_blocks * self.tail.width[target], dtype=like.dtype, device=like.device)
+        self._tail_x[target] = x_aug
+        return x_aug[:, :in_dim]
 
     def project_deferred(
         self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, layer: int, x: torch.Tensor
@@ -155,6 +175,9 @@ class LoraInputs:
         projection than `y.add_(delta)` and the same rounding."""
         if target in self.idle or target not in self.pool.targets:  # not adapted here, or no buffers for it
             return linear(x), None
+        x_aug = self._tail_x.pop(target, None)
+        if x_aug is not None:
+            return self._project_tail(linear, target, layer, x, x_aug), None
         t = self.pool.targets[target]
         a, b = self.pool.a[target][layer], self.pool.b[target][layer]
         meta = self.by_target.get(target, self.meta)
@@ -186,6 +209,22 @@ class LoraInputs:
         if delta is None:  # v, allocated on the side stream, is read on main: as the delta, see above
             return y, PendingExpand(v, b, meta, t.output_slices, self.expand)
         return y, delta
+
+
+    def _project_tail(self, linear, target: str, layer: int, x: torch.Tensor, x_aug: torch.Tensor) -> torch.Tensor:
+        """linear(x) plus its LoRA in one GEMM over x_aug = [x | tail] (engine/lora_tail.py); x is written
+        into x_aug's head first where its producer wrote it elsewhere."""
+        from lorakernels.gemm_tail import place_lora_tail  # Triton: imported only where a tail runs
+
+        tail, blocks = self.tail, self.tail_blocks
+        in_dim = tail.in_dim[target]
+        head = x_aug[:, :in_dim]
+        if x.data_ptr() != head.data_ptr() or x.stride() != head.stride():
+            head.copy_(x)
+        meta = self.by_target.get(target, self.meta)
+        v_all = F.linear(head, tail.shrink_weight(target, layer, blocks))  # [T, blocks * W]: every block's shrink
+        place_lora_tail(v_all, meta, tail.slot_block, x_aug[:, in_dim:], max_rank=self.pool.max_rank, num_stack=self.pool.targets[target].num_stack)
+        return F.linear(x_aug, tail.weight(target, layer, blocks), linear.bias)
 
 
 @contextlib.contextmanager

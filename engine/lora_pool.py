@@ -120,6 +120,9 @@ class LoraSlotPool:
         self.ranks = [0] * total  # host copies: batch metadata is built from these, never from the device
         self.scalings = [0.0] * total
         self.target_ranks = {name: [0] * total for name in self.targets}
+        # loads into each slot so far: a copy of a slot's weights elsewhere (engine/lora_tail.py) is
+        # current while the count it was made at is
+        self.generations = [0] * total
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its latest load, not yet waited for
@@ -152,6 +155,7 @@ class LoraSlotPool:
                 adapter.reads.event = event  # its host memory is read until then
         self.ranks[slot] = adapter.rank
         self.scalings[slot] = adapter.scaling
+        self.generations[slot] += 1
         for name, ranks in self.target_ranks.items():
             ranks[slot] = adapter.rank if name in adapter.a else 0
 

@@ -31,6 +31,8 @@ from engine.lora_inputs import (
     usable_sm_carveout,
 )
 from engine.lora_pool import LoraSlotPool, PackedAdapter
+from engine.lora_tail import MIN_TOKENS as TAIL_MIN_TOKENS
+from engine.lora_tail import GemmTail
 from engine.models.blocks import DecoderModel
 from engine.sampling import make_generator, sample
 from engine.step_plan import StepPlan
@@ -53,6 +55,7 @@ class ModelRunner:
         lora_decode_fused_expand: tuple[str, ...] = (),  # CUDA decode steps: targets whose expand the next kernel does
         lora_decode_fused_delta: tuple[str, ...] = (),  # CUDA decode steps: targets whose delta is one fused pass
         lora_prefill_fused_expand: tuple[str, ...] = ("gate_up",),  # CUDA prefill-sized steps: targets whose expand the next kernel does
+        lora_gemm_tail: GemmTail | None = None,  # prefill-sized steps: the LoRA in the base GEMMs (engine/lora_tail.py)
     ):
         self.model = model
         self.kv = kv
@@ -64,6 +67,8 @@ class ModelRunner:
         # Prefill-sized steps leave these targets' expand to the kernel that reads the projection next
         # (gate/up: SiLU-mul; o, down: the residual add + RMSNorm): the Triton ops on CUDA
         self._fused_expand = prefill_fused_targets(lora_prefill_fused_expand, self.device, lora_backend)
+        # Prefill-sized steps of at most gemm_tail.blocks adapters add their LoRA in the base GEMMs instead
+        self.gemm_tail = lora_gemm_tail if lora_pool is not None else None
         # Decode steps compute LoRA deltas on this stream beside their base GEMMs (LoraInputs.side)
         self.lora_side = torch.cuda.Stream(self.device) if lora_pool is not None and self.device.type == "cuda" else None
         self.lora_sm_carveout = lora_sm_carveout  # LoraInputs.sm_carveout of those steps
@@ -111,7 +116,8 @@ class ModelRunner:
         pool = None
         if max_tokens > 0:  # the largest activations first: the decode graphs then reuse their memory
             self.step_graphs = StepGraphs(
-                self.model, self.kv, self.req_to_token, max_tokens, self.lora_pool, ops, fused_expand=self._fused_expand
+                self.model, self.kv, self.req_to_token, max_tokens, self.lora_pool, ops, fused_expand=self._fused_expand,
+                gemm_tail=self.gemm_tail,
             )
             self.step_graphs.capture()
             pool = self.step_graphs.pool
@@ -204,12 +210,16 @@ class ModelRunner:
         meta = self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
         side = self.lora_side if plan.is_decode else None
         idle = pool.idle_targets(seg_slots)
+        tail_blocks = 0
+        if self.gemm_tail is not None and not plan.is_decode and plan.num_tokens >= TAIL_MIN_TOKENS:
+            tail_blocks = self.gemm_tail.assign(pool, seg_slots) or 0  # None (more adapters than blocks): in line
         return LoraInputs(
             pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle,
             fused_expand=self._fused_expand, sm_carveout=self.lora_sm_carveout if side is not None else 0,
             sm_carveout_targets=self.lora_sm_carveout_targets if side is not None else {},
             decode_fused_expand=self._decode_fused_expand if side is not None else frozenset(),
             decode_fused_delta=self._decode_fused_delta if side is not None else frozenset(),
+            tail=self.gemm_tail, tail_blocks=tail_blocks,
         )  # fmt: skip
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

@@ -38,7 +38,8 @@ from engine.attention import eager_backend
 from engine.config import EngineConfig
 from engine.forward_inputs import KVBuffers
 from engine.kv_pool import num_slots_for_memory
-from engine.lora_pool import LoraSlotPool, PackedAdapter
+from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
+from engine.lora_tail import GemmTail
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, SampledTokens
 from engine.parallel import SINGLE, TensorParallel
@@ -114,6 +115,16 @@ class ModelWorker:
             store_linears_in_out(model)
             if device.type == "cuda":  # the old layout's blocks back to the device before the KV pool is sized
                 torch.cuda.empty_cache()
+        gemm_tail = None
+        if (
+            config.lora_gemm_tail_blocks and config.max_loras_per_batch > 0 and tp.size == 1
+            and _lora_backend(config, device) in ("triton", "splitk")
+        ):  # fmt: skip
+            # before the KV pool is sized: the blocks' rows take device memory
+            targets = {t.name: t for t in fused_targets(model.config, config.lora_target_modules)}
+            gemm_tail = GemmTail(model, targets, config.max_lora_rank, config.max_loras_per_batch, config.lora_gemm_tail_blocks)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         dtype = next(model.parameters()).dtype
         local = model.config  # this rank's heads and features
         # each rank's pool must hold the same KV slots: the smallest any rank can afford
@@ -131,6 +142,7 @@ class ModelWorker:
             pool, _lora_backend(config, device), samples=tp.rank == 0, lora_sm_carveout=config.lora_sm_carveout,
             lora_sm_carveout_targets=dict(config.lora_sm_carveout_targets), lora_decode_fused_expand=config.lora_decode_fused_expand,
             lora_decode_fused_delta=config.lora_decode_fused_delta, lora_prefill_fused_expand=config.lora_prefill_fused_expand,
+            lora_gemm_tail=gemm_tail,
         )  # fmt: skip
         if device.type == "cuda" and (config.cuda_graph_max_batch > 0 or config.cuda_graph_max_tokens > 0):
             runner.enable_cuda_graphs(

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from lorakernels.attention_ref import check_shapes
+from lorakernels.pending_delta import output_like
 
 
 @triton.jit
@@ -260,7 +261,8 @@ def extend_attention(
     req_to_token: torch.Tensor,  # [max_reqs, max_context] int
     plan: ExtendPlan | _StaticPlan,
     scale: float,
-) -> torch.Tensor:  # [T, num_heads, head_dim], q.dtype
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim], contiguous in head_dim (a view into a wider tensor, say)
+) -> torch.Tensor:  # [T, num_heads, head_dim], q.dtype: out when given
     """Causal attention of the new tokens over their cached and new K/V; see the module doc."""
     check_shapes(q, k_cache, v_cache)
     if q.shape[0] != plan.num_tokens:
@@ -272,7 +274,7 @@ def extend_attention(
         raise ValueError(f"the plan was built for another head grouping than {group} query heads per KV head")
     if k_cache.stride(2) != 1 or q.stride(2) != 1:
         raise ValueError("q and the KV cache must be contiguous in head_dim")
-    o = torch.empty_like(q)
+    o = output_like(q, out)
     if plan.num_blocks == 0:
         return o
     _extend_attention_kernel[(plan.num_blocks, num_kv_heads)](

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakernels.pending_delta import load_plus_delta
+from lorakernels.pending_delta import load_plus_delta, output_like
 from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, seg_and_tail_blocks, segment_or_tail_block
 from lorakernels.sgmv_ref import SgmvMeta
 from lorakernels.silu_mul import FUSED_MAX_RANK
@@ -95,11 +95,12 @@ def add_rmsnorm(
     weight: torch.Tensor,  # [N]
     eps: float,
     delta: torch.Tensor | None = None,  # [T, N]: a LoRA delta still to add to x, first
+    out: torch.Tensor | None = None,  # [T, N] with contiguous rows (another tensor's columns, say) or None: new
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, N], new residual [T, N]); the residual is x when both None
     """out = weight * rmsnorm((x + delta) + residual), residual_out = (x + delta) + residual; see the
     module doc."""
     _check(x, residual, weight, delta)
-    out = torch.empty_like(x)
+    out = output_like(x, out)
     residual_out = x if residual is None and delta is None else torch.empty_like(x)
     if x.shape[0] == 0:
         return out, residual_out
@@ -205,6 +206,7 @@ def add_rmsnorm_expand(
     block_m: int = 16,
     block_n: int = 256,
     num_warps: int = 4,
+    out: torch.Tensor | None = None,  # as add_rmsnorm's
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, N], new residual [T, N]); x is left as it was
     """add_rmsnorm(x after `sgmv_expand(v, B, meta, x, output_slices=((0, N),))`, residual, weight, eps)
     in one kernel: a prefill-sized step's o or down expand added as x is loaded, instead of the expand
@@ -218,7 +220,7 @@ def add_rmsnorm_expand(
         raise ValueError(f"rank capacity {B.shape[2]} > {FUSED_MAX_RANK}: expand first, then add_rmsnorm")
     if v.stride(1) != 1 or B.dtype != x.dtype:
         raise ValueError(f"want v with contiguous rows and B in x's dtype {x.dtype}, got {B.dtype}")
-    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    out, residual_out = output_like(x, out), torch.empty_like(x)
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return out, residual_out

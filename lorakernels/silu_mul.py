@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakernels.pending_delta import load_plus_delta
+from lorakernels.pending_delta import load_plus_delta, output_like
 from lorakernels.sgmv import (
     SEGMENT_CHUNK,
     block_m_for,
@@ -71,14 +71,17 @@ def _silu_mul_kernel(
     )
 
 
-def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
-    """silu(g[:, :I]) * g[:, I:] of g = gate_up (+ delta, a LoRA delta still to add); see the module doc."""
+def silu_mul(
+    gate_up: torch.Tensor, delta: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
+    """silu(g[:, :I]) * g[:, I:] of g = gate_up (+ delta, a LoRA delta still to add); see the module doc.
+    out: [T, I] with contiguous rows (another tensor's columns, say), or None: a new tensor."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"want gate_up [T, 2 * I] with contiguous rows, got {tuple(gate_up.shape)}")
     if delta is not None and (delta.shape != gate_up.shape or delta.dtype != gate_up.dtype or delta.stride(1) != 1):
         raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} is not gate_up's {tuple(gate_up.shape)} {gate_up.dtype} with contiguous rows")
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    out = output_like(gate_up[:, :inter], out)
     if num_tokens == 0 or inter == 0:
         return out
     d = gate_up if delta is None else delta
@@ -161,6 +164,7 @@ def silu_mul_expand(
     meta: SgmvMeta,
     *,
     output_slices: tuple[tuple[int, int], ...] | None = None,  # the projection's; must be gate's, then up's
+    out: torch.Tensor | None = None,  # as silu_mul's
 ) -> torch.Tensor:  # [T, I]
     """silu_mul(gate_up after `sgmv_expand(v, B, meta, gate_up, output_slices=((0, I), (I, I)))`), in one
     kernel that leaves gate_up as it was; see the module doc. Ranks up to FUSED_MAX_RANK."""
@@ -175,7 +179,7 @@ def silu_mul_expand(
         raise ValueError(f"rank capacity {B.shape[2]} > {FUSED_MAX_RANK}: expand first, then silu_mul")
     if v.stride(1) != 1 or B.dtype != gate_up.dtype:
         raise ValueError(f"want v with contiguous rows and B in gate_up's dtype {gate_up.dtype}, got {B.dtype}")
-    out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    out = output_like(gate_up[:, :inter], out)
     if num_tokens and inter:
         launch_silu_mul_expand(gate_up, v, B, meta, out, block_m=block_m_for(meta.max_seg_len))
     return out

@@ -213,6 +213,21 @@ def test_lora_prefill_fused_expand_reaches_the_engine_config_from_the_flag_or_it
         EngineConfig(model_dir="m", lora_prefill_fused_expand=("qkv",))
 
 
+def test_lora_gemm_tail_blocks_reaches_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_gemm_tail_blocks == 4
+    args = cli.build_parser({}).parse_args([*serve, "--lora-gemm-tail-blocks", "0"])
+    assert engine_config(args, "m", 0).lora_gemm_tail_blocks == 0
+    args = cli.build_parser({"LORAMUX_LORA_GEMM_TAIL_BLOCKS": "8"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_gemm_tail_blocks == 8
+    with pytest.raises(ValueError, match="lora_gemm_tail_blocks must be 0-64"):
+        EngineConfig(model_dir="m", lora_gemm_tail_blocks=65)
+    with pytest.raises(ValueError, match="lora_gemm_tail_blocks must be 0-64"):
+        EngineConfig(model_dir="m", lora_gemm_tail_blocks=-1)
+
+
 def test_linear_weight_layout_reaches_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

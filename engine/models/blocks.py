@@ -55,10 +55,11 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, delta: Pending = None
+        self, x: torch.Tensor, residual: torch.Tensor | None, delta: Pending = None, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: [T, hidden] -> (normed, residual + x)
         """Add x (plus its pending LoRA delta) to the residual stream (None: x starts it) and normalise
-        the sum; one kernel on CUDA, rounding where the PyTorch path rounds (lorakernels/rmsnorm.py)."""
+        the sum; one kernel on CUDA, rounding where the PyTorch path rounds (lorakernels/rmsnorm.py).
+        out: where the normed rows go (the head of a LoRA tail's x_aug, LoraInputs.tail_head), or None."""
         if x.is_cuda:
             from lorakernels.rmsnorm import (  # Triton: imported only where it runs
                 add_rmsnorm,
@@ -66,11 +67,12 @@ class RMSNorm(nn.Module):
             )
 
             if isinstance(delta, PendingExpand):  # o's or down's expand (a prefill-sized step's), done as x loads
-                return add_rmsnorm_expand(x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta)
-            return add_rmsnorm(x, residual, self.weight, self.eps, delta)
+                return add_rmsnorm_expand(x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta, out=out)
+            return add_rmsnorm(x, residual, self.weight, self.eps, delta, out=out)
         x = _plus(x, delta)
         s = x if residual is None else residual + x
-        return self(s), s
+        normed = self(s)
+        return (normed if out is None else out.copy_(normed)), s
 
 
 class Attention(nn.Module):
@@ -121,7 +123,7 @@ class Attention(nn.Module):
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                 delta=None if expand is not None else delta, expand=expand,
             )  # fmt: skip
-            o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
+            o = attn.attend(q, k_cache, v_cache, self.scale, out=self._o_head(lora, q))  # [T, H, D]
             return self.project_o(o.reshape(-1, c.q_size), lora)
         qkv = _plus(qkv, delta)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -132,8 +134,13 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, positions, cos_sin)
         k_cache[attn.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[attn.out_cache_loc] = v.to(v_cache.dtype)
-        o = attn.attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
+        o = attn.attend(q, k_cache, v_cache, self.scale, out=self._o_head(lora, q))  # [T, H, D]
         return self.project_o(o.reshape(-1, c.q_size), lora)
+
+    def _o_head(self, lora: LoraInputs | None, q: torch.Tensor) -> torch.Tensor | None:
+        """Where attention writes its output when o's LoRA runs in its GEMM's tail (LoraInputs.tail_head)."""
+        head = None if lora is None else lora.tail_head("o", q.shape[0], q)
+        return None if head is None else head.unflatten(1, (self.config.num_heads, self.config.head_dim))
 
 
 class MLP(nn.Module):
@@ -159,11 +166,14 @@ class MLP(nn.Module):
         if gate_up.is_cuda:
             from lorakernels.silu_mul import silu_mul, silu_mul_expand  # Triton: imported only where it runs
 
+            head = None if lora is None else lora.tail_head("down", gate_up.shape[0], gate_up)  # down's LoRA in its GEMM
             if isinstance(delta, PendingExpand):
-                out = silu_mul_expand(gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices)
+                out = silu_mul_expand(gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices, out=head)
                 return self.project_down(out, lora)
-            return self.project_down(silu_mul(gate_up, delta), lora)
+            return self.project_down(silu_mul(gate_up, delta, out=head), lora)
         gate, up = _plus(gate_up, delta).chunk(2, dim=-1)  # each [T, inter]
+        if lora is not None:
+            lora.tail_head("down", gate_up.shape[0], gate_up)  # down's projection copies its input in
         return self.project_down(F.silu(gate) * up, lora)
 
 
@@ -203,9 +213,11 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, Pending]:  # (this layer's MLP output, the residual stream before it, the output's pending delta)
         """`h = h + attn(norm(h)); h = h + mlp(norm(h))`, with each add fused into the following norm:
         the stream h is `residual + x (+ delta)` until the next layer (or the final norm) adds it."""
-        h, residual = self.input_layernorm.add_forward(x, residual, delta)
+        head = None if lora is None else lora.tail_head("qkv", x.shape[0], x)  # q/k/v's LoRA in its GEMM
+        h, residual = self.input_layernorm.add_forward(x, residual, delta, out=head)
         x, delta = self.self_attn(h, positions, cos_sin, attn, kv, lora)
-        h, residual = self.post_attention_layernorm.add_forward(x, residual, delta)
+        head = None if lora is None else lora.tail_head("gate_up", x.shape[0], x)
+        h, residual = self.post_attention_layernorm.add_forward(x, residual, delta, out=head)
         x, delta = self.mlp(h, lora)
         return x, residual, delta
 

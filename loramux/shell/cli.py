@@ -335,6 +335,13 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " none: every expand in line)",
     )
     p.add_argument(
+        "--lora-gemm-tail-blocks", type=int, metavar="N", default=int(env("--lora-gemm-tail-blocks", "4")),
+        help="on one GPU with the triton or splitk LoRA backend, prefill-sized steps (256+ tokens) of at most N"
+        " adapters add their LoRA in the base GEMMs: each adapter's shrink as extra input columns and its B"
+        " as extra weight rows, so no expand reads and writes a projection's output; a copy of N adapters'"
+        " weights stays beside the base weights (default 4; 0: off)",
+    )
+    p.add_argument(
         "--lora-decode-fused-delta", nargs="+", metavar="TARGET", choices=LORA_FUSED_TARGETS,
         default=env("--lora-decode-fused-delta", "").split(),
         help="on cuda with the splitk LoRA backend, decode steps compute these projections' LoRA delta beside"

@@ -86,6 +86,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
         lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),
         lora_prefill_fused_expand=tuple(args.lora_prefill_fused_expand),
+        lora_gemm_tail_blocks=args.lora_gemm_tail_blocks,
         kernel_configs=args.kernel_configs,
         lora_eviction_policy=args.lora_eviction_policy,
         lora_load_ahead=args.lora_load_ahead,

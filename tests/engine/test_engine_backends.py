@@ -81,7 +81,7 @@ def run_batch(
         runner = core.workers.local.runner
         runner.step_graphs = StepGraphs(
             runner.model, runner.kv, runner.req_to_token, max(static_steps), runner.lora_pool, runner.lora_ops,
-            buckets=static_steps, capture=False, fused_expand=step_fused_expand,
+            buckets=static_steps, capture=False, fused_expand=step_fused_expand, gemm_tail=runner.gemm_tail,
         )  # fmt: skip
         runner.step_graphs.capture()
         core.loop.overlap = True  # plans made before the last step's tokens arrive: chained input ids
@@ -147,7 +147,7 @@ def test_triton_prefill_attention_gives_the_reference_tokens(tiny_llama_dir, ada
     from lorakernels import extend_attention as module
 
     calls, real = [], module.extend_attention
-    monkeypatch.setattr(module, "extend_attention", lambda *args: calls.append(args[4].num_tokens) or real(*args))
+    monkeypatch.setattr(module, "extend_attention", lambda *args, **kwargs: calls.append(args[4].num_tokens) or real(*args, **kwargs))
     tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, attention_backend="triton", lora_backend="ref")
     assert tokens == reference
     # the prefill step (every prompt) and decode steps (one token per request) both ran through it
@@ -179,7 +179,10 @@ def test_graph_steps_leaving_o_and_down_expands_to_the_norm_give_the_reference_t
     from engine.models.blocks import RMSNorm
 
     pending, real = [], RMSNorm.add_forward
-    monkeypatch.setattr(RMSNorm, "add_forward", lambda self, x, residual, delta=None: pending.append(isinstance(delta, PendingExpand)) or real(self, x, residual, delta))
+    monkeypatch.setattr(
+        RMSNorm, "add_forward",
+        lambda self, x, residual, delta=None, out=None: pending.append(isinstance(delta, PendingExpand)) or real(self, x, residual, delta, out),
+    )  # fmt: skip
     tokens = run_batch(
         tiny_llama_dir, adapter_dirs, tmp_path, static_steps=(4, 96), attention_backend="ref", lora_backend="splitk",
         max_batch_tokens=96, max_running_requests=3, step_fused_expand=frozenset({"gate_up", "o", "down"}),
@@ -403,3 +406,78 @@ def test_the_engine_sets_the_gil_switch_interval_it_is_given(tiny_llama_dir, tmp
         assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.fixture
+def tail_calls(monkeypatch):
+    """The token counts of the steps whose projections ran through the LoRA GEMM tail (one entry a
+    projection), with the tail taking steps of 16+ tokens (engine/lora_tail.py MIN_TOKENS is 256)."""
+    import engine.model_runner
+    import engine.step_graphs
+    import lorakernels.gemm_tail
+
+    monkeypatch.setattr(engine.model_runner, "TAIL_MIN_TOKENS", 16)
+    monkeypatch.setattr(engine.step_graphs, "TAIL_MIN_TOKENS", 16)
+    calls, real = [], lorakernels.gemm_tail.place_lora_tail
+    monkeypatch.setattr(lorakernels.gemm_tail, "place_lora_tail", lambda v, *args, **kwargs: calls.append(v.shape[0]) or real(v, *args, **kwargs))
+    return calls
+
+
+LONG_JOBS = [(" ".join(f"word{i}" for i in range(12)), ""), ("The quick brown fox " * 3, "qv"), ("1 2 3 4 5 6 7 8 9 10", "all")]
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_llama_dir, adapter_dirs, tmp_path_factory):
+    """The reference backends' float32 tokens of LONG_JOBS (whose prompts' step is 16+ tokens)."""
+    return run_batch(tiny_llama_dir, adapter_dirs, tmp_path_factory.mktemp("ref-long"), jobs=LONG_JOBS, attention_backend="ref", lora_backend="ref")
+
+
+@pytest.mark.parametrize("lora_backend", ["triton", "splitk"])
+def test_gemm_tail_gives_the_reference_tokens(tiny_llama_dir, adapter_dirs, long_reference, tmp_path, tail_calls, lora_backend):
+    """--lora-gemm-tail-blocks 2: the prompts' step (base, q/v and all-projection rows) adds its LoRA in
+    the base GEMMs (engine/lora_tail.py): every projection of both layers went through the tail, the
+    weights' tail rows held both adapters, and the tokens are the reference's; decode steps run in line."""
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, jobs=LONG_JOBS, attention_backend="sdpa", lora_backend=lora_backend, lora_gemm_tail_blocks=2,
+    )  # fmt: skip
+    assert tokens == long_reference
+    assert len({tuple(t) for t in tokens}) == len(LONG_JOBS)
+    assert len(tail_calls) == 2 * 4 and min(tail_calls) >= 16  # q/k/v, o, gate/up, down in two layers, one step
+
+
+def test_gemm_tail_with_fewer_blocks_than_adapters_runs_in_line(tiny_llama_dir, adapter_dirs, long_reference, tmp_path, tail_calls):
+    """One block for a step of two adapters: the step keeps the in-line path, with the same tokens."""
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, jobs=LONG_JOBS, attention_backend="sdpa", lora_backend="splitk", lora_gemm_tail_blocks=1,
+    )  # fmt: skip
+    assert tokens == long_reference
+    assert not tail_calls
+
+
+def test_graph_steps_with_the_gemm_tail_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, long_reference, tmp_path, tail_calls):
+    """The steps CUDA graphs replay, run uncaptured, with the tail in buckets of 16+ tokens: the prompts'
+    step (padded to 64) covers every block, its padding rows get zero tails; the decode steps (bucket 4)
+    run in line. Tokens are the reference's."""
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, jobs=LONG_JOBS, static_steps=(4, 64), attention_backend="ref", lora_backend="splitk",
+        max_batch_tokens=64, max_running_requests=3, lora_gemm_tail_blocks=3,
+    )  # fmt: skip
+    assert tokens == long_reference
+    assert tail_calls and set(tail_calls) == {64}
+
+
+def test_graph_steps_with_more_adapters_than_tail_blocks_give_the_reference_tokens(
+    tiny_llama_dir, adapter_dirs, long_reference, tmp_path, tail_calls, monkeypatch
+):
+    """One block: a step of two adapters replays its bucket's in-line LoRA graph (tail blocks 0), so it
+    still replays a graph (run_batch checks none ran eagerly); steps of one adapter take the tail."""
+    from engine.lora_tail import GemmTail
+
+    assigned, real = [], GemmTail.assign
+    monkeypatch.setattr(GemmTail, "assign", lambda self, pool, slots: assigned.append(real(self, pool, slots)) or assigned[-1])
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, jobs=LONG_JOBS, static_steps=(4, 64), attention_backend="ref", lora_backend="splitk",
+        max_batch_tokens=64, max_running_requests=3, lora_gemm_tail_blocks=1,
+    )  # fmt: skip
+    assert tokens == long_reference
+    assert None in assigned  # a step of more adapters than blocks: in line

@@ -137,6 +137,7 @@ def test_cuda_long_prompts_lora_matches_cpu(tiny_llama_dir, make_adapter, tmp_pa
             model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
             work_dir=str(tmp_path / device), max_loras_per_batch=3, lora_backend=backend,
             cuda_graph_max_tokens=1024 if graphs else 0,
+            lora_gemm_tail_blocks=0,  # the in-line path (a 256-token bucket would take the GEMM tail)
         )  # fmt: skip
         core = EngineCore.build(config)
         records = [None, *(core.resolve_adapter(name) for name, _ in adapters)]
@@ -243,7 +244,9 @@ def test_cuda_prefill_fused_o_and_down_expands_match_cpu(tiny_llama_dir, make_ad
         config = EngineConfig(
             model_dir=str(tiny_llama_dir), device=device, dtype="float32", num_kv_slots=4096, adapters=adapters,
             work_dir=str(tmp_path / device), max_loras_per_batch=3, lora_backend="splitk" if device == "cuda" else "ref",
-            cuda_graph_max_tokens=1024 if graphs else 0, **options,
+            cuda_graph_max_tokens=1024 if graphs else 0,
+            lora_gemm_tail_blocks=0,  # the in-line path (a 256-token bucket would take the GEMM tail)
+            **options,
         )  # fmt: skip
         core = EngineCore.build(config)
         records = [None, *(core.resolve_adapter(name) for name, _ in adapters)]
@@ -256,6 +259,30 @@ def test_cuda_prefill_fused_o_and_down_expands_match_cpu(tiny_llama_dir, make_ad
     calls.clear()
     assert run("cuda") == expected  # by default gate/up's alone
     assert not calls
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_gemm_tail_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
+    """--lora-gemm-tail-blocks: prefill-sized steps add their LoRA in the base GEMMs (engine/lora_tail.py),
+    eagerly or in step graphs (every block), with the producers writing x into x_aug's head (the residual
+    add + RMSNorm, extend attention, SiLU-mul). Greedy tokens equal the CPU reference's with three blocks
+    (every step fits) and with one (steps of several adapters run in line), and the tail ran."""
+    import engine.model_runner
+    import engine.step_graphs
+    import lorakernels.gemm_tail
+
+    monkeypatch.setattr(engine.model_runner, "TAIL_MIN_TOKENS", 16)  # the tiny model's steps are short
+    monkeypatch.setattr(engine.step_graphs, "TAIL_MIN_TOKENS", 16)
+    calls, real = [], lorakernels.gemm_tail.place_lora_tail
+    monkeypatch.setattr(lorakernels.gemm_tail, "place_lora_tail", lambda v, *args, **kwargs: calls.append(v.shape[0]) or real(v, *args, **kwargs))
+    adapters = three_adapters(make_adapter, "gemm-tail", seed=113)
+    expected = greedy_three_adapters(tiny_llama_dir, adapters, "cpu", tmp_path / "cpu", graphs)
+    for blocks in (3, 1):
+        calls.clear()
+        work_dir = tmp_path / f"cuda-{blocks}"
+        assert greedy_three_adapters(tiny_llama_dir, adapters, "cuda", work_dir, graphs, lora_gemm_tail_blocks=blocks) == expected
+        if blocks == 3:
+            assert calls and min(calls) >= 16
 
 
 def greedy_three_adapters(model_dir, adapters, device: str, work_dir, graphs: bool, **options) -> list[list[int]]:
