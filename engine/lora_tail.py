@@ -28,7 +28,6 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from engine.lora_pool import FusedTarget, LoraSlotPool
-from engine.models.blocks import DecoderModel
 
 # Steps of fewer tokens keep the in-line path: decode-sized and small mixed steps, whose GEMMs read
 # weights rather than compute, would pay the tail's extra weight rows in bytes.
@@ -40,7 +39,7 @@ def block_variants(blocks: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(blocks.bit_length()) if 1 << i < blocks} | {blocks}))
 
 
-def _linears(model: DecoderModel, target: str) -> list[torch.nn.Module]:
+def _linears(model: torch.nn.Module, target: str) -> list[torch.nn.Module]:
     """The linear of fused target `target` in every layer, in layer order."""
     pick = {
         "qkv": lambda layer: layer.self_attn.qkv_proj,
@@ -52,10 +51,11 @@ def _linears(model: DecoderModel, target: str) -> list[torch.nn.Module]:
 
 
 class GemmTail:
-    """Built before the KV pool is sized (its rows take device memory), from the slot pool's targets and
-    rank capacity; `assign` then reads that pool."""
+    """Built before the KV pool is sized (its rows take device memory), over a DecoderModel
+    (engine/models/blocks.py, not imported: it imports the LoRA seam that reads this) from the slot pool's
+    targets and rank capacity; `assign` then reads that pool."""
 
-    def __init__(self, model: DecoderModel, targets: Mapping[str, FusedTarget], max_rank: int, num_slots: int, blocks: int):
+    def __init__(self, model: torch.nn.Module, targets: Mapping[str, FusedTarget], max_rank: int, num_slots: int, blocks: int):
         if blocks < 1:
             raise ValueError(f"a GEMM tail needs at least one block, got {blocks}")
         if model.tp.size > 1:
