@@ -37,13 +37,15 @@ def main() -> None:
     parser.add_argument("--gaps-json", default="", help="with --gaps: write those steps' kernels and host calls to this file")
     parser.add_argument("--kernels-json", default="", help="then write every kernel of two steps (name, stream, start, duration in us) to this file")
     parser.add_argument("--prefill-len", type=int, default=0, help="profile prefill steps of prompts this long instead")
+    parser.add_argument("--gemm-tail-blocks", type=int, default=4, help="the engine's --lora-gemm-tail-blocks (0: off)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the engine's --max-lora-rank (adapters are rank 16)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     graphs = device.type == "cuda"
     if args.prefill_len:
         profile_prefill(args, device, graphs)
         return
-    loop = build(SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], 64 + 64 + 8, args.attention, args.adapters, args.lora_backend, graphs)
+    loop = build(SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], 64 + 64 + 8, args.attention, args.adapters, args.lora_backend, graphs, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank)
     vocab = loop.workers.local.runner.model.config.vocab_size
     for i in range(args.batch):
         loop.scheduler.add(make_request(i, 64, vocab, 64, f"adapter-{i % args.adapters}" if args.adapters else ""))
@@ -76,8 +78,9 @@ def _activities(device: torch.device) -> list[ProfilerActivity]:
 
 
 # the LoRA kernels of a prefill step: lorakernels/sgmv.py's shrink/expand and split-K sum, and the expand
-# fused into SiLU-mul (lorakernels/silu_mul.py)
-LORA_KERNELS = ("_sgmv_kernel", "_split_sum_kernel", "_silu_mul_expand_kernel")
+# fused into SiLU-mul (lorakernels/silu_mul.py), the GEMM tail's placement (lorakernels/gemm_tail.py; its shrink
+# and expand are cuBLAS GEMMs, not told apart from the base's)
+LORA_KERNELS = ("_sgmv_kernel", "_split_sum_kernel", "_silu_mul_expand_kernel", "_place_tail_kernel")
 
 
 def lora_kernel_times(averages) -> tuple[float, dict[str, float]]:
@@ -91,7 +94,7 @@ def lora_kernel_times(averages) -> tuple[float, dict[str, float]]:
 def profile_prefill(args, device: torch.device, graphs: bool, steps: int = 3) -> None:
     """Prefill steps of `args.batch` prompts of `args.prefill_len` tokens: their mean wall time, the
     device-time table, and the LoRA kernels' share of the device time."""
-    loop = build(SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], args.prefill_len + 8, args.attention, args.adapters, args.lora_backend, graphs)
+    loop = build(SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], args.prefill_len + 8, args.attention, args.adapters, args.lora_backend, graphs, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank)
     vocab = loop.workers.local.runner.model.config.vocab_size
     rid = itertools.count()
 

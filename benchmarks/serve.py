@@ -701,6 +701,7 @@ def engine_serve_args(config: EngineConfig) -> list[str]:
     if config.lora_decode_fused_delta:
         args += ["--lora-decode-fused-delta", *config.lora_decode_fused_delta]
     args += ["--linear-weight-layout", config.linear_weight_layout]
+    args += ["--lora-gemm-tail-blocks", str(config.lora_gemm_tail_blocks)]
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
     return args
@@ -871,6 +872,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
         lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),
         linear_weight_layout=args.linear_weight_layout,
+        lora_gemm_tail_blocks=args.lora_gemm_tail_blocks,
     )
 
 
@@ -935,6 +937,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--linear-weight-layout", default="in_out", choices=LINEAR_WEIGHT_LAYOUTS, help="the engine's --linear-weight-layout"
+    )
+    p.add_argument(
+        "--lora-gemm-tail-blocks", type=int, default=EngineConfig.lora_gemm_tail_blocks,
+        help="the engine's --lora-gemm-tail-blocks (0: off)",
     )
     p.add_argument(
         "--timeline-ms", type=float, default=0.0,
