@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from lorakernels.gemm_tail import place_lora_tail, place_lora_tail_ref  # noqa: E402
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref  # noqa: E402
+from tests.lorakernels.test_sgmv import POPULARITY, make_batch  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 POISON = 7.0
@@ -88,6 +89,37 @@ def test_place_takes_each_rows_block_of_an_every_block_shrink():
     cols = torch.arange(width, device=DEVICE) % max_rank < 2
     torch.testing.assert_close(tail[:5, width : 2 * width], (own.float() * 0.5).to(own.dtype) * cols, rtol=0, atol=0)
     assert (tail[:5, :width] == 0).all() and (tail[:5, 2 * width :] == 0).all()
+
+
+@pytest.mark.parametrize("every_block", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_stack", [1, 3])
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_place_grid_over_adapter_popularity(popularity, num_stack, dtype, every_block):
+    """The kernel against its reference over test_sgmv's batches (base, empty and rank-0 segments among
+    the adapters', ranks 1-16 in a capacity of 16) with some adapters' slots owning no block, for a
+    shrink of the rows' own slot and one of every block, and three padding rows past the segments."""
+    max_rank, blocks, num_tokens = 16, 3, 40
+    width = num_stack * max_rank
+    seg_lens, slots, ranks, scalings = make_batch(popularity, 6, num_tokens, seed=len(popularity) + num_stack)
+    ranks = [min(r, max_rank) for r in ranks]
+    if dtype == torch.bfloat16:  # products exact in bf16 (the interpreter rounds toward zero)
+        scalings = [0.0 if s == 0.0 else 2.0 ** (i % 3 - 1) for i, s in enumerate(scalings)]
+    meta = meta_of(seg_lens, slots, ranks, scalings)
+    # up to `blocks` of the batch's adapted slots own a block, in a shuffled order; the rest own none
+    gen = torch.Generator().manual_seed(num_stack)
+    adapted = [s for s in dict.fromkeys(slots) if s != 0 and ranks[s] > 0]
+    owners = [adapted[i] for i in torch.randperm(len(adapted), generator=gen).tolist()[:blocks]]
+    slot_block = torch.full((len(ranks),), -1, dtype=torch.int32)
+    for block, slot in zip(torch.randperm(blocks, generator=gen).tolist(), owners, strict=False):
+        slot_block[slot] = block
+    rows = sum(seg_lens) + 3
+    v = randn(rows, blocks * width if every_block else width, dtype=dtype, seed=11)
+    _, tail, expected = place_both(v, meta, slot_block.to(DEVICE), blocks=blocks, max_rank=max_rank, num_stack=num_stack)
+    torch.testing.assert_close(tail, expected, rtol=0, atol=0)
+    assert (tail[rows - 3 :] == 0).all()
+    if owners:
+        assert (tail != 0).any()  # some row's block holds its scaled shrink
 
 
 def test_place_rejects_mismatched_shapes():
