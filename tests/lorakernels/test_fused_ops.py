@@ -30,6 +30,7 @@ from lorakernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref  # noqa: E402
 from lorakernels.rope_kv import rope_kv_write, rope_kv_write_ref  # noqa: E402
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref  # noqa: E402
 from lorakernels.silu_mul import FUSED_MAX_RANK, silu_mul, silu_mul_expand, silu_mul_ref  # noqa: E402
+from tests.lorakernels.test_sgmv import POPULARITY, make_batch  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -155,9 +156,29 @@ EXPAND_CASES = {
 }
 
 
-def expand_case(dtype, seg_lens, slots, padding, inter=80, seed=0):
-    ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
-    max_rank = 8
+CASE_RANKS, CASE_SCALINGS = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]  # EXPAND_CASES' slots
+EXPAND_MAX_RANK = 8
+
+
+def popularity_batch(popularity):
+    """test_sgmv's batch of 6 requests over 46 tokens (a base, an empty and a rank-0 slot's segment among
+    them, in any order), its ranks capped at the expand tests' capacity: (seg_lens, slots, ranks, scalings)."""
+    seg_lens, slots, ranks, scalings = make_batch(popularity, 6, 48, seed=len(popularity))
+    return seg_lens, slots, [min(r, EXPAND_MAX_RANK) for r in ranks], scalings
+
+
+def adapted_rows(seg_lens, slots, ranks, device):
+    """Rows of segments whose slot holds an adapter (rank > 0), padding rows excluded."""
+    adapted = torch.zeros(sum(seg_lens), dtype=torch.bool, device=device)
+    start = 0
+    for n, w in zip(seg_lens, slots, strict=True):
+        adapted[start : start + n] = ranks[w] > 0
+        start += n
+    return adapted
+
+
+def expand_case(dtype, seg_lens, slots, padding, inter=80, seed=0, ranks=CASE_RANKS, scalings=CASE_SCALINGS):
+    max_rank = EXPAND_MAX_RANK
     num_tokens = sum(seg_lens) + padding
     gate_up = randn(num_tokens, 2 * inter, dtype=dtype, seed=seed, scale=3.0)
     v = randn(num_tokens, 2 * max_rank, dtype=dtype, seed=seed + 1)
@@ -178,23 +199,30 @@ def test_silu_mul_expand_is_the_expand_then_silu_mul(dtype, case):
     left as it was: every segmentation, ranks below R (v past the rank unread), base and empty slots,
     and rows past the last segment (a CUDA graph's padding) that get the SiLU-mul alone."""
     seg_lens, slots, padding = EXPAND_CASES[case]
-    gate_up, v, B, meta = expand_case(dtype, seg_lens, slots, padding)
+    check_silu_mul_expand(dtype, seg_lens, slots, padding, CASE_RANKS, CASE_SCALINGS, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_silu_mul_expand_over_adapter_popularity(dtype, popularity):
+    seg_lens, slots, ranks, scalings = popularity_batch(popularity)
+    check_silu_mul_expand(dtype, seg_lens, slots, 5, ranks, scalings, popularity)
+
+
+def check_silu_mul_expand(dtype, seg_lens, slots, padding, ranks, scalings, what):
+    gate_up, v, B, meta = expand_case(dtype, seg_lens, slots, padding, ranks=ranks, scalings=scalings)
     inter = gate_up.shape[1] // 2
     before = gate_up.clone()
     expanded = gate_up.clone()
     sgmv_expand_ref(torch.nan_to_num(v), B, meta, expanded, output_slices=((0, inter), (inter, inter)))
     out = silu_mul_expand(gate_up, v, B, meta)
-    assert_close(out, silu_mul_ref(expanded), dtype, case)
+    assert_close(out, silu_mul_ref(expanded), dtype, what)
     assert torch.equal(gate_up, before)
-    adapted = torch.zeros(gate_up.shape[0], dtype=torch.bool)
-    start = 0
-    for n, w in zip(seg_lens, slots, strict=True):
-        adapted[start : start + n] = w in (1, 2, 3)
-        start += n
+    adapted = torch.cat([adapted_rows(seg_lens, slots, ranks, out.device), torch.zeros(padding, dtype=torch.bool, device=out.device)])
     plain = silu_mul_ref(before)
-    assert torch.equal(out[~adapted.to(out.device)], silu_mul(before)[~adapted.to(out.device)])
+    assert torch.equal(out[~adapted], silu_mul(before)[~adapted])
     if adapted.any():
-        assert not torch.allclose(out[adapted.to(out.device)].float(), plain[adapted.to(out.device)].float())
+        assert not torch.allclose(out[adapted].float(), plain[adapted].float())
 
 
 def test_silu_mul_expand_replays_any_segmentation_from_one_launch_size():
@@ -286,10 +314,9 @@ def test_only_prefill_sized_steps_within_the_rank_capacity_fuse_the_expand():
     assert not _fuses_expand(decode, 32, 16)
 
 
-def norm_expand_case(dtype, seg_lens, slots, padding, hidden=600, seed=0):
+def norm_expand_case(dtype, seg_lens, slots, padding, hidden=600, seed=0, ranks=CASE_RANKS, scalings=CASE_SCALINGS):
     """x, a residual, a norm weight and o's (or down's) shrink and B: one target, max rank 8."""
-    ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
-    max_rank, num_tokens = 8, sum(seg_lens) + padding
+    max_rank, num_tokens = EXPAND_MAX_RANK, sum(seg_lens) + padding
     x = randn(num_tokens, hidden, dtype=dtype, seed=seed, scale=2.0)
     residual = randn(num_tokens, hidden, dtype=dtype, seed=seed + 1, scale=3.0)
     weight = randn(hidden, dtype=dtype, seed=seed + 2)
@@ -311,10 +338,21 @@ def test_add_rmsnorm_expand_is_the_expand_then_add_rmsnorm(dtype, case, with_res
     residual, w, eps), x left as it was: every segmentation, ranks below R (v past the rank unread), base
     and empty slots, rows past the last segment (a graph's padding) normalised without LoRA, and a width
     that is no multiple of the column block."""
+    seg_lens, slots, padding = EXPAND_CASES[case]
+    check_add_rmsnorm_expand(dtype, seg_lens, slots, padding, CASE_RANKS, CASE_SCALINGS, with_residual, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_add_rmsnorm_expand_over_adapter_popularity(dtype, popularity):
+    seg_lens, slots, ranks, scalings = popularity_batch(popularity)
+    check_add_rmsnorm_expand(dtype, seg_lens, slots, 5, ranks, scalings, True, popularity)
+
+
+def check_add_rmsnorm_expand(dtype, seg_lens, slots, padding, ranks, scalings, with_residual, case):
     from lorakernels.rmsnorm import add_rmsnorm_expand
 
-    seg_lens, slots, padding = EXPAND_CASES[case]
-    x, residual, weight, v, B, meta = norm_expand_case(dtype, seg_lens, slots, padding)
+    x, residual, weight, v, B, meta = norm_expand_case(dtype, seg_lens, slots, padding, ranks=ranks, scalings=scalings)
     residual = residual if with_residual else None
     before = x.clone()
     expanded = x.clone()
@@ -331,11 +369,7 @@ def test_add_rmsnorm_expand_is_the_expand_then_add_rmsnorm(dtype, case, with_res
         assert_close(out, want_out, dtype, f"{case} out")
     assert torch.equal(x, before)
     plain, _ = add_rmsnorm_ref(before, residual, weight, 1e-5)
-    adapted = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    start = 0
-    for n, w in zip(seg_lens, slots, strict=True):
-        adapted[start : start + n] = w in (1, 2, 3)
-        start += n
+    adapted = torch.cat([adapted_rows(seg_lens, slots, ranks, x.device), torch.zeros(padding, dtype=torch.bool, device=x.device)])
     assert_close(out[~adapted], plain[~adapted], dtype, f"{case} rows without LoRA", roundings=2)
     if adapted.any():
         assert not torch.allclose(out[adapted].float(), plain[adapted].float())
