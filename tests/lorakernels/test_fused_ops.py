@@ -31,6 +31,7 @@ from lorakernels.rope_kv import rope_kv_write, rope_kv_write_ref  # noqa: E402
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref  # noqa: E402
 from lorakernels.silu_mul import FUSED_MAX_RANK, silu_mul, silu_mul_expand, silu_mul_ref  # noqa: E402
 from tests.lorakernels.test_sgmv import POPULARITY, make_batch  # noqa: E402
+from tests.lorakernels.test_sgmv_decode import decode_batch, merged  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -533,10 +534,24 @@ def test_rope_kv_write_finds_a_rows_segment_among_many():
     check_rope_expand(torch.float32, "gqa", [1] * 70, [1 + i % 4 for i in range(70)], 70)
 
 
-def check_rope_expand(dtype, heads, seg_lens, slots, rows):
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize(
+    "grouped, dtype", [(False, torch.float32), (True, torch.bfloat16)], ids=["row_segments-fp32", "merged_runs-bf16"]
+)
+def test_rope_kv_write_expands_decode_batches_over_adapter_popularity(popularity, grouped, dtype):
+    """test_sgmv_decode's decode batches (12 rows over 4 adapters, some base-model rows), as one-row
+    segments or as the runs a decode step merges them into, ranks capped at the capacity 8."""
+    seg_lens, slots, ranks = decode_batch(popularity, batch=12, num_adapters=4, seed=len(popularity))
+    if grouped:
+        seg_lens, slots = merged(seg_lens, slots)
+    ranks = [min(r, EXPAND_MAX_RANK) for r in ranks]
+    scalings = [0.0] + [0.25 * (1 + i % 7) for i in range(len(ranks) - 1)]
+    check_rope_expand(dtype, "gqa", seg_lens, slots, 12, ranks=ranks, scalings=scalings)
+
+
+def check_rope_expand(dtype, heads, seg_lens, slots, rows, ranks=CASE_RANKS, scalings=CASE_SCALINGS):
     num_heads, num_kv_heads = HEADS[heads]
-    head_dim, max_rank = 64, 8
-    ranks, scalings = [0, 8, 8, 5, 0], [0.0, 0.5, 1.75, 2.0, 3.0]
+    head_dim, max_rank = 64, EXPAND_MAX_RANK
     cos_sin, qkv, positions, loc = rope_case(dtype, num_heads, num_kv_heads, head_dim, num_tokens=rows, seed=7, num_slots=80)
     kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     v = randn(rows, 3 * max_rank, dtype=dtype, seed=8)
