@@ -45,7 +45,7 @@ def main() -> None:
     if args.prefill_len:
         profile_prefill(args, device, graphs)
         return
-    loop = build(SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], 64 + 64 + 8, args.attention, args.adapters, args.lora_backend, graphs, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank)
+    loop = build_loop(args, device, graphs, 64 + 64 + 8)
     vocab = loop.workers.local.runner.model.config.vocab_size
     for i in range(args.batch):
         loop.scheduler.add(make_request(i, 64, vocab, 64, f"adapter-{i % args.adapters}" if args.adapters else ""))
@@ -73,6 +73,14 @@ def main() -> None:
     loop.workers.close()
 
 
+def build_loop(args, device: torch.device, graphs: bool, max_len: int):
+    """engine_step.py's engine for this run's options, its batch size's graphs, sequences up to max_len."""
+    return build(
+        SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], max_len, args.attention, args.adapters,
+        args.lora_backend, graphs, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
+    )  # fmt: skip
+
+
 def _activities(device: torch.device) -> list[ProfilerActivity]:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
@@ -94,7 +102,7 @@ def lora_kernel_times(averages) -> tuple[float, dict[str, float]]:
 def profile_prefill(args, device: torch.device, graphs: bool, steps: int = 3) -> None:
     """Prefill steps of `args.batch` prompts of `args.prefill_len` tokens: their mean wall time, the
     device-time table, and the LoRA kernels' share of the device time."""
-    loop = build(SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], args.prefill_len + 8, args.attention, args.adapters, args.lora_backend, graphs, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank)
+    loop = build_loop(args, device, graphs, args.prefill_len + 8)
     vocab = loop.workers.local.runner.model.config.vocab_size
     rid = itertools.count()
 

@@ -162,15 +162,16 @@ EXPAND_MAX_RANK = 8
 
 
 def popularity_batch(popularity):
-    """test_sgmv's batch of 6 requests over 46 tokens (a base, an empty and a rank-0 slot's segment among
+    """test_sgmv's batch of 6 requests, 48 tokens in all (a base, an empty and a rank-0 slot's segment among
     them, in any order), its ranks capped at the expand tests' capacity: (seg_lens, slots, ranks, scalings)."""
     seg_lens, slots, ranks, scalings = make_batch(popularity, 6, 48, seed=len(popularity))
     return seg_lens, slots, [min(r, EXPAND_MAX_RANK) for r in ranks], scalings
 
 
-def adapted_rows(seg_lens, slots, ranks, device):
-    """Rows of segments whose slot holds an adapter (rank > 0), padding rows excluded."""
-    adapted = torch.zeros(sum(seg_lens), dtype=torch.bool, device=device)
+def adapted_rows(seg_lens, slots, ranks, num_rows, device):
+    """Which of num_rows rows lie in a segment whose slot holds an adapter (rank > 0); rows past the last
+    segment (a graph's padding) do not."""
+    adapted = torch.zeros(num_rows, dtype=torch.bool, device=device)
     start = 0
     for n, w in zip(seg_lens, slots, strict=True):
         adapted[start : start + n] = ranks[w] > 0
@@ -219,7 +220,7 @@ def check_silu_mul_expand(dtype, seg_lens, slots, padding, ranks, scalings, what
     out = silu_mul_expand(gate_up, v, B, meta)
     assert_close(out, silu_mul_ref(expanded), dtype, what)
     assert torch.equal(gate_up, before)
-    adapted = torch.cat([adapted_rows(seg_lens, slots, ranks, out.device), torch.zeros(padding, dtype=torch.bool, device=out.device)])
+    adapted = adapted_rows(seg_lens, slots, ranks, out.shape[0], out.device)
     plain = silu_mul_ref(before)
     assert torch.equal(out[~adapted], silu_mul(before)[~adapted])
     if adapted.any():
@@ -370,7 +371,7 @@ def check_add_rmsnorm_expand(dtype, seg_lens, slots, padding, ranks, scalings, w
         assert_close(out, want_out, dtype, f"{case} out")
     assert torch.equal(x, before)
     plain, _ = add_rmsnorm_ref(before, residual, weight, 1e-5)
-    adapted = torch.cat([adapted_rows(seg_lens, slots, ranks, x.device), torch.zeros(padding, dtype=torch.bool, device=x.device)])
+    adapted = adapted_rows(seg_lens, slots, ranks, x.shape[0], x.device)
     assert_close(out[~adapted], plain[~adapted], dtype, f"{case} rows without LoRA", roundings=2)
     if adapted.any():
         assert not torch.allclose(out[adapted].float(), plain[adapted].float())
@@ -582,11 +583,7 @@ def check_rope_expand(dtype, heads, seg_lens, slots, rows, ranks=CASE_RANKS, sca
         assert_close(v_cache[loc], v_d[loc], dtype, "delta path v")
     k_plain, v_plain = caches(num_kv_heads, head_dim, dtype, num_slots=80)
     q_plain = rope_kv_write(qkv, positions, cos_sin, k_plain, v_plain, loc, **kw)
-    adapted = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
-    start = 0
-    for n, w in zip(seg_lens, slots, strict=True):
-        adapted[start : start + n] = ranks[w] > 0
-        start += n
+    adapted = adapted_rows(seg_lens, slots, ranks, rows, DEVICE)
     assert torch.equal(q[~adapted], q_plain[~adapted]) and torch.equal(v_cache[loc][~adapted], v_plain[loc][~adapted])
     assert not torch.allclose(q[adapted].float(), q_plain[adapted].float())
     assert not torch.allclose(v_cache[loc][adapted].float(), v_plain[loc][adapted].float())
