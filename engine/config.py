@@ -41,7 +41,7 @@ DEFAULT_FETCH_PROCESSES = 1
 DEFAULT_LORA_SM_CARVEOUT = 48
 
 LINEAR_WEIGHT_LAYOUTS = ("out_in", "in_out")  # linear_weight_layout's choices
-DECODE_FUSED_TARGETS = ("qkv", "gate_up")  # lora_decode_fused_expand's choices
+DECODE_FUSED_TARGETS = ("qkv", "gate_up")  # lora_decode_fused_expand's and lora_decode_norm_shrink's choices
 PREFILL_FUSED_TARGETS = ("gate_up", "o", "down")  # lora_prefill_fused_expand's choices
 LORA_FUSED_TARGETS = ("qkv", "o", "gate_up", "down")  # engine/lora_pool.py FusedTarget.name: lora_sm_carveout_targets' keys
 
@@ -123,6 +123,12 @@ class EngineConfig:
     # lora_decode_fused_expand. None by default: level or slower beside each GEMM, and decode steps 1-6%
     # slower with it on all four targets (an H100, BENCHMARKS.md, 2026-12-06)
     lora_decode_fused_delta: tuple[str, ...] = ()
+    # On CUDA with the Triton SGMV ops and a max LoRA rank up to 64, the fused targets ("qkv", "gate_up")
+    # whose decode-step LoRA leaves the side stream: the residual add + RMSNorm kernel that writes the
+    # projection's input also shrinks it (lorakernels/norm_shrink.py), the base GEMM runs on every SM with
+    # nothing beside it, and the kernel that reads its output next expands (RoPE with the KV write, SiLU-mul).
+    # A target here may not also be in lora_decode_fused_delta. None by default until measured (BENCHMARKS.md)
+    lora_decode_norm_shrink: tuple[str, ...] = ()
     # a directory of tuned LoRA-kernel tile files (lorakernels/tuned.py; benchmarks/tune_lora_tiles.py writes
     # them); "" = the package's lorakernels/configs
     kernel_configs: str = ""
@@ -196,6 +202,13 @@ class EngineConfig:
             raise ValueError(
                 f"{', '.join(both)} cannot be in both lora_decode_fused_delta (the delta beside the GEMM) and"
                 " lora_decode_fused_expand (the expand in the next kernel)"
+            )
+        if not set(self.lora_decode_norm_shrink) <= set(DECODE_FUSED_TARGETS):
+            raise ValueError(f"lora_decode_norm_shrink takes {', '.join(DECODE_FUSED_TARGETS)}, got {self.lora_decode_norm_shrink}")
+        if both := sorted(set(self.lora_decode_fused_delta) & set(self.lora_decode_norm_shrink)):
+            raise ValueError(
+                f"{', '.join(both)} cannot be in both lora_decode_fused_delta (the delta beside the GEMM) and"
+                " lora_decode_norm_shrink (the shrink in the norm, the expand in the next kernel)"
             )
         if not 0 <= self.lora_gemm_tail_blocks <= 64:
             raise ValueError(f"lora_gemm_tail_blocks must be 0-64, got {self.lora_gemm_tail_blocks}")

@@ -43,11 +43,14 @@ class DecodeGraphs:
         sm_carveout_targets: Mapping[str, int] | None = None,  # LoraInputs.sm_carveout_targets of the LoRA graphs
         fused_expand: frozenset[str] = frozenset(),  # LoraInputs.decode_fused_expand of the LoRA graphs
         fused_delta: frozenset[str] = frozenset(),  # LoraInputs.decode_fused_delta of the LoRA graphs
+        norm_shrink: frozenset[str] = frozenset(),  # LoraInputs.decode_norm_shrink of the LoRA graphs
+        shrink_counters: torch.Tensor | None = None,  # LoraInputs.shrink_counters of the LoRA graphs
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
         self.sm_carveout, self.fused_expand, self.fused_delta = sm_carveout, fused_expand, fused_delta
         self.sm_carveout_targets = dict(sm_carveout_targets or {})
+        self.norm_shrink, self.shrink_counters = norm_shrink, shrink_counters
         self.device = attention.req_to_token.device
         self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
         n = max_batch
@@ -135,6 +138,7 @@ class DecodeGraphs:
                 pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target, idle=skipped, sm_carveout=self.sm_carveout,
                 sm_carveout_targets=self.sm_carveout_targets,
                 decode_fused_expand=self.fused_expand, decode_fused_delta=self.fused_delta,
+                decode_norm_shrink=self.norm_shrink, shrink_counters=self.shrink_counters,
             )  # fmt: skip
 
         def step() -> torch.Tensor:

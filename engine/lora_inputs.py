@@ -5,7 +5,8 @@ one expand (`LoraInputs.project_deferred`; in CUDA decode steps both run on a si
 base GEMM, and the delta comes back for the next kernel to add; in prefill-sized CUDA steps gate/up's
 expand is left to the SiLU-mul kernel, `PendingExpand`, and with `decode_fused_expand` a decode step's
 q/k/v or gate/up expand to the RoPE/KV-write or SiLU-mul kernel; with `decode_fused_delta` a decode step's
-side stream computes a target's delta in one fused pass from x):
+side stream computes a target's delta in one fused pass from x; with `decode_norm_shrink` a decode step's
+q/k/v or gate/up LoRA leaves the side stream: the norm before the GEMM shrinks, the kernel after it expands):
 
     y[T, out] += scalings[slot] * (x[T, in] @ A[slot]^T) @ B[slot]^T     per segment of tokens
 """
@@ -109,6 +110,23 @@ class PendingExpand:
 
 
 @dataclass
+class NormShrink:
+    """A fused target's shrink for the residual add + RMSNorm that writes its input (LoraInputs.norm_shrink):
+    the slots' A of the layer, the step's metadata with the target's ranks, and, once the norm ran, v."""
+
+    a: torch.Tensor  # [num_slots, num_stack * R, in]
+    meta: SgmvMeta
+    num_stack: int
+    shrink: Callable  # the backend's, for a norm that cannot fuse it (the CPU path)
+    counters: torch.Tensor | None  # lorakernels/norm_shrink.py shrink_counters (CUDA)
+    v: torch.Tensor | None = None  # [T, num_stack * R]: the norm's output shrunk
+
+    def apply(self, normed: torch.Tensor) -> None:
+        """v from the norm's output in a separate shrink (a norm path without the fused kernel)."""
+        self.v = self.shrink(normed, self.a, self.meta, num_stack=self.num_stack)
+
+
+@dataclass
 class LoraInputs:
     pool: LoraSlotPool
     meta: SgmvMeta
@@ -149,7 +167,28 @@ class LoraInputs:
     # lora_gemm_tail_blocks): the weights' tail and the blocks this step's GEMMs cover (0: not this step)
     tail: GemmTail | None = None
     tail_blocks: int = 0
+    # Fused targets whose decode-step LoRA runs on the main stream, nothing beside the base GEMM: the
+    # shrink in the residual add + RMSNorm kernel that writes the projection's input
+    # (lorakernels/norm_shrink.py), the GEMM on every SM, the expand in the kernel that reads its output
+    # next (RoPE/KV write for qkv, SiLU-mul for gate_up) (EngineConfig's lora_decode_norm_shrink:
+    # `decode_fused_targets`); with the per-row counts the kernel's splits share (`shrink_counters`)
+    decode_norm_shrink: frozenset[str] = frozenset()
+    shrink_counters: torch.Tensor | None = None
     _tail_x: dict[str, torch.Tensor] = field(default_factory=dict)  # target -> its x_aug, head not yet projected
+    _norm_shrunk: dict[str, NormShrink] = field(default_factory=dict)  # target -> its input's shrink, not yet projected
+
+    def norm_shrink(self, target: str, layer: int) -> NormShrink | None:
+        """What the norm writing fused target `target`'s input in `layer` needs to shrink it as well
+        (RMSNorm.add_forward fills its v, which `project_deferred` then takes), or None where this step's
+        `target` runs otherwise."""
+        if target not in self.decode_norm_shrink or target in self.idle or target not in self.pool.targets or self.tail_blocks:
+            return None
+        ns = NormShrink(
+            self.pool.a[target][layer], self.by_target.get(target, self.meta), self.pool.targets[target].num_stack,
+            self.shrink, self.shrink_counters,
+        )  # fmt: skip
+        self._norm_shrunk[target] = ns
+        return ns
 
     def tail_head(self, target: str, num_tokens: int, like: torch.Tensor) -> torch.Tensor | None:
         """Where the kernel producing fused target `target`'s input should write it: the head [T, in] of a
@@ -180,6 +219,11 @@ class LoraInputs:
             return self._project_tail(linear, target, layer, x, x_aug), None
         t = self.pool.targets[target]
         a, b = self.pool.a[target][layer], self.pool.b[target][layer]
+        ns = self._norm_shrunk.pop(target, None)
+        if ns is not None:  # x's norm shrank it: the GEMM alone, on every SM; the next kernel expands
+            if ns.v is None or ns.v.shape[0] != x.shape[0]:
+                raise RuntimeError(f"{target}'s input norm in layer {layer} was asked for its shrink and did not compute it")
+            return linear(x), PendingExpand(ns.v, b, ns.meta, t.output_slices, self.expand)
         meta = self.by_target.get(target, self.meta)
         if self.side is None:
             y = linear(x)

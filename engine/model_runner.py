@@ -56,6 +56,7 @@ class ModelRunner:
         lora_decode_fused_delta: tuple[str, ...] = (),  # CUDA decode steps: targets whose delta is one fused pass
         lora_prefill_fused_expand: tuple[str, ...] = ("gate_up",),  # CUDA prefill-sized steps: targets whose expand the next kernel does
         lora_gemm_tail: GemmTail | None = None,  # prefill-sized steps: the LoRA in the base GEMMs (engine/lora_tail.py)
+        lora_decode_norm_shrink: tuple[str, ...] = (),  # CUDA decode steps: targets shrunk by their input's norm
     ):
         self.model = model
         self.kv = kv
@@ -86,6 +87,16 @@ class ModelRunner:
         )  # fmt: skip
         # ... and compute these targets' delta beside the GEMM in one fused pass from x
         self._decode_fused_delta = fused_delta_targets(lora_decode_fused_delta, self.device, lora_backend, lora_pool.max_rank) if lora_pool is not None else frozenset()
+        # ... and run these targets' LoRA on the main stream: the shrink in the norm before, the expand after
+        self._decode_norm_shrink = (
+            decode_fused_targets(lora_decode_norm_shrink, self.device, lora_backend, lora_pool.max_rank) if lora_pool is not None else frozenset()
+        )  # fmt: skip
+        self._shrink_counters = None
+        if self._decode_norm_shrink:
+            # Triton: only where the option is on, on CUDA
+            from lorakernels.norm_shrink import shrink_counters
+
+            self._shrink_counters = shrink_counters(self.device)
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran
@@ -128,6 +139,7 @@ class ModelRunner:
                 self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side, sm_carveout=self.lora_sm_carveout,
                 sm_carveout_targets=self.lora_sm_carveout_targets,
                 fused_expand=self._decode_fused_expand, fused_delta=self._decode_fused_delta,
+                norm_shrink=self._decode_norm_shrink, shrink_counters=self._shrink_counters,
             )  # fmt: skip
             self.graphs.pool = pool
             self.graphs.capture()
@@ -219,7 +231,8 @@ class ModelRunner:
             sm_carveout_targets=self.lora_sm_carveout_targets if side is not None else {},
             decode_fused_expand=self._decode_fused_expand if side is not None else frozenset(),
             decode_fused_delta=self._decode_fused_delta if side is not None else frozenset(),
-            tail=self.gemm_tail, tail_blocks=tail_blocks,
+            decode_norm_shrink=self._decode_norm_shrink if side is not None else frozenset(),
+            shrink_counters=self._shrink_counters, tail=self.gemm_tail, tail_blocks=tail_blocks,
         )  # fmt: skip
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

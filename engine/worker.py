@@ -142,7 +142,7 @@ class ModelWorker:
             pool, _lora_backend(config, device), samples=tp.rank == 0, lora_sm_carveout=config.lora_sm_carveout,
             lora_sm_carveout_targets=dict(config.lora_sm_carveout_targets), lora_decode_fused_expand=config.lora_decode_fused_expand,
             lora_decode_fused_delta=config.lora_decode_fused_delta, lora_prefill_fused_expand=config.lora_prefill_fused_expand,
-            lora_gemm_tail=gemm_tail,
+            lora_gemm_tail=gemm_tail, lora_decode_norm_shrink=config.lora_decode_norm_shrink,
         )  # fmt: skip
         if device.type == "cuda" and (config.cuda_graph_max_batch > 0 or config.cuda_graph_max_tokens > 0):
             runner.enable_cuda_graphs(

@@ -35,6 +35,17 @@ MAX_HIDDEN = 16384
 
 
 @triton.jit
+def residual_sum(x_row, residual_row, delta_row, offs, mask, HAS_RESIDUAL: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """(x + delta) + residual at columns offs of one row, each add rounded once to x's dtype (what `x + d`
+    and `x + r` in PyTorch do); x_row, residual_row, delta_row point at the row's first column."""
+    x = load_plus_delta(x_row, delta_row, offs, mask, HAS_DELTA)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_row + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_row.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _add_rmsnorm_kernel(
     # pointers
     x_ptr,  # [T, N]
@@ -56,11 +67,8 @@ def _add_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     mask = offs_n < N
-    # -- the adds, each rounded once to the model dtype (what `x + d` and `x + r` in PyTorch do) -------
-    x = load_plus_delta(x_ptr + row * stride_x, delta_ptr + row * stride_d, offs_n, mask, HAS_DELTA)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs_n, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    # -- the adds, each rounded once to the model dtype ------------------------------------------------
+    x = residual_sum(x_ptr + row * stride_x, residual_ptr + row * stride_r, delta_ptr + row * stride_d, offs_n, mask, HAS_RESIDUAL, HAS_DELTA)
     if HAS_RESIDUAL or HAS_DELTA:
         tl.store(residual_out_ptr + row * stride_ro + offs_n, x, mask=mask)
 

@@ -196,6 +196,24 @@ def test_lora_decode_fused_delta_reaches_the_engine_config_and_refuses_a_target_
     EngineConfig(model_dir="m", lora_decode_fused_delta=("o", "down"), lora_decode_fused_expand=("qkv", "gate_up"))
 
 
+def test_lora_decode_norm_shrink_reaches_the_engine_config_and_refuses_a_target_fused_both_ways():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_decode_norm_shrink == ()
+    args = cli.build_parser({}).parse_args([*serve, "--lora-decode-norm-shrink", "gate_up", "qkv"])
+    assert engine_config(args, "m", 0).lora_decode_norm_shrink == ("gate_up", "qkv")
+    args = cli.build_parser({"LORAMUX_LORA_DECODE_NORM_SHRINK": "qkv"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_decode_norm_shrink == ("qkv",)
+    with pytest.raises(SystemExit):  # o's and down's inputs come from no norm
+        cli.build_parser({}).parse_args([*serve, "--lora-decode-norm-shrink", "o"])
+    with pytest.raises(ValueError, match="lora_decode_norm_shrink takes qkv, gate_up"):
+        EngineConfig(model_dir="m", lora_decode_norm_shrink=("down",))
+    with pytest.raises(ValueError, match="qkv cannot be in both lora_decode_fused_delta"):
+        EngineConfig(model_dir="m", lora_decode_fused_delta=("qkv", "o"), lora_decode_norm_shrink=("qkv",))
+    EngineConfig(model_dir="m", lora_decode_fused_delta=("o", "down"), lora_decode_norm_shrink=("qkv", "gate_up"))
+
+
 def test_lora_prefill_fused_expand_reaches_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

@@ -19,7 +19,8 @@ steps, `LoraInputs.project_deferred`) is added by the kernel that reads the outp
 RoPE's KV write, SiLU-mul, or the residual add before the next norm; a path without such a kernel adds it
 at once (`_plus`). In a prefill-sized CUDA step gate/up's expand itself is pending (`PendingExpand`): the
 SiLU-mul kernel computes and adds it as it loads gate_up; with --lora-decode-fused-expand a decode step's
-q/k/v or gate/up expand is pending too, for the RoPE/KV-write or SiLU-mul kernel. Under tensor
+q/k/v or gate/up expand is pending too, for the RoPE/KV-write or SiLU-mul kernel, and with
+--lora-decode-norm-shrink its shrink is done by the RMSNorm kernel before the GEMM. Under tensor
 parallelism o's and down's deltas are added before the all-reduce.
 """
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_inputs import AttentionInputs, KVBuffers
-from engine.lora_inputs import LoraInputs, PendingExpand
+from engine.lora_inputs import LoraInputs, NormShrink, PendingExpand
 from engine.model_config import ModelConfig
 from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, local_config
 from engine.rope import apply_rope, cos_sin_cache
@@ -55,11 +56,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, delta: Pending = None, out: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        delta: Pending = None,
+        out: torch.Tensor | None = None,
+        shrink: NormShrink | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: [T, hidden] -> (normed, residual + x)
         """Add x (plus its pending LoRA delta) to the residual stream (None: x starts it) and normalise
         the sum; one kernel on CUDA, rounding where the PyTorch path rounds (lorakernels/rmsnorm.py).
-        out: where the normed rows go (the head of a LoRA tail's x_aug, LoraInputs.tail_head), or None."""
+        out: where the normed rows go (the head of a LoRA tail's x_aug, LoraInputs.tail_head), or None.
+        shrink: the next projection's LoRA shrink of the normed rows, whose v this fills (LoraInputs.norm_shrink;
+        in the same kernel on CUDA, lorakernels/norm_shrink.py), or None."""
         if x.is_cuda:
             from lorakernels.rmsnorm import (  # Triton: imported only where it runs
                 add_rmsnorm,
@@ -67,12 +75,25 @@ class RMSNorm(nn.Module):
             )
 
             if isinstance(delta, PendingExpand):  # o's or down's expand (a prefill-sized step's), done as x loads
-                return add_rmsnorm_expand(x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta, out=out)
-            return add_rmsnorm(x, residual, self.weight, self.eps, delta, out=out)
-        x = _plus(x, delta)
-        s = x if residual is None else residual + x
-        normed = self(s)
-        return (normed if out is None else out.copy_(normed)), s
+                normed, s = add_rmsnorm_expand(x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta, out=out)
+            elif shrink is not None and shrink.counters is not None:
+                from lorakernels.norm_shrink import add_rmsnorm_shrink
+
+                normed, s, shrink.v = add_rmsnorm_shrink(
+                    x, residual, self.weight, self.eps, shrink.a, shrink.meta, num_stack=shrink.num_stack,
+                    counters=shrink.counters, delta=delta, out=out,
+                )  # fmt: skip
+                return normed, s
+            else:
+                normed, s = add_rmsnorm(x, residual, self.weight, self.eps, delta, out=out)
+        else:
+            x = _plus(x, delta)
+            s = x if residual is None else residual + x
+            normed = self(s)
+            normed = normed if out is None else out.copy_(normed)
+        if shrink is not None:
+            shrink.apply(normed)
+        return normed, s
 
 
 class Attention(nn.Module):
@@ -214,10 +235,12 @@ class DecoderLayer(nn.Module):
         """`h = h + attn(norm(h)); h = h + mlp(norm(h))`, with each add fused into the following norm:
         the stream h is `residual + x (+ delta)` until the next layer (or the final norm) adds it."""
         head = None if lora is None else lora.tail_head("qkv", x.shape[0], x)  # q/k/v's LoRA in its GEMM
-        h, residual = self.input_layernorm.add_forward(x, residual, delta, out=head)
+        shrink = None if lora is None else lora.norm_shrink("qkv", self.self_attn.layer_id)  # or its shrink in the norm
+        h, residual = self.input_layernorm.add_forward(x, residual, delta, out=head, shrink=shrink)
         x, delta = self.self_attn(h, positions, cos_sin, attn, kv, lora)
         head = None if lora is None else lora.tail_head("gate_up", x.shape[0], x)
-        h, residual = self.post_attention_layernorm.add_forward(x, residual, delta, out=head)
+        shrink = None if lora is None else lora.norm_shrink("gate_up", self.mlp.layer_id)
+        h, residual = self.post_attention_layernorm.add_forward(x, residual, delta, out=head, shrink=shrink)
         x, delta = self.mlp(h, lora)
         return x, residual, delta
 

@@ -327,6 +327,14 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " computing it beside the base GEMM (default: none)",
     )
     p.add_argument(
+        "--lora-decode-norm-shrink", nargs="+", metavar="TARGET", choices=DECODE_FUSED_TARGETS,
+        default=env("--lora-decode-norm-shrink", "").split(),
+        help="on cuda with the triton or splitk LoRA backend, decode steps run these projections' LoRA with no"
+        " side stream: the RMSNorm kernel before the projection shrinks its output, the base GEMM takes every"
+        " SM, and the kernel that reads the projection next expands (qkv: RoPE with the KV write; gate_up:"
+        " SiLU-mul) (default: none)",
+    )
+    p.add_argument(
         "--lora-prefill-fused-expand", nargs="*", metavar="TARGET", choices=PREFILL_FUSED_TARGETS,
         default=env("--lora-prefill-fused-expand", "gate_up").split(),
         help="on cuda with the triton or splitk LoRA backend, prefill-sized steps add these projections' LoRA"

@@ -181,7 +181,8 @@ def test_graph_steps_leaving_o_and_down_expands_to_the_norm_give_the_reference_t
     pending, real = [], RMSNorm.add_forward
     monkeypatch.setattr(
         RMSNorm, "add_forward",
-        lambda self, x, residual, delta=None, out=None: pending.append(isinstance(delta, PendingExpand)) or real(self, x, residual, delta, out),
+        lambda self, x, residual, delta=None, out=None, shrink=None: pending.append(isinstance(delta, PendingExpand))
+        or real(self, x, residual, delta, out, shrink),
     )  # fmt: skip
     tokens = run_batch(
         tiny_llama_dir, adapter_dirs, tmp_path, static_steps=(4, 96), attention_backend="ref", lora_backend="splitk",
@@ -304,7 +305,7 @@ def test_decode_fused_delta_is_the_asked_targets_where_the_splitk_kernels_run():
 
 
 def test_lora_decode_fused_options_reach_the_decode_steps_lora_inputs(tiny_llama_dir, adapter_dirs, tmp_path, monkeypatch):
-    """EngineConfig.lora_decode_fused_expand and lora_decode_fused_delta -> the worker's runner (with its
+    """EngineConfig.lora_decode_fused_expand, lora_decode_fused_delta and lora_decode_norm_shrink -> the worker's runner (with its
     backend and rank capacity) -> each LoRA decode graph's LoraInputs and an eager decode step's, not a
     prefill step's (those fuse gate/up by their own rule). On the CPU the targets are stubbed: the kernels
     only run on CUDA (tests/engine/test_gpu.py)."""
@@ -324,29 +325,36 @@ def test_lora_decode_fused_options_reach_the_decode_steps_lora_inputs(tiny_llama
     monkeypatch.setattr(engine.model_runner, "decode_fused_targets", targets)
     monkeypatch.setattr(engine.model_runner, "fused_delta_targets", delta_targets)
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
-    for i, (wanted, wanted_delta) in enumerate([((), ()), (("qkv", "gate_up"), ("o", "down")), ((), ("qkv", "gate_up"))]):
+    real = engine.cuda_graphs.LoraInputs
+    cases = [((), (), ()), (("qkv", "gate_up"), ("o", "down"), ()), ((), ("qkv", "gate_up"), ()), (("qkv",), ("o",), ("gate_up",))]
+    for i, (wanted, wanted_delta, wanted_norm) in enumerate(cases):
         config = EngineConfig(
             model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / f"work{i}"), lora_backend="splitk",
             max_lora_rank=32, lora_decode_fused_expand=wanted, lora_decode_fused_delta=wanted_delta,
+            lora_decode_norm_shrink=wanted_norm,
         )  # fmt: skip
         runner = EngineCore.build(config).workers.local.runner
-        assert asked[-1] == (wanted, "cpu", "splitk", 32) and asked_delta[-1] == (wanted_delta, "cpu", "splitk", 32)
-        made, real = [], engine.cuda_graphs.LoraInputs
+        assert asked[-2:] == [(wanted, "cpu", "splitk", 32), (wanted_norm, "cpu", "splitk", 32)]
+        assert asked_delta[-1] == (wanted_delta, "cpu", "splitk", 32)
+        assert (runner._shrink_counters is not None) == bool(wanted_norm)  # the kernel's counts, once per runner
+        made = []
 
-        def lora_inputs(*args, made=made, real=real, **kwargs):
-            made.append((kwargs["decode_fused_expand"], kwargs["decode_fused_delta"]))
+        def lora_inputs(*args, made=made, real=real, counters=runner._shrink_counters, **kwargs):
+            made.append((kwargs["decode_fused_expand"], kwargs["decode_fused_delta"], kwargs["decode_norm_shrink"]))
+            assert kwargs["shrink_counters"] is counters
             return real(*args, **kwargs)
 
         monkeypatch.setattr(engine.cuda_graphs, "LoraInputs", lora_inputs)
         monkeypatch.setattr(engine.cuda_graphs, "capture_steps", lambda keys, make, device, pool, capture: ({k: make(*k) for k in keys}, pool))
         runner.enable_cuda_graphs(2, (2,))
-        want = (frozenset(wanted), frozenset(wanted_delta))
+        want = (frozenset(wanted), frozenset(wanted_delta), frozenset(wanted_norm))
         assert made == [want] * len(runner.graphs.lora_variants)
 
         runner.lora_side = object()  # a decode step's side stream on CUDA
         decode, prefill = runner._lora_inputs(two_row_plan(1)), runner._lora_inputs(two_row_plan(3))
-        assert (decode.decode_fused_expand, decode.decode_fused_delta) == want
-        assert prefill.decode_fused_expand == prefill.decode_fused_delta == frozenset()
+        assert (decode.decode_fused_expand, decode.decode_fused_delta, decode.decode_norm_shrink) == want
+        assert decode.shrink_counters is runner._shrink_counters
+        assert prefill.decode_fused_expand == prefill.decode_fused_delta == prefill.decode_norm_shrink == frozenset()
 
 
 def test_both_linear_weight_layouts_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, monkeypatch):

@@ -184,6 +184,35 @@ def test_cuda_decode_fused_expand_matches_cpu(tiny_llama_dir, make_adapter, tmp_
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_decode_norm_shrink_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
+    """--lora-decode-norm-shrink qkv gate_up: decode steps shrink q/k/v's and gate/up's input in the residual
+    add + RMSNorm kernel (lorakernels/norm_shrink.py), run those GEMMs with nothing beside them, and expand
+    in the RoPE/KV-write and SiLU-mul kernels, in the decode graphs or eagerly. Greedy tokens equal the CPU
+    reference's, and the fused norm ran for both targets (never without the option)."""
+    import lorakernels.norm_shrink
+
+    adapters = three_adapters(make_adapter, "decode-norm-shrink", seed=110)
+    real = lorakernels.norm_shrink.add_rmsnorm_shrink
+
+    def run(device: str, targets: tuple[str, ...], widths: list[int]) -> list[list[int]]:
+        def counted(x, residual, weight, eps, A, *args, **kwargs):
+            widths.append(A.shape[1])
+            return real(x, residual, weight, eps, A, *args, **kwargs)
+
+        monkeypatch.setattr(lorakernels.norm_shrink, "add_rmsnorm_shrink", counted)
+        work_dir = tmp_path / f"{device}-{len(targets)}"
+        return greedy_three_adapters(tiny_llama_dir, adapters, device, work_dir, graphs, lora_decode_norm_shrink=targets)
+
+    expected = run("cpu", (), [])
+    plain, fused = [], []
+    assert run("cuda", (), plain) == expected
+    assert run("cuda", ("qkv", "gate_up"), fused) == expected
+    assert not plain
+    max_rank = EngineConfig(model_dir="m").max_lora_rank
+    assert set(fused) == {3 * max_rank, 2 * max_rank}  # q/k/v's three stacked targets, gate/up's two
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_cuda_decode_fused_delta_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
     """--lora-decode-fused-delta on all four fused targets: decode steps compute each LoRA delta beside the
     base GEMM in one pass from x (lorakernels/sgmv_decode.py `sgmv_lora_delta_decode`, the expand summing

@@ -188,12 +188,14 @@ def test_prefix_cache_never_shares_kv_across_adapters(tiny_llama_dir, adapter_di
     assert seen["attn"][1] == final.prompt_tokens - 1  # the same adapter again hits its own prefix
 
 
-@pytest.mark.parametrize("deferred", [False, True, "expand"], ids=["in-line", "deferred", "pending-expand"])
+@pytest.mark.parametrize("deferred", [False, True, "expand", "norm"], ids=["in-line", "deferred", "pending-expand", "norm-shrink"])
 def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_model, tmp_path, monkeypatch, deferred):
     """deferred: every projection hands its LoRA delta back apart, as the side stream of CUDA decode
     steps does, so the model's blocks must add each one exactly once (in the kernel or op that reads the
     projection's output next). pending-expand: gate/up hands back its expand not yet run, as prefill-sized
-    CUDA steps do for the SiLU-mul kernel; on the CPU the MLP runs it before its activation."""
+    CUDA steps do for the SiLU-mul kernel; on the CPU the MLP runs it before its activation. norm-shrink:
+    q/k/v's and gate/up's shrink is done by the norm before them (decode_norm_shrink, as CUDA decode steps
+    with --lora-decode-norm-shrink do in one kernel) and the expand handed back for the next op."""
     from transformers import AutoTokenizer
 
     if deferred == "expand":
@@ -207,6 +209,21 @@ def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_
 
         monkeypatch.setattr(LoraInputs, "project_deferred", project_deferred)
         monkeypatch.setattr(lora_inputs, "_fuses_expand", lambda meta, num_tokens, max_rank: True)
+    elif deferred == "norm":
+        handed = []
+        real, real_norm = LoraInputs.project_deferred, LoraInputs.norm_shrink
+
+        def norm_shrink(self, target, layer):
+            self.decode_norm_shrink = frozenset({"qkv", "gate_up"})
+            return real_norm(self, target, layer)
+
+        def project_deferred(self, linear, target, layer, x):
+            y, delta = real(self, linear, target, layer, x)
+            handed.append((target, type(delta).__name__))
+            return y, delta
+
+        monkeypatch.setattr(LoraInputs, "norm_shrink", norm_shrink)
+        monkeypatch.setattr(LoraInputs, "project_deferred", project_deferred)
     elif deferred:
         handed = []
 
@@ -228,6 +245,9 @@ def test_logits_match_peft_for_a_mixed_batch(tiny_llama_dir, adapter_dirs, peft_
     if deferred == "expand":
         assert {kind for target, kind in handed if target == "gate_up"} == {"PendingExpand"}
         assert {kind for target, kind in handed if target != "gate_up"} == {"NoneType"}
+    elif deferred == "norm":
+        assert {kind for target, kind in handed if target in ("qkv", "gate_up")} == {"PendingExpand"}
+        assert {kind for target, kind in handed if target in ("o", "down")} == {"NoneType"}
     elif deferred:
         assert sorted(set(handed)) == ["down", "gate_up", "o", "qkv"]
 

@@ -757,6 +757,43 @@ def test_decode_fused_delta_targets_take_one_fused_pass_on_the_side_stream(strea
     assert isinstance(pending, PendingExpand)
 
 
+def test_decode_norm_shrink_targets_leave_the_side_stream(stream_log):
+    """LoraInputs.decode_norm_shrink: the norm writing q/k/v's input shrinks it too (RMSNorm.add_forward
+    fills the NormShrink; on the CPU by the reference shrink), and the projection then runs its GEMM alone,
+    with no event, no side stream and no carve-out, handing the expand back pending; it adds what the side
+    stream's delta adds. Targets not asked for, or idle in the step, get no NormShrink; a projection whose
+    norm was asked for its shrink and did not compute it is an error, never a silent base output."""
+    from engine.models.blocks import RMSNorm
+
+    log, _ = stream_log
+    pool = LoraSlotPool(CONFIG, num_slots=3, max_rank=8, dtype=torch.float32, device="cpu")
+    pool.load(1, packed("all", rank=4))
+    meta = SgmvMeta.from_lists([2, 1], [1, pool.base_slot], pool.ranks, pool.scalings)
+    ops = sgmv_ops("ref")
+    lora = LoraInputs(pool, meta, *ops, side=LoggedStream("side", log), decode_norm_shrink=frozenset({"qkv"}))
+    unfused = LoraInputs(pool, meta, *ops, side=LoggedStream("side", log))
+    norm = RMSNorm(CONFIG.hidden_size, 1e-5)
+    gemm = torch.nn.Linear(CONFIG.hidden_size, pool.targets["qkv"].out_dim, bias=False)
+    x, residual = torch.randn(3, CONFIG.hidden_size), torch.randn(3, CONFIG.hidden_size)
+    assert lora.norm_shrink("gate_up", 0) is None  # not asked for
+    shrink = lora.norm_shrink("qkv", 0)
+    h, s = norm.add_forward(x, residual, shrink=shrink)
+    assert torch.equal(h, norm(residual + x)) and torch.equal(s, residual + x) and shrink.v is not None
+    log.clear()
+    with torch.inference_mode():
+        y, pending = lora.project_deferred(gemm, "qkv", 0, h)
+        assert log == []  # the GEMM alone on the current stream
+        assert isinstance(pending, PendingExpand) and pending.v is shrink.v
+        want_y, want_delta = unfused.project_deferred(gemm, "qkv", 0, h)
+        assert want_delta.abs().sum() > 0
+        torch.testing.assert_close(pending.apply(y), want_y + want_delta, atol=1e-6, rtol=0)
+    lora.norm_shrink("qkv", 1)  # asked for, never filled
+    with pytest.raises(RuntimeError, match="did not compute it"):
+        lora.project_deferred(gemm, "qkv", 1, h)
+    idle = LoraInputs(pool, meta, *ops, side=LoggedStream("side", log), decode_norm_shrink=frozenset({"qkv"}), idle=frozenset({"qkv"}))
+    assert idle.norm_shrink("qkv", 0) is None
+
+
 def test_the_sm_carveout_is_at_most_half_the_device():
     from engine.lora_inputs import usable_sm_carveout
 
