@@ -9,7 +9,9 @@ bandwidth of the decode shrink as a fraction of --copy-gbps (bytes: x, the used 
 their rank, v), and the decode delta (`sgmv_delta_auto`: the expand into a new tensor, as the engine's
 side stream runs it). Request i uses adapter i mod N (rank-16 adapters in slots of capacity --max-rank),
 in two layouts: one segment per request ("rows") and each adapter's requests merged into one segment
-after the scheduler's sort by slot ("merged", what the engine runs).
+after the scheduler's sort by slot ("merged", what the engine runs). The norm-shrink cases time the
+residual add + RMSNorm alone, then followed by the decode shrink of its output, and the two in one
+kernel (`add_rmsnorm_shrink`, --lora-decode-norm-shrink) for q/k/v and gate/up, merged segments.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from engine.lora_inputs import lora_segments
+from lorakernels.norm_shrink import add_rmsnorm_shrink, shrink_counters
 from lorakernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from lorakernels.rope_kv import rope_kv_write, rope_kv_write_ref
 from lorakernels.sgmv import sgmv_shrink
@@ -115,6 +118,33 @@ def shrink_case(proj: str, batch: int, num_adapters: int, max_rank: int, rank: i
     }  # fmt: skip
 
 
+def norm_shrink_case(proj: str, batch: int, num_adapters: int, max_rank: int, rank: int) -> dict:
+    num_stack = SHRINKS[proj][1]
+    slots = sorted(1 + i % num_adapters for i in range(batch))
+    meta = SgmvMeta.from_lists(*lora_segments([1] * batch, slots), [0] + [rank] * num_adapters, [0.0] + [2.0] * num_adapters, "cuda")
+    A = torch.randn(num_adapters + 1, num_stack * max_rank, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5
+    x, residual, delta = (torch.randn(batch, HIDDEN, device="cuda", dtype=DTYPE) for _ in range(3))
+    weight = torch.rand(HIDDEN, device="cuda", dtype=DTYPE) + 0.5
+    counters = shrink_counters("cuda")
+
+    def separate():
+        out, _ = add_rmsnorm(x, residual, weight, 1e-5, delta)
+        return sgmv_shrink_decode(out, A, meta, num_stack=num_stack)
+
+    fused = add_rmsnorm_shrink(x, residual, weight, 1e-5, A, meta, num_stack=num_stack, counters=counters, delta=delta)[2]
+    cols = torch.cat([torch.arange(k * max_rank, k * max_rank + rank) for k in range(num_stack)]).cuda()
+    max_err = (fused[:, cols].float() - separate()[:, cols].float()).abs().max().item()
+    return {
+        "case": "norm_shrink", "proj": proj, "batch": batch, "adapters": num_adapters, "rank": rank, "max_rank": max_rank,
+        "norm_us": round(graph_us(lambda: add_rmsnorm(x, residual, weight, 1e-5, delta)), 2),
+        "norm_then_shrink_us": round(graph_us(separate), 2),
+        "norm_shrink_us": round(graph_us(
+            lambda: add_rmsnorm_shrink(x, residual, weight, 1e-5, A, meta, num_stack=num_stack, counters=counters, delta=delta)
+        ), 2),
+        "max_abs_diff": max_err,
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])
@@ -123,18 +153,21 @@ def main() -> None:
     parser.add_argument("--max-rank", type=int, nargs="+", default=[16, 64], help="slot capacities R")
     parser.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     parser.add_argument("--copy-gbps", type=float, default=4200.0)
+    parser.add_argument("--parts", nargs="+", default=["fused", "shrink", "norm_shrink"], choices=["fused", "shrink", "norm_shrink"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/decode_kernels.py needs CUDA")
-    for batch in args.batch:
+    for batch in args.batch if "fused" in args.parts else ():
         for row in fused_cases(batch):
             print(json.dumps(row), flush=True)
     for max_rank in args.max_rank:
         for batch in args.shrink_batch:
             for num_adapters in args.adapters:
-                for proj in SHRINKS:
+                for proj in SHRINKS if "shrink" in args.parts else ():
                     row = shrink_case(proj, batch, num_adapters, max_rank, args.rank, args.copy_gbps)
                     print(json.dumps(row), flush=True)
+                for proj in ("qkv", "gate_up") if "norm_shrink" in args.parts else ():
+                    print(json.dumps(norm_shrink_case(proj, batch, num_adapters, max_rank, args.rank)), flush=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=0, help="profile prefill steps of prompts this long instead")
     parser.add_argument("--gemm-tail-blocks", type=int, default=4, help="the engine's --lora-gemm-tail-blocks (0: off)")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the engine's --max-lora-rank (adapters are rank 16)")
+    parser.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
     parser.add_argument("--decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,7 +81,7 @@ def build_loop(args, device: torch.device, graphs: bool, max_len: int):
     return build(
         SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], max_len, args.attention, args.adapters,
         args.lora_backend, graphs, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
-        decode_norm_shrink=tuple(args.decode_norm_shrink),
+        decode_norm_shrink=tuple(args.decode_norm_shrink), kernel_pdl=args.kernel_pdl,
     )  # fmt: skip
 
 

@@ -702,6 +702,8 @@ def engine_serve_args(config: EngineConfig) -> list[str]:
         args += ["--lora-decode-fused-delta", *config.lora_decode_fused_delta]
     if config.lora_decode_norm_shrink:
         args += ["--lora-decode-norm-shrink", *config.lora_decode_norm_shrink]
+    if config.kernel_pdl:
+        args += ["--kernel-pdl"]
     args += ["--linear-weight-layout", config.linear_weight_layout]
     args += ["--lora-gemm-tail-blocks", str(config.lora_gemm_tail_blocks)]
     if config.lora_backend:
@@ -874,6 +876,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
         lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),
         lora_decode_norm_shrink=tuple(args.lora_decode_norm_shrink),
+        kernel_pdl=args.kernel_pdl,
         linear_weight_layout=args.linear_weight_layout,
         lora_gemm_tail_blocks=args.lora_gemm_tail_blocks,
     )
@@ -938,6 +941,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--lora-decode-fused-delta", nargs="*", default=[], choices=LORA_FUSED_TARGETS, help="the engine's --lora-decode-fused-delta"
     )
+    p.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
     p.add_argument(
         "--lora-decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink"
     )

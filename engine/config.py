@@ -162,6 +162,11 @@ class EngineConfig:
     # on CUDA, prefill and mixed steps of up to this many tokens (at most max_batch_tokens) replay graphs
     # captured for padded token counts (engine/step_graphs.py); 0 = off
     cuda_graph_max_tokens: int = 2048
+    # On CUDA (compute capability 9+), launch the decode path's Triton kernels (RMSNorm, RoPE with the KV
+    # write, attention, SiLU-mul) with programmatic dependent launch (lorakernels/pdl.py): each kernel's
+    # programs are scheduled while the kernel before it drains and wait for it on the device. Off by
+    # default until measured (BENCHMARKS.md); a process-wide setting each model worker makes when it builds
+    kernel_pdl: bool = False
     # How the base model's linear weights lie in memory: "in_out" (the logical [out, in] tensors stored
     # transposed, so each GEMM reads W^T as a row-major [in, out] matrix) or "out_in" (nn.Linear's rows).
     # cuBLASLt reads the decode GEMMs' weights faster the first way: Llama-3-8B decode steps 3.5-3.9% shorter

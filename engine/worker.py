@@ -100,6 +100,9 @@ class ModelWorker:
             # (benchmarks/gemm_layouts.py: the 70B q/k/v shard at 64 rows 23.5 vs 29.3 us a call, whose
             # cuBLAS choice is a split-K with a separate reduce); a process-wide choice.
             torch.backends.cuda.preferred_blas_library("cublaslt")
+            from lorakernels import pdl  # Triton: CUDA only
+
+            pdl.set_enabled(config.kernel_pdl)
             if not config.disable_custom_all_reduce:
                 tp = tp.with_peer_all_reduce(device)
         # the LoRA kernels' tuned tiles (lorakernels/tuned.py): a file its parser refuses fails the start, not a step

@@ -41,6 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lorakernels import pdl
+from lorakernels.pdl import wait_for_producer
+
 LOG2E = 1.4426950408889634
 MIN_BLOCK_H = 16  # tl.dot needs M >= 16: a group of g < 16 query heads is padded with masked rows
 MAX_SPLITS = 64
@@ -80,7 +83,10 @@ def _decode_attention_split_kernel(
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
+    if USE_PDL:
+        wait_for_producer()
     # -- which request, KV head and chunk; early exit past the request's length -------------------
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -170,7 +176,10 @@ def _decode_attention_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,  # stage 1's: chunk lengths are rounded to it
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
+    if USE_PDL:
+        wait_for_producer()
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b).to(tl.int32), max_context)
@@ -349,7 +358,7 @@ def decode_attention(
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         DIRECT=direct, GROUP=num_heads // num_kv_heads,
-        **config,
+        **config, **pdl.launch(q.device),
     )  # fmt: skip
     if direct:
         return out
@@ -362,6 +371,7 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_N=config["BLOCK_N"],
         BLOCK_D=config["BLOCK_D"],
+        **pdl.launch(q.device),
     )  # fmt: skip
     return out
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorakernels import pdl
+from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import output_like
 from lorakernels.rmsnorm import MAX_HIDDEN, _check, add_rmsnorm_ref, residual_sum
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_shrink_ref
@@ -74,7 +76,10 @@ def _add_rmsnorm_shrink_kernel(
     BLOCK_W: tl.constexpr,  # >= num_stack * R
     BLOCK_G: tl.constexpr,  # >= num_segments
     BLOCK_S: tl.constexpr,  # >= SPLITS
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
+    if USE_PDL:
+        wait_for_producer()
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     # -- the row's sum of squares, over the whole row (each sum rounded once, as add_rmsnorm rounds) -----
@@ -188,6 +193,7 @@ def add_rmsnorm_shrink(
         BLOCK_G=max(1, triton.next_power_of_2(meta.num_segments)),
         BLOCK_S=triton.next_power_of_2(splits),
         num_warps=min(max(block_n // 1024, 4), 16),
+        **pdl.launch(x.device),
     )  # fmt: skip
     return out, residual_out, v
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorakernels import pdl
+from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta, output_like
 from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, seg_and_tail_blocks, segment_or_tail_block
 from lorakernels.sgmv_ref import SgmvMeta
@@ -63,7 +65,10 @@ def _add_rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
+    if USE_PDL:
+        wait_for_producer()
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     mask = offs_n < N
@@ -123,6 +128,7 @@ def add_rmsnorm(
         HAS_DELTA=delta is not None,
         BLOCK_N=block_n,
         num_warps=min(max(block_n // 512, 1), 16),
+        **pdl.launch(x.device),
     )  # fmt: skip
     return out, residual_out
 

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorakernels import pdl
+from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta
 from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
@@ -108,7 +110,10 @@ def _rope_kv_kernel(
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
     BLOCK_R: tl.constexpr,  # >= R
     BLOCK_S: tl.constexpr,  # segments a step of the row's segment search reads
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
+    if USE_PDL:
+        wait_for_producer()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
@@ -186,7 +191,10 @@ def _rope_kv_heads_kernel(
     HALF: tl.constexpr,  # D // 2
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
     HEADS: tl.constexpr,  # heads a program rotates (a power of two)
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
+    if USE_PDL:
+        wait_for_producer()
     """`_rope_kv_kernel` without an expand for HEADS heads of one token a program (grid (T, cdiv(H + Hkv,
     HEADS))): a prefill step's thousands of tokens then launch H + Hkv / HEADS times fewer programs, each
     loading its token's cos and sin once. Query heads and key heads (with their value heads) may share a
@@ -296,7 +304,7 @@ def rope_kv_write(
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             q_out.stride(0), q_out.stride(1),
             HAS_DELTA=delta is not None, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HEADS=heads,
-            num_warps=4,
+            num_warps=4, **pdl.launch(qkv.device),
         )  # fmt: skip
         return q_out
     if expand is None:  # the expand's arguments unused: any tensors of the right kinds
@@ -319,6 +327,7 @@ def rope_kv_write(
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         BLOCK_S=min(max(16, triton.next_power_of_2(max(num_segments, 1))), SEGMENT_CHUNK),
         num_warps=4 if expand is not None else 1 if half <= 64 else 2,  # an expand's [D/2, R] fp32 tiles
+        **pdl.launch(qkv.device),
     )  # fmt: skip
     return q_out
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorakernels import pdl
+from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta, output_like
 from lorakernels.sgmv import (
     SEGMENT_CHUNK,
@@ -58,7 +60,10 @@ def _silu_mul_kernel(
     # meta-parameters
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
+    if USE_PDL:
+        wait_for_producer()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -88,7 +93,7 @@ def silu_mul(
     grid = (num_tokens, triton.cdiv(inter, BLOCK))
     _silu_mul_kernel[grid](
         gate_up, d, out, inter, gate_up.stride(0), d.stride(0), out.stride(0),
-        HAS_DELTA=delta is not None, BLOCK=BLOCK, num_warps=4,
+        HAS_DELTA=delta is not None, BLOCK=BLOCK, num_warps=4, **pdl.launch(gate_up.device),
     )  # fmt: skip
     return out
 
@@ -116,7 +121,10 @@ def _silu_mul_expand_kernel(
     BLOCK_S: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
+    if USE_PDL:
+        wait_for_producer()
     pid_n = tl.program_id(1)
     # a segment's row block, or rows no segment covers (a graph's padding): the SiLU-mul alone
     slot, rank, m_start, m_end = segment_or_tail_block(
@@ -203,7 +211,7 @@ def launch_silu_mul_expand(
         BLOCK_S=SEGMENT_CHUNK,
         INPUT_PRECISION="ieee",  # as lorakernels/sgmv.py: fp32 operands exact, no TF32
         UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.launch(gate_up.device),
     )  # fmt: skip
 
 

@@ -287,6 +287,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " (0 = off; at most --max-batch-tokens)",
     )
     p.add_argument(
+        "--kernel-pdl", action="store_true", default=env("--kernel-pdl", "") not in ("", "0", "false"),
+        help="on cuda (compute capability 9+), launch the decode kernels that follow one another (RMSNorm, RoPE"
+        " with the KV write, attention, SiLU-mul) with programmatic dependent launch",
+    )
+    p.add_argument(
         "--linear-weight-layout", choices=LINEAR_WEIGHT_LAYOUTS, default=env("--linear-weight-layout", "in_out"),
         help="how the base model's linear weights lie in memory: in_out (stored transposed, so the GEMMs read a"
         " row-major [in, out] matrix; decode steps 3.5-3.9%% shorter at batch 32-64 on an H100, prefill level;"

@@ -213,6 +213,28 @@ def test_cuda_decode_norm_shrink_matches_cpu(tiny_llama_dir, make_adapter, tmp_p
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_kernel_pdl_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
+    """--kernel-pdl: the decode path's Triton kernels launched with programmatic dependent launch (each
+    waits for the grid before it on the device), in graphs or eagerly, with adapters and
+    --lora-decode-norm-shrink on q/k/v: greedy tokens equal the CPU reference's, and the kernels were
+    launched with PDL (an H100 or H200)."""
+    from lorakernels import pdl
+
+    adapters = three_adapters(make_adapter, "kernel-pdl", seed=130)
+    launches, real = [], pdl.launch
+    monkeypatch.setattr(pdl, "launch", lambda device: launches.append(bool(r := real(device))) or r)
+    try:
+        expected = greedy_three_adapters(tiny_llama_dir, adapters, "cpu", tmp_path / "cpu", graphs)
+        got = greedy_three_adapters(
+            tiny_llama_dir, adapters, "cuda", tmp_path / "cuda", graphs, kernel_pdl=True, lora_decode_norm_shrink=("qkv",)
+        )  # fmt: skip
+    finally:
+        pdl.set_enabled(False)
+    assert got == expected
+    assert launches and all(launches) == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_cuda_decode_fused_delta_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
     """--lora-decode-fused-delta on all four fused targets: decode steps compute each LoRA delta beside the
     base GEMM in one pass from x (lorakernels/sgmv_decode.py `sgmv_lora_delta_decode`, the expand summing
