@@ -127,7 +127,10 @@ class EngineConfig:
     # whose decode-step LoRA leaves the side stream: the residual add + RMSNorm kernel that writes the
     # projection's input also shrinks it (lorakernels/norm_shrink.py), the base GEMM runs on every SM with
     # nothing beside it, and the kernel that reads its output next expands (RoPE with the KV write, SiLU-mul).
-    # A target here may not also be in lora_decode_fused_delta. None by default until measured (BENCHMARKS.md)
+    # A target here may not also be in lora_decode_fused_delta. None by default: on an H200 (Llama-3-8B,
+    # rank 16) decode steps were 4-5% slower with gate/up's at 8 adapters, 8-11% at 32, and slower again with
+    # q/k/v's too: the fused norm costs 5-8 us more than the plain one, more than the side stream's carve-out
+    # and events cost (BENCHMARKS.md, 2026-12-06)
     lora_decode_norm_shrink: tuple[str, ...] = ()
     # a directory of tuned LoRA-kernel tile files (lorakernels/tuned.py; benchmarks/tune_lora_tiles.py writes
     # them); "" = the package's lorakernels/configs

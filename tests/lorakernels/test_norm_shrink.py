@@ -63,14 +63,24 @@ def written_entries(seg_lens, slots, ranks, num_rows, num_stack):
     return mask
 
 
+def assert_norm_close(got, want):
+    """Normed rows alike up to one rounding of their fp32 scale (bit for bit in the interpreter)."""
+    if not HAS_CUDA:
+        assert torch.equal(got, want)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2**-7}[got.dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def check(x, residual, delta, weight, A, meta, lists, num_stack, chunk):
     counters = shrink_counters(DEVICE)
     out, res, v = add_rmsnorm_shrink(x, residual, weight, 1e-5, A, meta, num_stack=num_stack, counters=counters, delta=delta, chunk=chunk)
     want_out, want_res, want_v = add_rmsnorm_shrink_ref(x, residual, weight, 1e-5, A, meta, num_stack=num_stack, delta=delta)
     dtype = x.dtype
-    # the norm's two outputs: add_rmsnorm's own, bit for bit, and the reference's within rounding
+    # the norm's two outputs: add_rmsnorm's and the reference's within rounding (the fp32 mean of a row
+    # may differ by an ulp where the GPU sums it in another order)
     plain_out, plain_res = add_rmsnorm(x, residual, weight, 1e-5, delta)
-    assert torch.equal(out, plain_out) and torch.equal(res, plain_res)
+    assert torch.equal(res, plain_res)
+    assert_norm_close(out, plain_out)
     for got, want in ((out, want_out), (res, want_res)):
         err = (got.float() - want.float()).abs().max().item()
         assert err <= TOLERANCE[dtype] * max(1.0, want.float().abs().max().item()), err
@@ -111,7 +121,8 @@ def test_a_graphs_padding_rows_get_the_norm_and_no_shrink():
     v_marked = v.clone()
     v.fill_(float("nan"))
     out2, _, v2 = add_rmsnorm_shrink(x, residual, weight, 1e-5, A, meta, num_stack=2, counters=counters, delta=delta, chunk=128)
-    assert torch.equal(out, out2) and torch.equal(out[-3:], add_rmsnorm(x, residual, weight, 1e-5, delta)[0][-3:])
+    assert torch.equal(out, out2)
+    assert_norm_close(out[-3:], add_rmsnorm(x, residual, weight, 1e-5, delta)[0][-3:])
     assert check(x, residual, delta, weight, A, meta, lists, 2, 128) > 0
     adapted = adapted_rows(*lists, x.shape[0], DEVICE)
     assert not adapted[-3:].any()
@@ -123,7 +134,8 @@ def test_out_may_be_a_view_into_a_wider_tensor():
     wide = torch.full((x.shape[0], 300), float("nan"), device=DEVICE)
     out, _, _ = add_rmsnorm_shrink(x, residual, weight, 1e-5, A, meta, num_stack=1, counters=shrink_counters(DEVICE), out=wide[:, :256])
     assert out.data_ptr() == wide.data_ptr()
-    assert torch.equal(wide[:, :256], add_rmsnorm(x, residual, weight, 1e-5)[0]) and wide[:, 256:].isnan().all()
+    assert_norm_close(wide[:, :256], add_rmsnorm(x, residual, weight, 1e-5)[0])
+    assert wide[:, 256:].isnan().all()
 
 
 def test_refuses_what_it_cannot_do():
@@ -164,7 +176,7 @@ def test_cuda_graph_replay_follows_refilled_segments():
         graph.replay()
         torch.cuda.synchronize()
         plain_out = add_rmsnorm(x, residual, weight, 1e-5, delta)[0]
-        assert torch.equal(out, plain_out)
+        assert_norm_close(out, plain_out)
         mask = written_entries(*lists2, rows, 3).to(DEVICE)
         want = sgmv_shrink_decode(plain_out[:rows], A, meta2, num_stack=3)
         assert (v[:rows][mask].float() - want[mask].float()).abs().max().item() <= 3.2e-2
