@@ -168,7 +168,8 @@ class EngineConfig:
     # On CUDA (compute capability 9+), launch the decode path's Triton kernels (RMSNorm, RoPE with the KV
     # write, attention, SiLU-mul) with programmatic dependent launch (lorakernels/pdl.py): each kernel's
     # programs are scheduled while the kernel before it drains and wait for it on the device. Off by
-    # default until measured (BENCHMARKS.md); a process-wide setting each model worker makes when it builds
+    # default: decode steps with adapters 0.6-1.2% faster, base steps 0.6-1.0% slower (an H200 and an H100,
+    # Llama-3-8B; BENCHMARKS.md, 2026-12-06); a process-wide setting each model worker makes when it builds
     kernel_pdl: bool = False
     # How the base model's linear weights lie in memory: "in_out" (the logical [out, in] tensors stored
     # transposed, so each GEMM reads W^T as a row-major [in, out] matrix) or "out_in" (nn.Linear's rows).
