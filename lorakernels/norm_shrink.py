@@ -33,12 +33,12 @@ from lorakernels import pdl
 from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import output_like
 from lorakernels.rmsnorm import MAX_HIDDEN, _check, add_rmsnorm_ref, residual_sum
+from lorakernels.sgmv import SEGMENT_CHUNK, row_adapter
+from lorakernels.sgmv_decode import DECODE_MAX_TOKENS
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_shrink_ref
 
 CHUNK = 512  # a split's columns: 8 splits of a 4096-wide row
 SUB = 128  # columns a split loads at once ([num_stack * R, SUB] of A)
-MAX_TOKENS = 512  # rows the counters cover (lorakernels/sgmv_decode.py DECODE_MAX_TOKENS)
-MAX_SEGMENTS = 4096  # seg_indptr is read in one vector load
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _add_rmsnorm_shrink_kernel(
     SUB: tl.constexpr,
     BLOCK_N: tl.constexpr,  # >= N: the whole row at once
     BLOCK_W: tl.constexpr,  # >= num_stack * R
-    BLOCK_G: tl.constexpr,  # >= num_segments
+    BLOCK_G: tl.constexpr,  # segments a step of the row's segment search reads
     BLOCK_S: tl.constexpr,  # >= SPLITS
     USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
@@ -88,12 +88,8 @@ def _add_rmsnorm_shrink_kernel(
     s32 = residual_sum(x_row, residual_row, delta_row, offs_n, offs_n < N, HAS_RESIDUAL, HAS_DELTA).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(s32 * s32, axis=0) / N + eps)
 
-    # -- the row's adapter: its segment (one vector load of seg_indptr), slot and rank -----------------
-    offs_g = tl.arange(0, BLOCK_G)
-    ends = tl.load(seg_indptr_ptr + 1 + offs_g, mask=offs_g < num_segments, other=2**30)
-    seg = tl.sum((ends <= row).to(tl.int32))  # num_segments: in no segment
-    slot = tl.load(weight_indices_ptr + seg, mask=seg < num_segments, other=0)
-    rank = tl.load(lora_ranks_ptr + slot, mask=seg < num_segments, other=0)
+    # -- the row's adapter (rank 0: in no segment) ---------------------------------------------------
+    slot, rank = row_adapter(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, row, BLOCK_G)
     offs_w = tl.arange(0, BLOCK_W)
     in_rank = (offs_w < num_cols) & (offs_w % max_rank < rank)  # A rows past each target's rank: never read
     a_base = a_ptr + slot.to(tl.int64) * stride_aw + offs_w[:, None] * stride_ak
@@ -137,7 +133,7 @@ def _add_rmsnorm_shrink_kernel(
 def shrink_counters(device: torch.device | str) -> torch.Tensor:
     """The per-row counts one engine's add_rmsnorm_shrink calls share (zero between launches): allocated
     once, outside any graph capture, and passed to every call on that device's compute stream."""
-    return torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
+    return torch.zeros(DECODE_MAX_TOKENS, dtype=torch.int32, device=device)  # a decode step's rows at most
 
 
 def add_rmsnorm_shrink(
@@ -163,8 +159,6 @@ def add_rmsnorm_shrink(
         raise ValueError("A rows must be contiguous")
     if num_tokens > counters.numel() or counters.dtype != torch.int32 or counters.device != x.device:
         raise ValueError(f"want int32 counters on {x.device} for {num_tokens} rows, got {counters.numel()} {counters.dtype}")
-    if meta.num_segments > MAX_SEGMENTS:
-        raise ValueError(f"{meta.num_segments} segments exceed the kernel's {MAX_SEGMENTS}")
     if chunk < SUB or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= {SUB}, got {chunk}")
     out = output_like(x, out)
@@ -190,7 +184,7 @@ def add_rmsnorm_shrink(
         HAS_DELTA=delta is not None,
         SPLITS=splits, CHUNK=chunk, SUB=SUB, BLOCK_N=block_n,
         BLOCK_W=max(16, triton.next_power_of_2(num_cols)),
-        BLOCK_G=max(1, triton.next_power_of_2(meta.num_segments)),
+        BLOCK_G=min(max(16, triton.next_power_of_2(max(meta.num_segments, 1))), SEGMENT_CHUNK),
         BLOCK_S=triton.next_power_of_2(splits),
         num_warps=min(max(block_n // 512, 1), 16),  # add_rmsnorm's: the same tree for the row's sum
         **pdl.launch(x.device),

@@ -42,7 +42,7 @@ import triton.language as tl
 from lorakernels import pdl
 from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta
-from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args
+from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, row_adapter
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
 
 # A prefill step's rotation: 81920 one-head programs for 2048 tokens of Llama-3-8B took 51 us a layer on an
@@ -50,18 +50,6 @@ from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
 # one head a program (their few tokens need the programs).
 HEADS_PER_PROGRAM = 8
 GROUP_MIN_TOKENS = 256
-
-
-@triton.jit
-def _row_segment(seg_indptr_ptr, num_segments, row, BLOCK_S: tl.constexpr):
-    """The segment that holds `row`: how many segments end at or before it (num_segments: none does)."""
-    seg = 0
-    for chunk in range(0, num_segments, BLOCK_S):
-        offs = chunk + tl.arange(0, BLOCK_S)
-        live = offs < num_segments
-        ends = tl.load(seg_indptr_ptr + offs + 1, mask=live, other=0)
-        seg += tl.sum((live & (ends <= row)).to(tl.int32), axis=0)
-    return seg
 
 
 @triton.jit
@@ -126,10 +114,7 @@ def _rope_kv_kernel(
     row_ptr = qkv_ptr + t * stride_qkv + h * 2 * HALF
     d_ptr = delta_ptr + t * stride_d + h * 2 * HALF
     if HAS_EXPAND:  # this row's adapter: its slot, rank (0: none, or a row past the segments) and scaling
-        seg = _row_segment(seg_indptr_ptr, num_segments, t, BLOCK_S)
-        live = seg < num_segments
-        slot = tl.load(weight_indices_ptr + seg, mask=live, other=0)
-        rank = tl.where(live, tl.load(lora_ranks_ptr + slot), 0)
+        slot, rank = row_adapter(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, t, BLOCK_S)
         scaling = tl.load(scalings_ptr + slot)
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank

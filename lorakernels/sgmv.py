@@ -81,6 +81,29 @@ def row_block(seg_indptr_ptr, num_segments, block, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def row_segment(seg_indptr_ptr, num_segments, row, BLOCK_S: tl.constexpr):
+    """The segment that holds `row`: how many segments end at or before it (num_segments: none does)."""
+    seg = 0
+    for chunk in range(0, num_segments, BLOCK_S):
+        offs = chunk + tl.arange(0, BLOCK_S)
+        live = offs < num_segments
+        ends = tl.load(seg_indptr_ptr + offs + 1, mask=live, other=0)
+        seg += tl.sum((live & (ends <= row)).to(tl.int32), axis=0)
+    return seg
+
+
+@triton.jit
+def row_adapter(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, row, BLOCK_S: tl.constexpr):
+    """(slot, rank) of the segment that holds `row` (a one-row kernel's adapter); rank 0 for a row in no
+    segment (a graph's padding)."""
+    seg = row_segment(seg_indptr_ptr, num_segments, row, BLOCK_S)
+    live = seg < num_segments
+    slot = tl.load(weight_indices_ptr + seg, mask=live, other=0)
+    rank = tl.load(lora_ranks_ptr + slot, mask=live, other=0)
+    return slot, rank
+
+
+@triton.jit
 def segment_or_tail_block(
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, num_tokens, pid, seg_blocks,
     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
