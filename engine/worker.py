@@ -125,7 +125,10 @@ class ModelWorker:
         ):  # fmt: skip
             # before the KV pool is sized: the blocks' rows take device memory
             targets = {t.name: t for t in fused_targets(model.config, config.lora_target_modules)}
-            gemm_tail = GemmTail(model, targets, config.max_lora_rank, config.max_loras_per_batch, config.lora_gemm_tail_blocks)
+            gemm_tail = GemmTail(
+                model, targets, config.max_lora_rank, config.max_loras_per_batch, config.lora_gemm_tail_blocks,
+                columns=bool(config.lora_decode_wide_gemm),
+            )  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         dtype = next(model.parameters()).dtype
@@ -146,6 +149,7 @@ class ModelWorker:
             lora_sm_carveout_targets=dict(config.lora_sm_carveout_targets), lora_decode_fused_expand=config.lora_decode_fused_expand,
             lora_decode_fused_delta=config.lora_decode_fused_delta, lora_prefill_fused_expand=config.lora_prefill_fused_expand,
             lora_gemm_tail=gemm_tail, lora_decode_norm_shrink=config.lora_decode_norm_shrink,
+            lora_decode_wide_gemm=config.lora_decode_wide_gemm,
         )  # fmt: skip
         if device.type == "cuda" and (config.cuda_graph_max_batch > 0 or config.cuda_graph_max_tokens > 0):
             runner.enable_cuda_graphs(

@@ -29,7 +29,13 @@ import triton.language as tl
 from lorakernels import pdl
 from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta, output_like
-from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, seg_and_tail_blocks, segment_or_tail_block
+from lorakernels.sgmv import (
+    SEGMENT_CHUNK,
+    check_expand_args,
+    own_block,
+    seg_and_tail_blocks,
+    segment_or_tail_block,
+)
 from lorakernels.sgmv_ref import SgmvMeta
 from lorakernels.silu_mul import FUSED_MAX_RANK
 
@@ -144,12 +150,14 @@ def _add_rmsnorm_expand_kernel(
     out_ptr,  # [T, N]
     residual_out_ptr,  # [T, N]
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr,
+    v_block_ptr,  # [num_slots] int32: the slot's block of an every-block v (unused without HAS_V_BLOCK)
     # sizes
     num_tokens,
     N,
     eps,
     num_segments,
     seg_blocks,  # row programs for the segments; the rest take the rows after the last segment
+    max_rank,  # R: v's columns a block (with HAS_V_BLOCK)
     # strides
     stride_x, stride_r, stride_v, stride_bw, stride_bn, stride_bk, stride_o, stride_ro,
     # meta-parameters
@@ -160,6 +168,7 @@ def _add_rmsnorm_expand_kernel(
     BLOCK_S: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    HAS_V_BLOCK: tl.constexpr = False,  # v holds every tail block's shrink (R columns a block): rows read their slot's
 ):  # fmt: skip
     # a segment's row block, or rows no segment covers (a graph's padding): the add and the norm alone
     slot, rank, m_start, m_end = segment_or_tail_block(
@@ -172,7 +181,8 @@ def _add_rmsnorm_expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank  # v past the rank is not written by the shrink
     scaling = tl.load(scalings_ptr + slot)
-    vt = tl.load(v_ptr + offs_m[:, None] * stride_v + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    v_own = own_block(v_ptr, v_block_ptr, slot, max_rank, HAS_V_BLOCK)
+    vt = tl.load(v_own + offs_m[:, None] * stride_v + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     if UPCAST_DOT:
         vt = vt.to(tl.float32)
     b_base = b_ptr + slot.to(tl.int64) * stride_bw
@@ -221,15 +231,17 @@ def add_rmsnorm_expand(
     block_n: int = 256,
     num_warps: int = 4,
     out: torch.Tensor | None = None,  # as add_rmsnorm's
+    v_block: torch.Tensor | None = None,  # [num_slots] int32: v [T, n * R] is every tail block's shrink
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, N], new residual [T, N]); x is left as it was
     """add_rmsnorm(x after `sgmv_expand(v, B, meta, x, output_slices=((0, N),))`, residual, weight, eps)
     in one kernel: a prefill-sized step's o or down expand added as x is loaded, instead of the expand
     reading and writing x first (engine/lora_inputs.py PendingExpand). Row blocks of block_m rows follow
     the segments (lorakernels/sgmv.py `row_block`); each walks its rows twice in block_n columns, the
     second pass normalising what the first stored. Rows past the last segment (a graph's padding) get
-    the add and the norm alone. Ranks up to FUSED_MAX_RANK."""
+    the add and the norm alone. Ranks up to FUSED_MAX_RANK. With v_block, each row reads block
+    v_block[w] of v for its slot w (a decode step's wide GEMM, engine/lora_inputs.py)."""
     _check(x, residual, weight, None)
-    check_expand_args(v, B, meta, x, ((0, x.shape[1]),))
+    check_expand_args(v, B, meta, x, ((0, x.shape[1]),), v_block)
     if B.shape[2] > FUSED_MAX_RANK:
         raise ValueError(f"rank capacity {B.shape[2]} > {FUSED_MAX_RANK}: expand first, then add_rmsnorm")
     if v.stride(1) != 1 or B.dtype != x.dtype:
@@ -243,12 +255,14 @@ def add_rmsnorm_expand(
     _add_rmsnorm_expand_kernel[(seg_blocks + tail_blocks,)](
         x, r, v, B, weight, out, residual_out,
         meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-        num_tokens, x.shape[1], eps, meta.num_segments, seg_blocks,
+        meta.lora_ranks if v_block is None else v_block,  # any int32 tensor where unused
+        num_tokens, x.shape[1], eps, meta.num_segments, seg_blocks, B.shape[2],
         x.stride(0), r.stride(0), v.stride(0), B.stride(0), B.stride(1), B.stride(2), out.stride(0), residual_out.stride(0),
         HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(B.shape[2])), BLOCK_S=SEGMENT_CHUNK,
         INPUT_PRECISION="ieee",  # as lorakernels/sgmv.py: fp32 operands exact, no TF32
         UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+        HAS_V_BLOCK=v_block is not None,
         num_warps=num_warps,
     )  # fmt: skip
     return out, residual_out

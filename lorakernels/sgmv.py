@@ -104,6 +104,16 @@ def row_adapter(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments
 
 
 @triton.jit
+def own_block(v_ptr, v_block_ptr, slot, width, HAS_V_BLOCK: tl.constexpr):
+    """v_ptr moved to slot `slot`'s block of an every-block shrink (HAS_V_BLOCK: v's rows hold one block of
+    `width` columns per tail block, v_block_ptr[slot] the slot's; lorakernels/sgmv_ref.py `own_block_v`),
+    else v_ptr as it is."""
+    if HAS_V_BLOCK:
+        v_ptr += tl.maximum(tl.load(v_block_ptr + slot), 0).to(tl.int64) * width
+    return v_ptr
+
+
+@triton.jit
 def segment_or_tail_block(
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, num_tokens, pid, seg_blocks,
     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -452,16 +462,25 @@ def sgmv_expand(
 
 
 def check_expand_args(
-    v: torch.Tensor, B: torch.Tensor, meta: SgmvMeta, y: torch.Tensor, output_slices: tuple[tuple[int, int], ...]
+    v: torch.Tensor, B: torch.Tensor, meta: SgmvMeta, y: torch.Tensor, output_slices: tuple[tuple[int, int], ...],
+    v_block: torch.Tensor | None = None,
 ) -> None:
-    """The shapes, dtypes and slices every expand kernel takes; ValueError naming what is wrong."""
+    """The shapes, dtypes and slices every expand kernel takes; ValueError naming what is wrong. v_block:
+    v is every block's shrink, one block of len(output_slices) x R columns per tail block, and
+    v_block[slot] the block a slot's rows read (`own_block`)."""
     if v.dim() != 2 or B.dim() != 3 or y.dim() != 2 or y.shape[0] != v.shape[0] or B.shape[1] != y.shape[1]:
         raise ValueError(
             f"want v [T, stack*R], B [slots, out_dim, R], y [T, out_dim]; "
             f"got {tuple(v.shape)}, {tuple(B.shape)}, {tuple(y.shape)}"
         )
     max_rank = B.shape[2]
-    if not 1 <= len(output_slices) <= MAX_STACK or v.shape[1] != len(output_slices) * max_rank:
+    width = len(output_slices) * max_rank
+    if v_block is not None:  # every block's shrink: a whole number of blocks of `width` columns
+        if v_block.dtype != torch.int32 or v_block.dim() != 1 or v_block.shape[0] < B.shape[0] or v_block.device != v.device:
+            raise ValueError(f"v_block must be int32 [>= {B.shape[0]} slots] on {v.device}, got {v_block.dtype} {tuple(v_block.shape)}")
+        if not 1 <= len(output_slices) <= MAX_STACK or v.shape[1] == 0 or v.shape[1] % width:
+            raise ValueError(f"v has {v.shape[1]} columns, want blocks of {len(output_slices)} targets x R={max_rank}")
+    elif not 1 <= len(output_slices) <= MAX_STACK or v.shape[1] != width:
         raise ValueError(f"v has {v.shape[1]} columns, want {len(output_slices)} targets x R={max_rank}")
     if any(off < 0 or size < 0 or off + size > y.shape[1] for off, size in output_slices):
         raise ValueError(f"output_slices {output_slices} fall outside out_dim {y.shape[1]}")

@@ -20,7 +20,9 @@ RoPE's KV write, SiLU-mul, or the residual add before the next norm; a path with
 at once (`_plus`). In a prefill-sized CUDA step gate/up's expand itself is pending (`PendingExpand`): the
 SiLU-mul kernel computes and adds it as it loads gate_up; with --lora-decode-fused-expand a decode step's
 q/k/v or gate/up expand is pending too, for the RoPE/KV-write or SiLU-mul kernel, and with
---lora-decode-norm-shrink its shrink is done by the RMSNorm kernel before the GEMM. Under tensor
+--lora-decode-norm-shrink its shrink is done by the RMSNorm kernel before the GEMM; with
+--lora-decode-wide-gemm the base GEMM itself shrinks (every tail block's, in extra output columns) and
+the pending expand reads each row's own block. Under tensor
 parallelism o's and down's deltas are added before the all-reduce.
 """
 
@@ -75,7 +77,9 @@ class RMSNorm(nn.Module):
             )
 
             if isinstance(delta, PendingExpand):  # o's or down's expand (a prefill-sized step's), done as x loads
-                normed, s = add_rmsnorm_expand(x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta, out=out)
+                normed, s = add_rmsnorm_expand(
+                    x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta, out=out, v_block=delta.v_block
+                )  # fmt: skip
             elif shrink is not None and shrink.counters is not None:
                 from lorakernels.norm_shrink import add_rmsnorm_shrink
 
@@ -142,7 +146,7 @@ class Attention(nn.Module):
             q = rope_kv_write(
                 qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                delta=None if expand is not None else delta, expand=expand,
+                delta=None if expand is not None else delta, expand=expand, v_block=delta.v_block if expand is not None else None,
             )  # fmt: skip
             o = attn.attend(q, k_cache, v_cache, self.scale, out=self._o_head(lora, q))  # [T, H, D]
             return self.project_o(o.reshape(-1, c.q_size), lora)
@@ -189,7 +193,9 @@ class MLP(nn.Module):
 
             head = None if lora is None else lora.tail_head("down", gate_up.shape[0], gate_up)  # down's LoRA in its GEMM
             if isinstance(delta, PendingExpand):
-                out = silu_mul_expand(gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices, out=head)
+                out = silu_mul_expand(
+                    gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices, out=head, v_block=delta.v_block
+                )  # fmt: skip
                 return self.project_down(out, lora)
             return self.project_down(silu_mul(gate_up, delta, out=head), lora)
         gate, up = _plus(gate_up, delta).chunk(2, dim=-1)  # each [T, inter]

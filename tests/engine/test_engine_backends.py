@@ -53,7 +53,8 @@ def run_batch(
     static_steps: token buckets of CUDA-graph steps (engine/step_graphs.py) run uncaptured on the CPU,
     which then serve every step, under the overlapped schedule (chained plans). static_decode: batch
     buckets of the decode graphs (engine/cuda_graphs.py) run uncaptured, which then serve every decode
-    step, the paged decode-attention kernel included; replayed gets the LoRA variant (the targets it
+    step, the paged decode-attention kernel included (with the runner's wide GEMM targets and tail); replayed
+    gets the key (batch, skipped targets, wide) of each decode step's graph (the targets it
     skips) of each decode step."""
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
     core = EngineCore.build(EngineConfig(model_dir=str(model_dir), adapters=adapters, work_dir=str(tmp_path / "work"), **config))
@@ -65,7 +66,8 @@ def run_batch(
         c = runner.model.config
         decode = DecodeKernelBackend(runner.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
         runner.graphs = DecodeGraphs(
-            runner.model, runner.kv, decode, max(static_decode), runner.lora_pool, runner.lora_ops, static_decode, capture=False
+            runner.model, runner.kv, decode, max(static_decode), runner.lora_pool, runner.lora_ops, static_decode, capture=False,
+            wide=runner._decode_wide, gemm_tail=runner.gemm_tail,
         )  # fmt: skip
         runner.graphs.capture()
         core.loop.overlap = True
@@ -123,7 +125,7 @@ def run_batch(
 
 def _counted(key, step, replayed: list):
     def run():
-        replayed.append(key[1])
+        replayed.append(key)
         return step()
 
     return run
@@ -214,10 +216,25 @@ def test_decode_steps_of_qv_adapters_take_the_graph_that_skips_the_other_targets
         attention_backend="ref", lora_backend="splitk",
     )  # fmt: skip
     assert tokens == reference[:2]
-    assert replayed and set(replayed) == {frozenset({"o", "gate_up", "down"})}
+    assert replayed and {key[1] for key in replayed} == {frozenset({"o", "gate_up", "down"})}
     replayed.clear()
     run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "all", static_decode=(4,), replayed=replayed, attention_backend="ref", lora_backend="splitk")
-    assert replayed and set(replayed) == {frozenset()}
+    assert replayed and {key[1] for key in replayed} == {frozenset()}
+
+
+@pytest.mark.parametrize("blocks", [2, 1], ids=["adapters-in-blocks", "more-adapters-than-blocks"])
+def test_decode_graphs_with_the_lora_in_wide_gemms_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, blocks):
+    """--lora-decode-wide-gemm on all four targets: the decode graphs (run uncaptured) take the wide variant
+    while both adapters of the batch hold a tail block (their shrinks come out of the base GEMMs' extra
+    columns, each row expanding from its own block) and the side-stream variant when they do not; the
+    tokens are the reference's either way."""
+    replayed: list = []
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, static_decode=(4,), replayed=replayed, attention_backend="ref",
+        lora_backend="splitk", lora_gemm_tail_blocks=blocks, lora_decode_wide_gemm=("qkv", "o", "gate_up", "down"),
+    )  # fmt: skip
+    assert tokens == reference
+    assert replayed and {key[2] for key in replayed} == {blocks == 2}
 
 
 def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):
