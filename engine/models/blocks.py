@@ -78,7 +78,8 @@ class RMSNorm(nn.Module):
 
             if isinstance(delta, PendingExpand):  # o's or down's expand (a prefill-sized step's), done as x loads
                 normed, s = add_rmsnorm_expand(
-                    x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta, out=out, v_block=delta.v_block
+                    x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta, out=out, v_block=delta.v_block,
+                    rows=delta.v_block is not None,  # a decode step's wide GEMM: a program a row
                 )  # fmt: skip
             elif shrink is not None and shrink.counters is not None:
                 from lorakernels.norm_shrink import add_rmsnorm_shrink

@@ -139,6 +139,52 @@ def test_add_rmsnorm_expand_expands_from_each_rows_block(popularity):
     assert torch.equal(out, want_out) and torch.equal(summed, want_sum)
 
 
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first"])
+def test_add_rmsnorm_expand_one_row_a_program_is_the_delta_path(popularity, dtype, with_residual):
+    """rows=True (a decode step's o or down expand): each row's delta rounded, added to x, then the residual
+    and the norm, as add_rmsnorm does with the side stream's delta; a width no multiple of the column block
+    (ROWS_BLOCK_N) walks a partial block; padding rows get the add and the norm alone; with v_block the
+    same result from every block's shrink."""
+    from lorakernels import rmsnorm
+    from lorakernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
+    from lorakernels.sgmv_ref import sgmv_expand_ref
+
+    seg_lens, slots, ranks, scalings, v_block = blocked_batch(popularity)
+    rows, hidden = sum(seg_lens) + 2, rmsnorm.ROWS_BLOCK_N + 200
+    x = randn(rows, hidden, dtype=dtype, seed=4, scale=2.0)
+    residual = randn(rows, hidden, dtype=dtype, seed=5, scale=3.0) if with_residual else None
+    weight = randn(hidden, dtype=dtype, seed=6)
+    own = randn(rows, R, dtype=dtype, seed=7)
+    B = randn(len(ranks), hidden, R, dtype=dtype, seed=8, scale=0.5)
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    poisoned, start = own.clone(), 0
+    for n, w in zip(seg_lens, slots, strict=True):  # v past a row's rank: never read
+        poisoned[start : start + n, ranks[w] :] = float("nan")
+        start += n
+    before = x.clone()
+    out, summed = add_rmsnorm_expand(x, residual, weight, 1e-5, poisoned, B, meta, rows=True)
+    delta = torch.zeros_like(x)
+    sgmv_expand_ref(own, B, meta, delta, output_slices=((0, hidden),))  # the delta path's delta, rounded
+    want_out, want_sum = add_rmsnorm_ref(x, residual, weight, 1e-5, delta)
+    assert torch.equal(x, before)
+    assert_close(summed, want_sum, dtype, "sum", roundings=2)
+    assert_close(out, want_out, dtype, "out", roundings=3)
+    if dtype == torch.float32 or HAS_CUDA:  # the kernel's delta path on the same device
+        k_out, _ = add_rmsnorm(x, residual, weight, 1e-5, delta)
+        assert_close(out, k_out, dtype, "out against add_rmsnorm with the delta", roundings=2)
+    adapted = adapted_rows(seg_lens, slots, ranks, rows, DEVICE)
+    _, plain_sum = add_rmsnorm(x, residual, weight, 1e-5)
+    assert torch.equal(summed[~adapted], plain_sum[~adapted])
+    if adapted.any():
+        assert not torch.allclose(summed[adapted].float(), plain_sum[adapted].float())
+    v_all = every_block_v(own, seg_lens, slots, v_block, R)
+    b_out, b_sum = add_rmsnorm_expand(x, residual, weight, 1e-5, v_all, B, meta, rows=True, v_block=v_block)
+    o_out, o_sum = add_rmsnorm_expand(x, residual, weight, 1e-5, own, B, meta, rows=True)
+    assert torch.equal(b_out, o_out) and torch.equal(b_sum, o_sum)
+
+
 def test_the_expands_refuse_a_bad_v_block():
     seg_lens, slots, ranks, scalings, v_block = blocked_batch("uniform")
     meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
