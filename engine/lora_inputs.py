@@ -107,6 +107,9 @@ class PendingExpand:
     # [num_slots] int32, or None: v [T, n * num_stack * R] is every GEMM tail block's shrink (a decode
     # step's wide GEMM, LoraInputs.decode_wide) and a row of slot w reads block v_block[w]
     v_block: torch.Tensor | None = None
+    # with v_block: the GEMM tail's rows of every block's B^T [n * num_stack * R, out] (GemmTail.b_rows),
+    # for a reader that expands every row at once from them (SiLU-mul: lorakernels/silu_mul.py `silu_mul_blocks`)
+    b_rows: torch.Tensor | None = None
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:
         """y with the expand added in place (what the in-line path does)."""
@@ -238,7 +241,10 @@ class LoraInputs:
             tail, out_dim = self.tail, self.pool.targets[target].out_dim
             y_wide = F.linear(x, tail.wide_weight(target, layer))  # [T, out + blocks * W]
             meta = self.by_target.get(target, self.meta)
-            pending = PendingExpand(y_wide[:, out_dim:], self.pool.b[target][layer], meta, t.output_slices, self.expand, tail.slot_block)
+            pending = PendingExpand(
+                y_wide[:, out_dim:], self.pool.b[target][layer], meta, t.output_slices, self.expand, tail.slot_block,
+                tail.b_rows(target, layer),
+            )  # fmt: skip
             return y_wide[:, :out_dim], pending
         a, b = self.pool.a[target][layer], self.pool.b[target][layer]
         ns = self._norm_shrunk.pop(target, None)

@@ -183,6 +183,13 @@ class GemmTail:
             return self.storage[target][layer][: self.in_dim[target], out_dim : out_dim + blocks * self.width[target]].t()
         return self.a_blocks[target][layer, : blocks * self.width[target]]
 
+    def b_rows(self, target: str, layer: int) -> torch.Tensor:
+        """[blocks * W, out]: `target`'s tail rows in `layer`, every block's B^T (projection k's rank rows
+        in its own columns), for a decode expand that reads them along the columns
+        (lorakernels/silu_mul.py `silu_mul_blocks`)."""
+        in_dim = self.in_dim[target]
+        return self.storage[target][layer][in_dim : in_dim + self.blocks * self.width[target], : self.out_dim[target]]
+
     def wide_weight(self, target: str, layer: int) -> torch.Tensor:
         """The logical [out + blocks * W, in] weight whose GEMM gives `target`'s projection in `layer` and
         every block's shrink after it (with columns only)."""

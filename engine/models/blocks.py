@@ -190,9 +190,18 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> tuple[torch.Tensor, Pending]:  # x: [T, hidden]
         gate_up, delta = self.project_gate_up(x, lora)  # [T, 2 * inter]
         if gate_up.is_cuda:
-            from lorakernels.silu_mul import silu_mul, silu_mul_expand  # Triton: imported only where it runs
+            from lorakernels.silu_mul import (  # Triton: imported only where it runs
+                silu_mul,
+                silu_mul_blocks,
+                silu_mul_expand,
+            )
 
             head = None if lora is None else lora.tail_head("down", gate_up.shape[0], gate_up)  # down's LoRA in its GEMM
+            if isinstance(delta, PendingExpand) and delta.b_rows is not None:  # a wide GEMM's: every row at once
+                out = silu_mul_blocks(
+                    gate_up, delta.v, delta.b_rows, delta.meta, delta.v_block, max_rank=delta.b.shape[2], out=head
+                )  # fmt: skip
+                return self.project_down(out, lora)
             if isinstance(delta, PendingExpand):
                 out = silu_mul_expand(
                     gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices, out=head, v_block=delta.v_block

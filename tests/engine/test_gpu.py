@@ -217,7 +217,8 @@ def test_cuda_decode_norm_shrink_matches_cpu(tiny_llama_dir, make_adapter, tmp_p
 def test_cuda_decode_wide_gemm_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs, blocks):
     """--lora-decode-wide-gemm on all four targets: decode steps whose adapters all hold a tail block
     shrink in the base GEMMs (the blocks' A in the weights' extra columns) and expand from each row's
-    block in the RoPE/KV-write, SiLU-mul and residual add + RMSNorm kernels, in the decode graphs or
+    block in the RoPE/KV-write, SiLU-mul (every row at once from the tail's B^T rows) and residual add +
+    RMSNorm kernels, in the decode graphs or
     eagerly; with fewer blocks than adapters the side stream runs them. Greedy tokens equal the CPU
     reference's, and the kernels took blocked shrinks only where the blocks held the step's adapters."""
     import lorakernels.rope_kv
@@ -225,10 +226,10 @@ def test_cuda_decode_wide_gemm_matches_cpu(tiny_llama_dir, make_adapter, tmp_pat
 
     adapters = three_adapters(make_adapter, "decode-wide", seed=150)
     blocked = []
-    real_silu, real_rope = lorakernels.silu_mul.silu_mul_expand, lorakernels.rope_kv.rope_kv_write
+    real_silu, real_rope = lorakernels.silu_mul.silu_mul_blocks, lorakernels.rope_kv.rope_kv_write
 
     def silu(*args, **kwargs):
-        blocked.append(("silu_mul", kwargs.get("v_block") is not None))
+        blocked.append(("silu_mul_blocks", True))
         return real_silu(*args, **kwargs)
 
     def rope(*args, **kwargs):
@@ -236,7 +237,7 @@ def test_cuda_decode_wide_gemm_matches_cpu(tiny_llama_dir, make_adapter, tmp_pat
         return real_rope(*args, **kwargs)
 
     expected = greedy_three_adapters(tiny_llama_dir, adapters, "cpu", tmp_path / "cpu", graphs)
-    monkeypatch.setattr(lorakernels.silu_mul, "silu_mul_expand", silu)
+    monkeypatch.setattr(lorakernels.silu_mul, "silu_mul_blocks", silu)
     monkeypatch.setattr(lorakernels.rope_kv, "rope_kv_write", rope)
     got = greedy_three_adapters(
         tiny_llama_dir, adapters, "cuda", tmp_path / "cuda", graphs, lora_gemm_tail_blocks=blocks,
@@ -244,7 +245,7 @@ def test_cuda_decode_wide_gemm_matches_cpu(tiny_llama_dir, make_adapter, tmp_pat
     )  # fmt: skip
     assert got == expected
     if blocks == 4:  # (with 2, steps of all three adapters take the side stream, smaller ones may go wide)
-        assert {kernel for kernel, wide in blocked if wide} == {"silu_mul", "rope_kv"}
+        assert {kernel for kernel, wide in blocked if wide} == {"silu_mul_blocks", "rope_kv"}
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])

@@ -185,6 +185,70 @@ def test_add_rmsnorm_expand_one_row_a_program_is_the_delta_path(popularity, dtyp
     assert torch.equal(b_out, o_out) and torch.equal(b_sum, o_sum)
 
 
+def tail_rows(B, v_block, num_stack, slices, ranks, dtype):
+    """[NUM_BLOCKS * num_stack * R, out]: engine/lora_tail.py's tail rows, block j holding its slot's B^T,
+    projection k's rank rows in k's own columns; NaN in the other projections' columns (never read), zeros
+    past a slot's rank (as the pool keeps them), and finite noise in blocks no slot holds."""
+    width, out_dim = num_stack * R, B.shape[1]
+    bt = randn(NUM_BLOCKS * width, out_dim, dtype=dtype, seed=11)
+    for j in range(NUM_BLOCKS):
+        for k, (offset, size) in enumerate(slices):
+            rows = slice(j * width + k * R, j * width + (k + 1) * R)
+            others = torch.ones(out_dim, dtype=torch.bool, device=bt.device)
+            others[offset : offset + size] = False
+            block_rows = bt[rows]
+            block_rows[:, others] = float("nan")
+            bt[rows] = block_rows
+    for w, j in enumerate(v_block.tolist()):
+        if j < 0:
+            continue
+        for k, (offset, size) in enumerate(slices):
+            rows = slice(j * width + k * R, j * width + (k + 1) * R)
+            block_rows = bt[rows]
+            block_rows[:, offset : offset + size] = B[w, offset : offset + size].T
+            block_rows[ranks[w] :, offset : offset + size] = 0
+            bt[rows] = block_rows
+    return bt
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [13, 70], ids=["one-row-tile", "row-tiles"])
+def test_silu_mul_blocks_is_silu_mul_expand_from_each_rows_block(popularity, dtype, rows):
+    """The dense form: a column block of every row at once, the rows' shrinks masked to their own blocks
+    times every block's B^T tail rows; silu_mul_expand's result from the rows' own shrinks and the slots'
+    B (in fp32 to the dot's summation order; in bf16 to a rounding step), padding rows the SiLU-mul alone,
+    and more rows than one row tile (64) walked in tiles."""
+    from lorakernels.silu_mul import silu_mul, silu_mul_blocks
+
+    seg_lens, slots, ranks, scalings, v_block = blocked_batch(popularity, batch=min(rows - 1, 64))
+    if rows > 64:  # a second row tile: more runs of the same adapters
+        seg_lens, slots = [*seg_lens, rows - 1 - sum(seg_lens)], [*slots, slots[0]]
+    inter = 80
+    gate_up = randn(rows, 2 * inter, dtype=dtype, seed=1, scale=3.0)
+    own = randn(rows, 2 * R, dtype=dtype, seed=2)
+    B = randn(len(ranks), 2 * inter, R, dtype=dtype, seed=3, scale=0.5)
+    for w, r in enumerate(ranks):
+        B[w, :, r:] = 0
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    v_all = every_block_v(own, seg_lens, slots, v_block, 2 * R)
+    start = 0
+    for n, w in zip(seg_lens, slots, strict=True):  # v past a row's rank: whatever the GEMM gave, masked
+        if v_block[w] >= 0:
+            j = int(v_block[w])
+            v_all[start : start + n, j * 2 * R + ranks[w] : (j + 1) * 2 * R] = 7.0
+            v_all[start : start + n, j * 2 * R + R : j * 2 * R + R + ranks[w]] = own[start : start + n, R : R + ranks[w]]
+        start += n
+    v_all = torch.nan_to_num(v_all, nan=5.0)  # other blocks: finite garbage the mask must drop
+    bt = tail_rows(B, v_block, 2, ((0, inter), (inter, inter)), ranks, dtype)
+    out = silu_mul_blocks(gate_up, v_all, bt, meta, v_block, max_rank=R)
+    want = silu_mul_expand(gate_up, torch.nan_to_num(own), B, meta)
+    assert_close(out, want, dtype, "against silu_mul_expand", roundings=2)
+    adapted = adapted_rows(seg_lens, slots, ranks, rows, DEVICE)
+    assert torch.equal(out[~adapted], silu_mul(gate_up)[~adapted])
+    assert adapted.any() and not torch.allclose(out[adapted].float(), silu_mul(gate_up)[adapted].float())
+
+
 def test_the_expands_refuse_a_bad_v_block():
     seg_lens, slots, ranks, scalings, v_block = blocked_batch("uniform")
     meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
