@@ -46,6 +46,7 @@ from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta
 from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, own_block, row_adapter
 from lorakernels.sgmv_ref import SgmvMeta, own_block_v, sgmv_expand_ref
+from lorakernels.silu_mul import rows_own_block
 
 # A prefill step's rotation: 81920 one-head programs for 2048 tokens of Llama-3-8B took 51 us a layer on an
 # H100, about 3x its bytes (BENCHMARKS.md, 2026-12-06); 8 heads a program launch 10240. Decode steps keep
@@ -323,6 +324,151 @@ def rope_kv_write(
         BLOCK_S=min(max(16, triton.next_power_of_2(max(num_segments, 1))), SEGMENT_CHUNK),
         num_warps=4 if expand is not None else 1 if half <= 64 else 2,  # an expand's [D/2, R] fp32 tiles
         **pdl.launch(qkv.device),
+    )  # fmt: skip
+    return q_out
+
+
+@triton.jit
+def _head_delta(vv, bt_ptr, stride_bt, col, offs_d, mask_kd, scaling, dtype):
+    """Columns col + offs_d of every row's delta: the masked shrinks vv [T, K] times the B^T rows (every
+    block's, one target's) at those columns, scaled per row, rounded to the model dtype (the delta path's)."""
+    bt = tl.load(bt_ptr + col + offs_d[None, :], mask=mask_kd, other=0.0)
+    if vv.dtype == tl.float32:
+        bt = bt.to(tl.float32)
+    return (tl.dot(vv, bt, input_precision="ieee") * scaling[:, None]).to(dtype)
+
+
+@triton.jit
+def _rope_kv_blocks_kernel(
+    # pointers
+    qkv_ptr,  # [T, (H + 2 Hkv) * D], rows may be strided
+    positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, out_cache_loc_ptr, q_out_ptr,
+    v_ptr,  # [T, n * 3R]: every tail block's q/k/v shrink
+    bt_ptr,  # [n * 3R, (H + 2 Hkv) * D]: the tail rows, block j's q, k, v B^T at rows j*3R + k*R (own columns)
+    seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr,
+    # sizes
+    num_tokens, num_heads, num_kv_heads, num_segments, n_blocks,
+    # strides
+    stride_qkv, stride_cs, stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, stride_qo_tok, stride_qo_head,
+    stride_v, stride_bt,
+    # meta-parameters
+    R: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # >= max(16, HALF): a dot's columns
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= n_blocks * R
+    BLOCK_S: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (h, row tile): head h of every row in the tile, its q/k/v delta one dense dot over every
+    block (rows masked to their own), then RoPE and the KV write as `_rope_kv_kernel` does."""
+    if USE_PDL:
+        wait_for_producer()
+    h = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < num_tokens
+    rows = offs_t.to(tl.int64)
+    block, rank, scaling = rows_own_block(
+        seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr, num_segments, offs_t, mask_t, BLOCK_T, BLOCK_S
+    )  # fmt: skip
+    offs_k = tl.arange(0, BLOCK_K)
+    j, r = offs_k // R, offs_k % R
+    live_k = j < n_blocks
+    keep = (j[None, :] == block[:, None]) & (r[None, :] < rank[:, None]) & live_k[None, :]
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    mask = mask_t[:, None] & mask_d[None, :]
+    mask_kd = live_k[:, None] & mask_d[None, :]
+    is_q = h < num_heads
+    tk = tl.where(is_q, 0, 1)  # q's target, or k's
+    v_rows = v_ptr + rows[:, None] * stride_v + (j * 3 * R + r)[None, :]
+    vv = tl.load(v_rows + tk * R, mask=keep, other=0.0)
+    if UPCAST_DOT:
+        vv = vv.to(tl.float32)
+    bt_rows = bt_ptr + (j * 3 * R + r).to(tl.int64)[:, None] * stride_bt
+    col = h * 2 * HALF
+    x_ptrs = qkv_ptr + rows[:, None] * stride_qkv + col + offs_d[None, :]
+    dtype = qkv_ptr.dtype.element_ty
+    d1 = _head_delta(vv, bt_rows + tk * R * stride_bt, stride_bt, col, offs_d, mask_kd, scaling, dtype)
+    d2 = _head_delta(vv, bt_rows + tk * R * stride_bt, stride_bt, col + HALF, offs_d, mask_kd, scaling, dtype)
+    u1 = (tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32) + d1.to(tl.float32)).to(dtype).to(tl.float32)
+    u2 = (tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32) + d2.to(tl.float32)).to(dtype).to(tl.float32)
+    pos = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+    cs = cos_sin_ptr + pos[:, None] * stride_cs + offs_d[None, :]
+    cos = tl.load(cs, mask=mask, other=0.0)
+    sin = tl.load(cs + HALF, mask=mask, other=0.0)
+    r1 = (u1 * cos - u2 * sin).to(q_out_ptr.dtype.element_ty)
+    r2 = (u2 * cos + u1 * sin).to(q_out_ptr.dtype.element_ty)
+    if is_q:
+        dst = q_out_ptr + rows[:, None] * stride_qo_tok + h * stride_qo_head + offs_d[None, :]
+        tl.store(dst, r1, mask=mask)
+        tl.store(dst + HALF, r2, mask=mask)
+    else:
+        kv = h - num_heads
+        loc = tl.load(out_cache_loc_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        k_dst = k_cache_ptr + loc[:, None] * stride_kc_slot + kv * stride_kc_head + offs_d[None, :]
+        tl.store(k_dst, r1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        v_col = col + num_kv_heads * 2 * HALF  # the value head sits Hkv heads after its key head
+        vv_v = tl.load(v_rows + 2 * R, mask=keep, other=0.0)
+        if UPCAST_DOT:
+            vv_v = vv_v.to(tl.float32)
+        e1 = _head_delta(vv_v, bt_rows + 2 * R * stride_bt, stride_bt, v_col, offs_d, mask_kd, scaling, dtype)
+        e2 = _head_delta(vv_v, bt_rows + 2 * R * stride_bt, stride_bt, v_col + HALF, offs_d, mask_kd, scaling, dtype)
+        xv = qkv_ptr + rows[:, None] * stride_qkv + v_col + offs_d[None, :]
+        first = (tl.load(xv, mask=mask, other=0.0).to(tl.float32) + e1.to(tl.float32)).to(dtype)
+        second = (tl.load(xv + HALF, mask=mask, other=0.0).to(tl.float32) + e2.to(tl.float32)).to(dtype)
+        v_dst = v_cache_ptr + loc[:, None] * stride_vc_slot + kv * stride_vc_head + offs_d[None, :]
+        tl.store(v_dst, first.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst + HALF, second.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_kv_write_blocks(
+    qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D], rows may be strided (the wide GEMM's output)
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    v: torch.Tensor,  # [T, n * 3R]: every tail block's q/k/v shrink (the wide GEMM's extra columns)
+    bt: torch.Tensor,  # [n * 3R, (H + 2 Hkv) * D]: the GEMM tail's rows of every block's B^T (GemmTail.b_rows)
+    meta: SgmvMeta,
+    slot_block: torch.Tensor,  # [num_slots] int32: the block each slot holds, -1 none
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_rank: int,
+    block_t: int = 16,
+) -> torch.Tensor:  # q [T, H, D], rotated
+    """rope_kv_write's result with `expand` for a decode step whose adapters all hold a GEMM tail block:
+    each head of a tile of rows gets its delta from one dense dot over every block's B^T rows at the
+    head's columns (the rows' shrinks masked to their own blocks), so each B^T row is read once a row
+    tile, along its columns."""
+    _check(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim, None)
+    num_tokens, width = qkv.shape[0], 3 * max_rank
+    if v.dim() != 2 or v.shape[0] != num_tokens or v.shape[1] % width or v.stride(1) != 1 or v.dtype != qkv.dtype:
+        raise ValueError(f"v {tuple(v.shape)} {v.dtype} is not [{num_tokens}, n * {width}] {qkv.dtype} with contiguous rows")
+    n_blocks = v.shape[1] // width
+    if bt.dim() != 2 or bt.shape != (n_blocks * width, qkv.shape[1]) or bt.stride(1) != 1 or bt.dtype != qkv.dtype:
+        raise ValueError(f"bt {tuple(bt.shape)} {bt.dtype} is not [{n_blocks * width}, {qkv.shape[1]}] {qkv.dtype}")
+    if slot_block.dtype != torch.int32 or slot_block.shape[0] < meta.lora_ranks.shape[0]:
+        raise ValueError(f"slot_block must be int32 with one entry a slot, got {slot_block.dtype} {tuple(slot_block.shape)}")
+    q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    _rope_kv_blocks_kernel[(num_heads + num_kv_heads, triton.cdiv(num_tokens, block_t))](
+        qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, q_out, v, bt,
+        meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings, slot_block,
+        num_tokens, num_heads, num_kv_heads, meta.num_segments, n_blocks,
+        qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q_out.stride(0), q_out.stride(1), v.stride(0), bt.stride(0),
+        R=max_rank, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_T=block_t,
+        BLOCK_K=max(16, triton.next_power_of_2(n_blocks * max_rank)), BLOCK_S=SEGMENT_CHUNK,
+        UPCAST_DOT=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16,
+        num_warps=4, **pdl.launch(qkv.device),
     )  # fmt: skip
     return q_out
 

@@ -140,8 +140,15 @@ class Attention(nn.Module):
         qkv, delta = self.project_qkv(x, lora)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         if self._can_fuse_rope(qkv, k_cache):
-            from lorakernels.rope_kv import rope_kv_write  # Triton: imported only where it runs
+            from lorakernels.rope_kv import rope_kv_write, rope_kv_write_blocks  # Triton: imported only where it runs
 
+            if isinstance(delta, PendingExpand) and delta.b_rows is not None:  # a wide GEMM's: every row at once
+                q = rope_kv_write_blocks(
+                    qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc, delta.v, delta.b_rows, delta.meta, delta.v_block,
+                    num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_rank=delta.b.shape[2],
+                )  # fmt: skip
+                o = attn.attend(q, k_cache, v_cache, self.scale, out=self._o_head(lora, q))  # [T, H, D]
+                return self.project_o(o.reshape(-1, c.q_size), lora)
             # a pending expand (a decode step's, engine/lora_inputs.py) is done by the kernel itself
             expand = (delta.v, delta.b, delta.meta) if isinstance(delta, PendingExpand) else None
             q = rope_kv_write(

@@ -226,26 +226,26 @@ def test_cuda_decode_wide_gemm_matches_cpu(tiny_llama_dir, make_adapter, tmp_pat
 
     adapters = three_adapters(make_adapter, "decode-wide", seed=150)
     blocked = []
-    real_silu, real_rope = lorakernels.silu_mul.silu_mul_blocks, lorakernels.rope_kv.rope_kv_write
+    real_silu, real_rope = lorakernels.silu_mul.silu_mul_blocks, lorakernels.rope_kv.rope_kv_write_blocks
 
     def silu(*args, **kwargs):
         blocked.append(("silu_mul_blocks", True))
         return real_silu(*args, **kwargs)
 
     def rope(*args, **kwargs):
-        blocked.append(("rope_kv", kwargs.get("v_block") is not None))
+        blocked.append(("rope_kv_write_blocks", True))
         return real_rope(*args, **kwargs)
 
     expected = greedy_three_adapters(tiny_llama_dir, adapters, "cpu", tmp_path / "cpu", graphs)
     monkeypatch.setattr(lorakernels.silu_mul, "silu_mul_blocks", silu)
-    monkeypatch.setattr(lorakernels.rope_kv, "rope_kv_write", rope)
+    monkeypatch.setattr(lorakernels.rope_kv, "rope_kv_write_blocks", rope)
     got = greedy_three_adapters(
         tiny_llama_dir, adapters, "cuda", tmp_path / "cuda", graphs, lora_gemm_tail_blocks=blocks,
         lora_decode_wide_gemm=("qkv", "o", "gate_up", "down"),
     )  # fmt: skip
     assert got == expected
     if blocks == 4:  # (with 2, steps of all three adapters take the side stream, smaller ones may go wide)
-        assert {kernel for kernel, wide in blocked if wide} == {"silu_mul_blocks", "rope_kv"}
+        assert {kernel for kernel, wide in blocked if wide} == {"silu_mul_blocks", "rope_kv_write_blocks"}
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])

@@ -249,6 +249,44 @@ def test_silu_mul_blocks_is_silu_mul_expand_from_each_rows_block(popularity, dty
     assert adapted.any() and not torch.allclose(out[adapted].float(), silu_mul(gate_up)[adapted].float())
 
 
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads, head_dim", [("gqa", 64), ("mqa", 16)], ids=["gqa-64", "mqa-16"])
+def test_rope_kv_write_blocks_is_the_expand_from_each_rows_block(popularity, dtype, heads, head_dim):
+    """The dense form of the q/k/v expand: each head of a row tile from one dot over every block's B^T tail
+    rows (rows masked to their own blocks); rope_kv_write's result with the rows' own shrinks and the
+    slots' B (fp32 to the dot's summation order, bf16 to a rounding step), over row tiles (13 rows in
+    tiles of 8), head halves narrower than a dot (16-wide heads) and padding rows without LoRA."""
+    from lorakernels.rope_kv import rope_kv_write_blocks
+
+    seg_lens, slots, ranks, scalings, v_block = blocked_batch(popularity)
+    num_heads, num_kv_heads = HEADS[heads]
+    rows = sum(seg_lens) + 1
+    cos_sin, qkv, positions, loc = rope_case(dtype, num_heads, num_kv_heads, head_dim, num_tokens=rows, seed=7, num_slots=80)
+    kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    own = randn(rows, 3 * R, dtype=dtype, seed=8)
+    B = randn(len(ranks), qkv.shape[1], R, dtype=dtype, seed=9, scale=0.5)
+    for w, r in enumerate(ranks):
+        B[w, :, r:] = 0
+    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
+    v_all = torch.nan_to_num(every_block_v(own, seg_lens, slots, v_block, 3 * R), nan=5.0)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    slices = ((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size))
+    bt = tail_rows(B, v_block, 3, slices, ranks, dtype)
+    k_cache, v_cache = caches(num_kv_heads, head_dim, dtype, num_slots=80)
+    q = rope_kv_write_blocks(qkv, positions, cos_sin, k_cache, v_cache, loc, v_all, bt, meta, v_block, max_rank=R, block_t=8, **kw)
+    k_own, v_own = caches(num_kv_heads, head_dim, dtype, num_slots=80)
+    q_own = rope_kv_write(qkv, positions, cos_sin, k_own, v_own, loc, expand=(own, B, meta), **kw)
+    assert_close(q, q_own, dtype, "q", roundings=2)
+    assert_close(k_cache[loc], k_own[loc], dtype, "k", roundings=2)
+    assert_close(v_cache[loc], v_own[loc], dtype, "v", roundings=2)
+    adapted = adapted_rows(seg_lens, slots, ranks, rows, DEVICE)
+    k_plain, v_plain = caches(num_kv_heads, head_dim, dtype, num_slots=80)
+    q_plain = rope_kv_write(qkv, positions, cos_sin, k_plain, v_plain, loc, **kw)
+    assert torch.equal(q[~adapted], q_plain[~adapted]) and torch.equal(v_cache[loc][~adapted], v_plain[loc][~adapted])
+    assert adapted.any() and not torch.allclose(v_cache[loc][adapted].float(), v_plain[loc][adapted].float())
+
+
 def test_the_expands_refuse_a_bad_v_block():
     seg_lens, slots, ranks, scalings, v_block = blocked_batch("uniform")
     meta = SgmvMeta.from_lists(seg_lens, slots, ranks, scalings, DEVICE)
