@@ -140,7 +140,10 @@ class Attention(nn.Module):
         qkv, delta = self.project_qkv(x, lora)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         if self._can_fuse_rope(qkv, k_cache):
-            from lorakernels.rope_kv import rope_kv_write, rope_kv_write_blocks  # Triton: imported only where it runs
+            from lorakernels.rope_kv import (  # Triton: imported only where it runs
+                rope_kv_write,
+                rope_kv_write_blocks,
+            )
 
             if isinstance(delta, PendingExpand) and delta.b_rows is not None:  # a wide GEMM's: every row at once
                 q = rope_kv_write_blocks(
