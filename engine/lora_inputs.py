@@ -325,11 +325,10 @@ def wide_gemm_targets(targets: Collection[str], model: torch.nn.Module, tail: Ge
     """LoraInputs.decode_wide of an engine: the targets asked for whose projections have no bias (the wide
     GEMM's extra columns would take it), with the Triton SGMV ops and a GEMM tail built with columns, a
     rank capacity the fused expands load whole, and q/k/v only where the RoPE/KV-write kernel reads the
-    projection next (engine/models/blocks.py `Attention._can_fuse_rope`'s family rule); none elsewhere. A
+    projection next (engine/models/blocks.py `Attention.rope_reads_qkv`); none elsewhere. A
     reader that cannot fuse the expand (the CPU path: Triton's interpreter in tests) gathers each row's
     block first (PendingExpand.apply): correct, not fast. Decode steps run it on CUDA (side stream steps)
     and in decode graphs."""
-    from engine.models.blocks import Attention  # it imports this module
     from lorakernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
 
     if tail is None or not tail.columns or lora_backend not in ("triton", "splitk") or tail.max_rank > FUSED_MAX_RANK:
@@ -338,7 +337,7 @@ def wide_gemm_targets(targets: Collection[str], model: torch.nn.Module, tail: Ge
     linears = {
         "qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj,
     }  # fmt: skip
-    fused_rope = type(layer.self_attn).norm_qk is Attention.norm_qk
+    fused_rope = layer.self_attn.rope_reads_qkv()
     return frozenset(
         t for t in targets
         if t in tail.targets and linears[t].bias is None and (t != "qkv" or fused_rope)

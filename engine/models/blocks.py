@@ -122,10 +122,16 @@ class Attention(nn.Module):
         """A family's per-head transform of q and k before RoPE; none in the Llama family."""
         return q, k
 
+    @classmethod
+    def rope_reads_qkv(cls) -> bool:
+        """Whether RoPE reads the q/k/v projection's output as it is (nothing transforms q and k first), so
+        the RoPE/KV-write kernel may take its pending LoRA expand (engine/lora_inputs.py `wide_gemm_targets`)."""
+        return cls.norm_qk is Attention.norm_qk
+
     def _can_fuse_rope(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """RoPE and the KV write in one kernel (lorakernels/rope_kv.py): on CUDA, when nothing transforms q
         and k between the projection and RoPE and the cache holds the model dtype."""
-        return qkv.is_cuda and type(self).norm_qk is Attention.norm_qk and k_cache.dtype == qkv.dtype
+        return qkv.is_cuda and self.rope_reads_qkv() and k_cache.dtype == qkv.dtype
 
     def forward(
         self,
