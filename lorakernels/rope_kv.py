@@ -46,7 +46,7 @@ from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta
 from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, own_block, row_adapter
 from lorakernels.sgmv_ref import SgmvMeta, own_block_v, sgmv_expand_ref
-from lorakernels.silu_mul import rows_own_block
+from lorakernels.silu_mul import BLOCKS_K, rows_own_block
 
 # A prefill step's rotation: 81920 one-head programs for 2048 tokens of Llama-3-8B took 51 us a layer on an
 # H100, about 3x its bytes (BENCHMARKS.md, 2026-12-06); 8 heads a program launch 10240. Decode steps keep
@@ -329,13 +329,32 @@ def rope_kv_write(
 
 
 @triton.jit
-def _head_delta(vv, bt_ptr, stride_bt, col, offs_d, mask_kd, scaling, dtype):
-    """Columns col + offs_d of every row's delta: the masked shrinks vv [T, K] times the B^T rows (every
-    block's, one target's) at those columns, scaled per row, rounded to the model dtype (the delta path's)."""
-    bt = tl.load(bt_ptr + col + offs_d[None, :], mask=mask_kd, other=0.0)
-    if vv.dtype == tl.float32:
-        bt = bt.to(tl.float32)
-    return (tl.dot(vv, bt, input_precision="ieee") * scaling[:, None]).to(dtype)
+def _head_dots(
+    v_rows, bt_ptr, stride_bt, col, block, rank, offs_d, mask_d, n_blocks,
+    R: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_T, BLOCK_HALF] pair: columns col + offs_d and col + HALF + offs_d of the rows' deltas
+    before scaling, the rows' shrinks of one target (v_rows: each row's v at the target's first column)
+    masked to their own blocks times every block's B^T rows of that target (bt_ptr: block 0's first), in
+    chunks of BLOCK_K of the blocks' columns."""
+    acc1 = tl.zeros((BLOCK_T, BLOCK_HALF), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_T, BLOCK_HALF), dtype=tl.float32)
+    for k0 in range(0, n_blocks * R, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        j, r = offs_k // R, offs_k % R
+        live_k = j < n_blocks
+        keep = (j[None, :] == block[:, None]) & (r[None, :] < rank[:, None]) & live_k[None, :]
+        vv = tl.load(v_rows + (j * 3 * R + r)[None, :], mask=keep, other=0.0)
+        b_rows = bt_ptr + (j * 3 * R + r).to(tl.int64)[:, None] * stride_bt + col + offs_d[None, :]
+        b_mask = live_k[:, None] & mask_d[None, :]
+        b1 = tl.load(b_rows, mask=b_mask, other=0.0)
+        b2 = tl.load(b_rows + HALF, mask=b_mask, other=0.0)
+        if UPCAST_DOT:
+            vv, b1, b2 = vv.to(tl.float32), b1.to(tl.float32), b2.to(tl.float32)
+        acc1 += tl.dot(vv, b1, input_precision="ieee")
+        acc2 += tl.dot(vv, b2, input_precision="ieee")
+    return acc1, acc2
 
 
 @triton.jit
@@ -356,12 +375,12 @@ def _rope_kv_blocks_kernel(
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,  # >= max(16, HALF): a dot's columns
     BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # >= n_blocks * R
+    BLOCK_K: tl.constexpr,  # the blocks' columns a dot takes (n_blocks * R in chunks of it)
     BLOCK_S: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (h, row tile): head h of every row in the tile, its q/k/v delta one dense dot over every
+    """Program (h, row tile): head h of every row in the tile, its q/k/v delta dense dots over every
     block (rows masked to their own), then RoPE and the KV write as `_rope_kv_kernel` does."""
     if USE_PDL:
         wait_for_producer()
@@ -372,26 +391,21 @@ def _rope_kv_blocks_kernel(
     block, rank, scaling = rows_own_block(
         seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr, num_segments, offs_t, mask_t, BLOCK_T, BLOCK_S
     )  # fmt: skip
-    offs_k = tl.arange(0, BLOCK_K)
-    j, r = offs_k // R, offs_k % R
-    live_k = j < n_blocks
-    keep = (j[None, :] == block[:, None]) & (r[None, :] < rank[:, None]) & live_k[None, :]
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF
     mask = mask_t[:, None] & mask_d[None, :]
-    mask_kd = live_k[:, None] & mask_d[None, :]
     is_q = h < num_heads
     tk = tl.where(is_q, 0, 1)  # q's target, or k's
-    v_rows = v_ptr + rows[:, None] * stride_v + (j * 3 * R + r)[None, :]
-    vv = tl.load(v_rows + tk * R, mask=keep, other=0.0)
-    if UPCAST_DOT:
-        vv = vv.to(tl.float32)
-    bt_rows = bt_ptr + (j * 3 * R + r).to(tl.int64)[:, None] * stride_bt
+    v_rows = v_ptr + rows[:, None] * stride_v
     col = h * 2 * HALF
     x_ptrs = qkv_ptr + rows[:, None] * stride_qkv + col + offs_d[None, :]
     dtype = qkv_ptr.dtype.element_ty
-    d1 = _head_delta(vv, bt_rows + tk * R * stride_bt, stride_bt, col, offs_d, mask_kd, scaling, dtype)
-    d2 = _head_delta(vv, bt_rows + tk * R * stride_bt, stride_bt, col + HALF, offs_d, mask_kd, scaling, dtype)
+    a1, a2 = _head_dots(
+        v_rows + tk * R, bt_ptr + tk * R * stride_bt, stride_bt, col, block, rank, offs_d, mask_d, n_blocks,
+        R, HALF, BLOCK_T, BLOCK_HALF, BLOCK_K, UPCAST_DOT,
+    )  # fmt: skip
+    d1 = (a1 * scaling[:, None]).to(dtype)  # the delta, rounded as the delta path's
+    d2 = (a2 * scaling[:, None]).to(dtype)
     u1 = (tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32) + d1.to(tl.float32)).to(dtype).to(tl.float32)
     u2 = (tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32) + d2.to(tl.float32)).to(dtype).to(tl.float32)
     pos = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
@@ -411,11 +425,12 @@ def _rope_kv_blocks_kernel(
         tl.store(k_dst, r1.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(k_dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=mask)
         v_col = col + num_kv_heads * 2 * HALF  # the value head sits Hkv heads after its key head
-        vv_v = tl.load(v_rows + 2 * R, mask=keep, other=0.0)
-        if UPCAST_DOT:
-            vv_v = vv_v.to(tl.float32)
-        e1 = _head_delta(vv_v, bt_rows + 2 * R * stride_bt, stride_bt, v_col, offs_d, mask_kd, scaling, dtype)
-        e2 = _head_delta(vv_v, bt_rows + 2 * R * stride_bt, stride_bt, v_col + HALF, offs_d, mask_kd, scaling, dtype)
+        a1, a2 = _head_dots(
+            v_rows + 2 * R, bt_ptr + 2 * R * stride_bt, stride_bt, v_col, block, rank, offs_d, mask_d, n_blocks,
+            R, HALF, BLOCK_T, BLOCK_HALF, BLOCK_K, UPCAST_DOT,
+        )  # fmt: skip
+        e1 = (a1 * scaling[:, None]).to(dtype)
+        e2 = (a2 * scaling[:, None]).to(dtype)
         xv = qkv_ptr + rows[:, None] * stride_qkv + v_col + offs_d[None, :]
         first = (tl.load(xv, mask=mask, other=0.0).to(tl.float32) + e1.to(tl.float32)).to(dtype)
         second = (tl.load(xv + HALF, mask=mask, other=0.0).to(tl.float32) + e2.to(tl.float32)).to(dtype)
@@ -466,7 +481,7 @@ def rope_kv_write_blocks(
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         q_out.stride(0), q_out.stride(1), v.stride(0), bt.stride(0),
         R=max_rank, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_T=block_t,
-        BLOCK_K=max(16, triton.next_power_of_2(n_blocks * max_rank)), BLOCK_S=SEGMENT_CHUNK,
+        BLOCK_K=min(BLOCKS_K, max(16, triton.next_power_of_2(n_blocks * max_rank))), BLOCK_S=SEGMENT_CHUNK,
         UPCAST_DOT=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16,
         num_warps=4, **pdl.launch(qkv.device),
     )  # fmt: skip

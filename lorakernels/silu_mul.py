@@ -222,6 +222,11 @@ def launch_silu_mul_expand(
     )  # fmt: skip
 
 
+# The dense decode expands' chunk of the every-block shrink's columns a dot takes (8 blocks of rank 16 in
+# one; a rank capacity of 64 in several): bounds their [BLOCK_K, columns] B^T tiles
+BLOCKS_K = 128
+
+
 @triton.jit
 def rows_own_block(
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr, num_segments, offs_t, mask_t,
@@ -262,26 +267,18 @@ def _silu_mul_blocks_kernel(
     R: tl.constexpr,  # the rank capacity: a block is 2R columns of v, 2R rows of bt
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # >= n_blocks * R
+    BLOCK_K: tl.constexpr,  # the masked shrink's columns a dot takes (n_blocks * R in chunks of it)
     BLOCK_S: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
     """A column block of gate and up for every row: the rows' shrinks masked to their own blocks (scaled)
-    times every block's B^T rows, one dot each for gate and up (the blocks' rows read once, coalesced)."""
+    times every block's B^T rows, dots over chunks of the blocks' columns for gate and up (the blocks'
+    rows read once a row tile, coalesced)."""
     if USE_PDL:
         wait_for_producer()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    j, r = offs_k // R, offs_k % R  # column k of the masked shrink: block j, rank index r
-    live_k = j < n_blocks
-    bt_rows = bt_ptr + (j * 2 * R + r).to(tl.int64)[:, None] * stride_bt + offs_n[None, :]
-    b_mask = live_k[:, None] & mask_n[None, :]
-    bt_gate = tl.load(bt_rows, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-    bt_up = tl.load(bt_rows + R * stride_bt + I, mask=b_mask, other=0.0)
-    if UPCAST_DOT:
-        bt_gate, bt_up = bt_gate.to(tl.float32), bt_up.to(tl.float32)
     for t0 in range(0, num_tokens, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < num_tokens
@@ -289,14 +286,25 @@ def _silu_mul_blocks_kernel(
             seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr, num_segments, offs_t, mask_t,
             BLOCK_T, BLOCK_S,
         )  # fmt: skip
-        keep = (j[None, :] == block[:, None]) & (r[None, :] < rank[:, None]) & live_k[None, :]
-        v_rows = v_ptr + offs_t.to(tl.int64)[:, None] * stride_v + (j * 2 * R + r)[None, :]
-        v_gate = tl.load(v_rows, mask=keep, other=0.0)  # [BLOCK_T, BLOCK_K]: zeros outside the row's block
-        v_up = tl.load(v_rows + R, mask=keep, other=0.0)
-        if UPCAST_DOT:
-            v_gate, v_up = v_gate.to(tl.float32), v_up.to(tl.float32)
-        d_gate = tl.dot(v_gate, bt_gate, input_precision="ieee")
-        d_up = tl.dot(v_up, bt_up, input_precision="ieee")
+        d_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        d_up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, n_blocks * R, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            j, r = offs_k // R, offs_k % R  # column k of the masked shrink: block j, rank index r
+            live_k = j < n_blocks
+            bt_rows = bt_ptr + (j * 2 * R + r).to(tl.int64)[:, None] * stride_bt + offs_n[None, :]
+            b_mask = live_k[:, None] & mask_n[None, :]
+            bt_gate = tl.load(bt_rows, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+            bt_up = tl.load(bt_rows + R * stride_bt + I, mask=b_mask, other=0.0)
+            keep = (j[None, :] == block[:, None]) & (r[None, :] < rank[:, None]) & live_k[None, :]
+            v_rows = v_ptr + offs_t.to(tl.int64)[:, None] * stride_v + (j * 2 * R + r)[None, :]
+            v_gate = tl.load(v_rows, mask=keep, other=0.0)  # [BLOCK_T, BLOCK_K]: zeros outside the row's block
+            v_up = tl.load(v_rows + R, mask=keep, other=0.0)
+            if UPCAST_DOT:
+                v_gate, v_up = v_gate.to(tl.float32), v_up.to(tl.float32)
+                bt_gate, bt_up = bt_gate.to(tl.float32), bt_up.to(tl.float32)
+            d_gate += tl.dot(v_gate, bt_gate, input_precision="ieee")
+            d_up += tl.dot(v_up, bt_up, input_precision="ieee")
         mask = mask_t[:, None] & mask_n[None, :]
         g_ptrs = gate_up_ptr + offs_t.to(tl.int64)[:, None] * stride_g + offs_n[None, :]
         gate = tl.load(g_ptrs, mask=mask, other=0.0)
@@ -342,7 +350,7 @@ def silu_mul_blocks(
         num_tokens, inter, meta.num_segments, n_blocks,
         gate_up.stride(0), v.stride(0), bt.stride(0), out.stride(0),
         R=max_rank, BLOCK_T=min(64, max(16, triton.next_power_of_2(num_tokens))), BLOCK_N=block_n,
-        BLOCK_K=max(16, triton.next_power_of_2(n_blocks * max_rank)), BLOCK_S=SEGMENT_CHUNK,
+        BLOCK_K=min(BLOCKS_K, max(16, triton.next_power_of_2(n_blocks * max_rank))), BLOCK_S=SEGMENT_CHUNK,
         UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
         num_warps=4, **pdl.launch(gate_up.device),
     )  # fmt: skip

@@ -211,10 +211,23 @@ def tail_rows(B, v_block, num_stack, slices, ranks, dtype):
     return bt
 
 
+@pytest.fixture(params=[False, True], ids=["one-dot", "k-chunks"])
+def k_chunks(request, monkeypatch):
+    """The dense expands' dots over every block's columns at once (5 blocks x R = 40 <= 128), or in chunks
+    of 16 (three, the last partial), as a rank capacity of 64 takes them."""
+    if request.param:
+        import lorakernels.rope_kv
+        import lorakernels.silu_mul
+
+        monkeypatch.setattr(lorakernels.silu_mul, "BLOCKS_K", 16)
+        monkeypatch.setattr(lorakernels.rope_kv, "BLOCKS_K", 16)
+    return request.param
+
+
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [13, 70], ids=["one-row-tile", "row-tiles"])
-def test_silu_mul_blocks_is_silu_mul_expand_from_each_rows_block(popularity, dtype, rows):
+def test_silu_mul_blocks_is_silu_mul_expand_from_each_rows_block(popularity, dtype, rows, k_chunks):
     """The dense form: a column block of every row at once, the rows' shrinks masked to their own blocks
     times every block's B^T tail rows; silu_mul_expand's result from the rows' own shrinks and the slots'
     B (in fp32 to the dot's summation order; in bf16 to a rounding step), padding rows the SiLU-mul alone,
@@ -252,7 +265,7 @@ def test_silu_mul_blocks_is_silu_mul_expand_from_each_rows_block(popularity, dty
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads, head_dim", [("gqa", 64), ("mqa", 16)], ids=["gqa-64", "mqa-16"])
-def test_rope_kv_write_blocks_is_the_expand_from_each_rows_block(popularity, dtype, heads, head_dim):
+def test_rope_kv_write_blocks_is_the_expand_from_each_rows_block(popularity, dtype, heads, head_dim, k_chunks):
     """The dense form of the q/k/v expand: each head of a row tile from one dot over every block's B^T tail
     rows (rows masked to their own blocks); rope_kv_write's result with the rows' own shrinks and the
     slots' B (fp32 to the dot's summation order, bf16 to a rounding step), over row tiles (13 rows in
