@@ -53,19 +53,23 @@ def graph_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
+def rope_inputs(batch: int, num_slots: int = 65536) -> tuple[torch.Tensor, ...]:
+    """(positions, cos_sin, k_cache, v_cache, out_cache_loc) of a decode batch at Llama-3-8B's heads."""
+    positions = torch.randint(0, 4096, (batch,), device="cuda")
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM)
+    freqs = torch.arange(8192, device="cuda").float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    k_cache = torch.zeros(num_slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    return positions, cos_sin, k_cache, torch.zeros_like(k_cache), torch.randperm(num_slots, device="cuda")[:batch]
+
+
 def fused_cases(batch: int) -> list[dict]:
     x = torch.randn(batch, HIDDEN, device="cuda", dtype=DTYPE)
     residual = torch.randn_like(x)
     weight = torch.rand(HIDDEN, device="cuda", dtype=DTYPE) + 0.5
     gate_up = torch.randn(batch, 2 * INTER, device="cuda", dtype=DTYPE)
     qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=DTYPE)
-    positions = torch.randint(0, 4096, (batch,), device="cuda")
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM)
-    freqs = torch.arange(8192, device="cuda").float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    k_cache = torch.zeros(65536, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    v_cache = torch.zeros_like(k_cache)
-    loc = torch.randperm(65536, device="cuda")[:batch]
+    positions, cos_sin, k_cache, v_cache, loc = rope_inputs(batch)
     heads = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
 
     def silu_mul_torch():
@@ -180,13 +184,7 @@ def wide_case(proj: str, batch: int, num_adapters: int, max_rank: int, rank: int
         row["fused_expand_us"] = graph_us(lambda: silu_mul_expand(y, v_own, B, meta))
         row["blocks_us"] = graph_us(lambda: silu_mul_blocks(y, v_all, bt, meta, slot_block, max_rank=max_rank))
     elif proj == "qkv":
-        positions = torch.randint(0, 4096, (batch,), device="cuda")
-        inv_freq = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM)
-        freqs = torch.arange(8192, device="cuda").float()[:, None] * inv_freq[None, :]
-        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        k_cache = torch.zeros(8192, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-        v_cache = torch.zeros_like(k_cache)
-        loc = torch.randperm(8192, device="cuda")[:batch]
+        positions, cos_sin, k_cache, v_cache, loc = rope_inputs(batch, 8192)
         kw = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
         row["next_us"] = graph_us(lambda: rope_kv_write(y, positions, cos_sin, k_cache, v_cache, loc, **kw))
         row["fused_expand_us"] = graph_us(lambda: rope_kv_write(y, positions, cos_sin, k_cache, v_cache, loc, expand=(v_own, B, meta), **kw))
