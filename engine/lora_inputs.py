@@ -321,26 +321,31 @@ def usable_sm_carveout(requested: int, num_sms: int) -> int:
     return max(0, min(requested, num_sms // 2))
 
 
-def wide_gemm_targets(targets: Collection[str], model: torch.nn.Module, tail: GemmTail | None, lora_backend: str) -> frozenset[str]:
-    """LoraInputs.decode_wide of an engine: the targets asked for whose projections have no bias (the wide
-    GEMM's extra columns would take it), with the Triton SGMV ops and a GEMM tail built with columns, a
-    rank capacity the fused expands load whole, and q/k/v only where the RoPE/KV-write kernel reads the
-    projection next (engine/models/blocks.py `Attention.rope_reads_qkv`); none elsewhere. A
-    reader that cannot fuse the expand (the CPU path: Triton's interpreter in tests) gathers each row's
-    block first (PendingExpand.apply): correct, not fast. Decode steps run it on CUDA (side stream steps)
-    and in decode graphs."""
+def wide_gemm_targets(
+    targets: Collection[str], model: torch.nn.Module, pool_targets: Mapping[str, object], max_rank: int, blocks: int, lora_backend: str,
+) -> frozenset[str]:  # fmt: skip
+    """The targets of EngineConfig.lora_decode_wide_gemm that get the wide decode GEMM (the GEMM tail's
+    `columns`, and LoraInputs.decode_wide once the tail is built with them): those the slot pool holds
+    (pool_targets) whose projections have no bias (the wide GEMM's extra columns would take it), with the
+    Triton SGMV ops, a rank capacity the fused expands load whole, extra columns that keep the weight's
+    rows 16-byte aligned (blocks x stack x max_rank a multiple of 8), and q/k/v only where the RoPE/KV-write
+    kernel reads the projection next (engine/models/blocks.py `Attention.rope_reads_qkv`); none elsewhere,
+    so no base GEMM reads a strided weight for nothing. A reader that cannot fuse the expand (the CPU path:
+    Triton's interpreter in tests) gathers each row's block first (PendingExpand.apply): correct, not fast.
+    Decode steps run it on CUDA (side stream steps) and in decode graphs."""
     from lorakernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
 
-    if tail is None or not tail.columns or lora_backend not in ("triton", "splitk") or tail.max_rank > FUSED_MAX_RANK:
+    if lora_backend not in ("triton", "splitk") or max_rank > FUSED_MAX_RANK or blocks < 1:
         return frozenset()
     layer = model.layers[0]
     linears = {
         "qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj,
     }  # fmt: skip
+    stacks = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
     fused_rope = layer.self_attn.rope_reads_qkv()
     return frozenset(
         t for t in targets
-        if t in tail.targets and linears[t].bias is None and (t != "qkv" or fused_rope)
+        if t in pool_targets and linears[t].bias is None and (t != "qkv" or fused_rope) and blocks * stacks[t] * max_rank % 8 == 0
     )  # fmt: skip
 
 

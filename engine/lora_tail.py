@@ -20,8 +20,8 @@ reloaded since (LoraSlotPool.generations). A step with more adapters than blocks
 MIN_TOKENS tokens, keeps the in-line path. One GPU (a row-parallel projection's delta would be summed
 over the ranks).
 
-With `columns` (EngineConfig.lora_decode_wide_gemm), the blocks' A lie in extra columns of the same
-allocation, [in + C, out + C]: the base weight is the strided view [:in, :out], and a decode step's GEMM
+For the targets in `columns` (EngineConfig.lora_decode_wide_gemm, as `wide_gemm_targets` filters it), the
+blocks' A lie in extra columns of the same allocation instead, [in + C, out + C]: the base weight is the strided view [:in, :out], and a decode step's GEMM
 over [:in, :out + C] gives the projection and every block's shrink at once (`wide_weight`, at the
 weight-read rate of a GEMM that reads C / out more columns), for the kernel that reads the projection next
 to expand from the row's own block (LoraInputs.project_deferred).
@@ -29,7 +29,7 @@ to expand from the row's own block (LoraInputs.project_deferred).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 
@@ -63,7 +63,7 @@ class GemmTail:
 
     def __init__(
         self, model: torch.nn.Module, targets: Mapping[str, FusedTarget], max_rank: int, num_slots: int, blocks: int,
-        columns: bool = False,
+        columns: Collection[str] = (),
     ):  # fmt: skip
         if blocks < 1:
             raise ValueError(f"a GEMM tail needs at least one block, got {blocks}")
@@ -73,13 +73,13 @@ class GemmTail:
         self.width = {name: t.num_stack * max_rank for name, t in self.targets.items()}
         self.in_dim = {name: t.in_dim for name, t in self.targets.items()}
         self.out_dim = {name: t.out_dim for name, t in self.targets.items()}
-        self.columns = columns
-        # target -> each layer's [in + blocks * W, out (+ blocks * W with columns)]: one allocation a layer,
+        self.columns = frozenset(columns) & set(self.targets)
+        # target -> each layer's [in + blocks * W, out (+ blocks * W in columns)]: one allocation a layer,
         # so building the tail holds one layer's weight twice at most, not a whole target's (gate/up: 7.5
         # GB at Llama-3-8B)
         self.storage: dict[str, list[torch.Tensor]] = {}
-        self.a_blocks: dict[str, torch.Tensor] = {}  # target -> [layers, blocks * W, in] (without columns)
-        # with columns: target -> block j -> each layer's [in, W] columns of block j's A^T
+        self.a_blocks: dict[str, torch.Tensor] = {}  # target -> [layers, blocks * W, in] (targets not in columns)
+        # targets in columns -> block j -> each layer's [in, W] columns of block j's A^T
         self._a_views: dict[str, list[list[torch.Tensor]]] = {}
         # target -> projection k -> block j -> each layer's rows of k's B^T in block j, k's columns only
         # (the other columns stay zero from the start), made once for `_copy_in`'s multi-tensor copies
@@ -92,14 +92,14 @@ class GemmTail:
                 layers = []
                 for linear in linears:
                     old = linear.weight
-                    cols = out_dim + (blocks * width if columns else 0)
+                    cols = out_dim + (blocks * width if name in self.columns else 0)
                     storage = torch.zeros(in_dim + blocks * width, cols, dtype=old.dtype, device=old.device)
                     storage[:in_dim, :out_dim].copy_(old.t())
                     linear.weight = torch.nn.Parameter(storage[:in_dim, :out_dim].t(), requires_grad=old.requires_grad)
                     del old
                     layers.append(storage)
                 self.storage[name] = layers
-                if columns:
+                if name in self.columns:
                     self._a_views[name] = [[s[:in_dim, out_dim + j * width : out_dim + (j + 1) * width] for s in layers] for j in range(blocks)]
                 else:
                     self.a_blocks[name] = torch.zeros(len(layers), blocks * width, in_dim, dtype=layers[0].dtype, device=device)
@@ -167,7 +167,7 @@ class GemmTail:
                 for k, (offset, size) in enumerate(target.output_slices):
                     source = pool.b[name][:, slot, offset : offset + size].transpose(1, 2)  # [layers, R, size]
                     torch._foreach_copy_(self._b_views[name][k][block], list(source.unbind(0)))
-                if self.columns:  # A^T into the block's columns of each layer's storage
+                if name in self.columns:  # A^T into the block's columns of each layer's storage
                     torch._foreach_copy_(self._a_views[name][block], list(pool.a[name][:, slot].transpose(1, 2).unbind(0)))
                 else:
                     self.a_blocks[name][:, block * width : (block + 1) * width].copy_(pool.a[name][:, slot])
@@ -178,7 +178,7 @@ class GemmTail:
 
     def shrink_weight(self, target: str, layer: int, blocks: int) -> torch.Tensor:
         """[blocks * W, in]: the first blocks' A, the every-block shrink's weight."""
-        if self.columns:
+        if target in self.columns:
             out_dim = self.out_dim[target]
             return self.storage[target][layer][: self.in_dim[target], out_dim : out_dim + blocks * self.width[target]].t()
         return self.a_blocks[target][layer, : blocks * self.width[target]]
@@ -192,7 +192,7 @@ class GemmTail:
 
     def wide_weight(self, target: str, layer: int) -> torch.Tensor:
         """The logical [out + blocks * W, in] weight whose GEMM gives `target`'s projection in `layer` and
-        every block's shrink after it (with columns only)."""
-        if not self.columns:
-            raise RuntimeError("this GEMM tail keeps its blocks' A apart (columns=False): no wide weight")
+        every block's shrink after it (targets in columns only)."""
+        if target not in self.columns:
+            raise RuntimeError(f"this GEMM tail keeps {target}'s blocks' A apart (not in its columns): no wide weight")
         return self.storage[target][layer][: self.in_dim[target]].t()

@@ -29,7 +29,6 @@ from engine.lora_inputs import (
     prefill_fused_targets,
     sgmv_ops,
     usable_sm_carveout,
-    wide_gemm_targets,
 )
 from engine.lora_pool import LoraSlotPool, PackedAdapter
 from engine.lora_tail import MIN_TOKENS as TAIL_MIN_TOKENS
@@ -58,7 +57,7 @@ class ModelRunner:
         lora_prefill_fused_expand: tuple[str, ...] = ("gate_up",),  # CUDA prefill-sized steps: targets whose expand the next kernel does
         lora_gemm_tail: GemmTail | None = None,  # prefill-sized steps: the LoRA in the base GEMMs (engine/lora_tail.py)
         lora_decode_norm_shrink: tuple[str, ...] = (),  # CUDA decode steps: targets shrunk by their input's norm
-        lora_decode_wide_gemm: tuple[str, ...] = (),  # CUDA decode steps: targets shrunk by their base GEMM (a tail with columns)
+        lora_decode_wide_gemm: tuple[str, ...] = (),  # CUDA decode steps: targets shrunk by their base GEMM (those in the tail's columns)
     ):
         self.model = model
         self.kv = kv
@@ -101,9 +100,7 @@ class ModelRunner:
             self._shrink_counters = shrink_counters(self.device)
         # ... and shrink these targets in their base GEMM, over the tail's blocks, when the step's adapters
         # all hold one; the next kernel expands
-        self._decode_wide = (
-            wide_gemm_targets(lora_decode_wide_gemm, model, self.gemm_tail, lora_backend) if lora_pool is not None else frozenset()
-        )  # fmt: skip
+        self._decode_wide = frozenset(lora_decode_wide_gemm) & self.gemm_tail.columns if self.gemm_tail is not None else frozenset()
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran

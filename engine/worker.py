@@ -38,6 +38,7 @@ from engine.attention import eager_backend
 from engine.config import EngineConfig
 from engine.forward_inputs import KVBuffers
 from engine.kv_pool import num_slots_for_memory
+from engine.lora_inputs import wide_gemm_targets
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
 from engine.lora_tail import GemmTail
 from engine.model_config import ModelConfig
@@ -125,9 +126,14 @@ class ModelWorker:
         ):  # fmt: skip
             # before the KV pool is sized: the blocks' rows take device memory
             targets = {t.name: t for t in fused_targets(model.config, config.lora_target_modules)}
+            wide = wide_gemm_targets(
+                config.lora_decode_wide_gemm, model, targets, config.max_lora_rank, config.lora_gemm_tail_blocks,
+                _lora_backend(config, device),
+            )  # fmt: skip
+            if set(config.lora_decode_wide_gemm) - wide:
+                log.warning("--lora-decode-wide-gemm: %s cannot take the wide decode GEMM here", ", ".join(sorted(set(config.lora_decode_wide_gemm) - wide)))
             gemm_tail = GemmTail(
-                model, targets, config.max_lora_rank, config.max_loras_per_batch, config.lora_gemm_tail_blocks,
-                columns=bool(config.lora_decode_wide_gemm),
+                model, targets, config.max_lora_rank, config.max_loras_per_batch, config.lora_gemm_tail_blocks, columns=wide
             )  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.empty_cache()

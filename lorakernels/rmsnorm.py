@@ -283,7 +283,9 @@ def _add_rmsnorm_expand_rows_kernel(
         tl.store(out_ptr + row * stride_o + offs_n, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-ROWS_BLOCK_N = 1024  # the one-row-a-program expand's column block: [1024, R] of B in registers
+# the one-row-a-program expand's column block at rank capacity 16 ([1024, 16] of B in registers); a larger
+# capacity takes proportionally fewer columns a block (256 at 64), so the tile stays that size
+ROWS_BLOCK_N = 1024
 
 
 def add_rmsnorm_expand(
@@ -324,6 +326,7 @@ def add_rmsnorm_expand(
         return out, residual_out
     r = x if residual is None else residual
     if rows:
+        block_r = max(16, triton.next_power_of_2(B.shape[2]))
         if B.stride(2) != 1:
             raise ValueError("B's rank columns must be contiguous")
         _add_rmsnorm_expand_rows_kernel[(num_tokens,)](
@@ -333,7 +336,7 @@ def add_rmsnorm_expand(
             x.shape[1], eps, meta.num_segments, B.shape[2],
             x.stride(0), r.stride(0), v.stride(0), B.stride(0), B.stride(1), out.stride(0), residual_out.stride(0),
             HAS_RESIDUAL=residual is not None, HAS_V_BLOCK=v_block is not None,
-            BLOCK_N=min(ROWS_BLOCK_N, triton.next_power_of_2(x.shape[1])), BLOCK_R=max(16, triton.next_power_of_2(B.shape[2])),
+            BLOCK_N=min(ROWS_BLOCK_N * 16 // block_r, triton.next_power_of_2(x.shape[1])), BLOCK_R=block_r,
             BLOCK_S=min(max(16, triton.next_power_of_2(max(meta.num_segments, 1))), SEGMENT_CHUNK),
             num_warps=8, **pdl.launch(x.device),
         )  # fmt: skip

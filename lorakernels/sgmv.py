@@ -107,7 +107,8 @@ def row_adapter(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments
 def own_block(v_ptr, v_block_ptr, slot, width, HAS_V_BLOCK: tl.constexpr):
     """v_ptr moved to slot `slot`'s block of an every-block shrink (HAS_V_BLOCK: v's rows hold one block of
     `width` columns per tail block, v_block_ptr[slot] the slot's; lorakernels/sgmv_ref.py `own_block_v`),
-    else v_ptr as it is."""
+    else v_ptr as it is. A slot without a block (-1) reads block 0: the caller gives every slot of rank > 0
+    a block (engine/lora_tail.py `assign` does, or the step takes the side stream)."""
     if HAS_V_BLOCK:
         v_ptr += tl.maximum(tl.load(v_block_ptr + slot), 0).to(tl.int64) * width
     return v_ptr

@@ -329,8 +329,10 @@ def silu_mul_blocks(
     block_n: int = 64,
 ) -> torch.Tensor:  # [T, I]
     """silu_mul_expand's result for a decode step whose adapters all hold a GEMM tail block: each row's
-    expand from its own block of v and that block's B^T rows, as one dense dot per column block over
-    every block (rows masked to their own), so every B^T row is read once, along its columns."""
+    expand from its own block of v and that block's B^T rows, as dense dots per column block over every
+    block (rows masked to their own), so every B^T row is read once a row tile, along its columns. Rounded
+    as silu_mul_expand rounds, once (gate + scaling * d); the RoPE and norm forms round the delta first,
+    as the side stream's delta path does."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"want gate_up [T, 2 * I] with contiguous rows, got {tuple(gate_up.shape)}")
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2

@@ -135,3 +135,22 @@ def test_the_wide_weight_gives_the_projection_then_every_blocks_shrink(engine):
         for slot in (0, 1):  # each slot's block of the shrink is x @ its A^T
             cols = slice(target.out_dim + slot_block[slot] * tail.width[name], target.out_dim + (slot_block[slot] + 1) * tail.width[name])
             torch.testing.assert_close(wide[:, cols], x @ pool.a[name][1, slot].T, rtol=0, atol=1e-5)
+
+
+def test_only_the_wide_targets_weights_take_columns(tiny_llama_dir, make_adapter, tmp_path):
+    """--lora-decode-wide-gemm gate_up: gate/up's storage gets the blocks' A as columns, the other targets'
+    weights keep their plain rows (their base GEMMs read no strided weight) and their A apart."""
+    adapters = (("all", str(make_adapter("tail-all", **ADAPTERS["all"]))),)
+    config = EngineConfig(
+        model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / "work"), max_loras_per_batch=2,
+        lora_backend="triton", lora_gemm_tail_blocks=2, lora_decode_wide_gemm=("gate_up",),
+    )  # fmt: skip
+    runner = EngineCore.build(config).workers.local.runner
+    tail = runner.gemm_tail
+    assert tail.columns == {"gate_up"} and runner._decode_wide == {"gate_up"}
+    for name, target in tail.targets.items():
+        widened = name == "gate_up"
+        assert tail.storage[name][0].shape[1] == target.out_dim + (2 * tail.width[name] if widened else 0), name
+        assert (name in tail.a_blocks) != widened, name
+    qkv = runner.model.layers[0].self_attn.qkv_proj.weight
+    assert qkv.t().is_contiguous()  # the plain [in, out] layout

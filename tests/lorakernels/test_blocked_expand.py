@@ -153,7 +153,7 @@ def test_add_rmsnorm_expand_one_row_a_program_is_the_delta_path(popularity, dtyp
 
     seg_lens, slots, ranks, scalings, v_block = blocked_batch(popularity)
     rows, hidden = sum(seg_lens) + 2, rmsnorm.ROWS_BLOCK_N + 200
-    x = randn(rows, hidden, dtype=dtype, seed=4, scale=2.0)
+    x = randn(rows, hidden + 8, dtype=dtype, seed=4, scale=2.0)[:, :hidden]  # the wide GEMM's strided rows
     residual = randn(rows, hidden, dtype=dtype, seed=5, scale=3.0) if with_residual else None
     weight = randn(hidden, dtype=dtype, seed=6)
     own = randn(rows, R, dtype=dtype, seed=7)
@@ -238,7 +238,7 @@ def test_silu_mul_blocks_is_silu_mul_expand_from_each_rows_block(popularity, dty
     if rows > 64:  # a second row tile: more runs of the same adapters
         seg_lens, slots = [*seg_lens, rows - 1 - sum(seg_lens)], [*slots, slots[0]]
     inter = 80
-    gate_up = randn(rows, 2 * inter, dtype=dtype, seed=1, scale=3.0)
+    gate_up = randn(rows, 2 * inter + 24, dtype=dtype, seed=1, scale=3.0)[:, : 2 * inter]  # the wide GEMM's strided rows
     own = randn(rows, 2 * R, dtype=dtype, seed=2)
     B = randn(len(ranks), 2 * inter, R, dtype=dtype, seed=3, scale=0.5)
     for w, r in enumerate(ranks):
@@ -276,6 +276,7 @@ def test_rope_kv_write_blocks_is_the_expand_from_each_rows_block(popularity, dty
     num_heads, num_kv_heads = HEADS[heads]
     rows = sum(seg_lens) + 1
     cos_sin, qkv, positions, loc = rope_case(dtype, num_heads, num_kv_heads, head_dim, num_tokens=rows, seed=7, num_slots=80)
+    qkv = torch.cat([qkv, torch.full_like(qkv[:, :40], float("nan"))], dim=1)[:, : qkv.shape[1]]  # strided rows, NaN past them
     kw = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     own = randn(rows, 3 * R, dtype=dtype, seed=8)
     B = randn(len(ranks), qkv.shape[1], R, dtype=dtype, seed=9, scale=0.5)
