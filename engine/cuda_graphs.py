@@ -128,7 +128,9 @@ class DecodeGraphs:
             self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
             idle = pool.idle_targets(lora_slots)
             skipped = next(v for v in self.lora_variants if v <= idle)  # the most skipped first
-            wide = bool(self.wide) and bool(self.gemm_tail.assign(pool, lora_slots))  # None: more adapters than blocks
+            # the wide variant where a wide target is adapted and the step's adapters all hold a tail block
+            # (assign: None with more adapters than blocks); a step adapting none of them needs no block
+            wide = bool(self.wide - idle) and bool(self.gemm_tail.assign(pool, lora_slots))
         logits = self.steps[(batch, skipped, wide)]()
         self.num_replays += 1
         return logits[:n]

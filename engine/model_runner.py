@@ -231,7 +231,7 @@ class ModelRunner:
         if self.gemm_tail is not None and not plan.is_decode and plan.num_tokens >= TAIL_MIN_TOKENS:
             tail_blocks = self.gemm_tail.assign(pool, seg_slots) or 0  # None (more adapters than blocks): in line
         # a decode step's wide GEMMs need every adapter of the step in a block (else the side stream)
-        wide = side is not None and bool(self._decode_wide) and bool(self.gemm_tail.assign(pool, seg_slots))
+        wide = side is not None and bool(self._decode_wide - idle) and bool(self.gemm_tail.assign(pool, seg_slots))
         return LoraInputs(
             pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle,
             fused_expand=self._fused_expand, sm_carveout=self.lora_sm_carveout if side is not None else 0,

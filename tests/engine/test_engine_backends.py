@@ -237,6 +237,23 @@ def test_decode_graphs_with_the_lora_in_wide_gemms_give_the_reference_tokens(tin
     assert replayed and {key[2] for key in replayed} == {blocks == 2}
 
 
+def test_decode_steps_adapting_no_wide_target_take_no_tail_block(tiny_llama_dir, adapter_dirs, reference, tmp_path, monkeypatch):
+    """--lora-decode-wide-gemm gate_up with a batch of the base model and a q/v adapter: gate/up is idle, so
+    the steps replay the plain graph and ask the tail for no block (nothing copied in); the reference's tokens."""
+    from engine.lora_tail import GemmTail
+
+    assigned, real = [], GemmTail.assign
+    monkeypatch.setattr(GemmTail, "assign", lambda self, pool, slots: assigned.append(slots) or real(self, pool, slots))
+    replayed: list = []
+    tokens = run_batch(
+        tiny_llama_dir, adapter_dirs, tmp_path, static_decode=(2,), jobs=JOBS[:2], replayed=replayed, attention_backend="ref",
+        lora_backend="splitk", lora_gemm_tail_blocks=2, lora_decode_wide_gemm=("gate_up",),
+    )  # fmt: skip
+    assert tokens == reference[:2]
+    assert replayed and {key[1:] for key in replayed} == {(frozenset({"o", "gate_up", "down"}), False)}
+    assert not assigned
+
+
 def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):
     """dtype bfloat16 with the Triton attention and splitk LoRA backends (the CUDA defaults but graphs): at every step the token
     chosen is within BF16_LOGIT_SLACK of the best float32 logit of peft for that adapter."""
