@@ -347,14 +347,16 @@ def silu_mul_blocks(
     out = output_like(gate_up[:, :inter], out)
     if not num_tokens or not inter:
         return out
+    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
     _silu_mul_blocks_kernel[(triton.cdiv(inter, block_n),)](
         gate_up, v, bt, out, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings, slot_block,
         num_tokens, inter, meta.num_segments, n_blocks,
         gate_up.stride(0), v.stride(0), bt.stride(0), out.stride(0),
-        R=max_rank, BLOCK_T=min(64, max(16, triton.next_power_of_2(num_tokens))), BLOCK_N=block_n,
+        R=max_rank, BLOCK_T=block_t, BLOCK_N=block_n,
         BLOCK_K=min(BLOCKS_K, max(16, triton.next_power_of_2(n_blocks * max_rank))), BLOCK_S=SEGMENT_CHUNK,
         UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
-        num_warps=4, **pdl.launch(gate_up.device),
+        num_warps=8 if block_t >= 64 else 4,  # a 64-row tile's two [64, BLOCK_K] shrinks and [64, BLOCK_N] sums
+        **pdl.launch(gate_up.device),
     )  # fmt: skip
     return out
 
