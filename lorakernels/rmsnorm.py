@@ -151,14 +151,12 @@ def _add_rmsnorm_expand_kernel(
     out_ptr,  # [T, N]
     residual_out_ptr,  # [T, N]
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr,
-    v_block_ptr,  # [num_slots] int32: the slot's block of an every-block v (unused without HAS_V_BLOCK)
     # sizes
     num_tokens,
     N,
     eps,
     num_segments,
     seg_blocks,  # row programs for the segments; the rest take the rows after the last segment
-    max_rank,  # R: v's columns a block (with HAS_V_BLOCK)
     # strides
     stride_x, stride_r, stride_v, stride_bw, stride_bn, stride_bk, stride_o, stride_ro,
     # meta-parameters
@@ -169,7 +167,6 @@ def _add_rmsnorm_expand_kernel(
     BLOCK_S: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    HAS_V_BLOCK: tl.constexpr = False,  # v holds every tail block's shrink (R columns a block): rows read their slot's
 ):  # fmt: skip
     # a segment's row block, or rows no segment covers (a graph's padding): the add and the norm alone
     slot, rank, m_start, m_end = segment_or_tail_block(
@@ -182,8 +179,7 @@ def _add_rmsnorm_expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank  # v past the rank is not written by the shrink
     scaling = tl.load(scalings_ptr + slot)
-    v_own = own_block(v_ptr, v_block_ptr, slot, max_rank, HAS_V_BLOCK)
-    vt = tl.load(v_own + offs_m[:, None] * stride_v + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    vt = tl.load(v_ptr + offs_m[:, None] * stride_v + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     if UPCAST_DOT:
         vt = vt.to(tl.float32)
     b_base = b_ptr + slot.to(tl.int64) * stride_bw
@@ -309,12 +305,14 @@ def add_rmsnorm_expand(
     reading and writing x first (engine/lora_inputs.py PendingExpand). Row blocks of block_m rows follow
     the segments (lorakernels/sgmv.py `row_block`); each walks its rows twice in block_n columns, the
     second pass normalising what the first stored. Rows past the last segment (a graph's padding) get
-    the add and the norm alone. Ranks up to FUSED_MAX_RANK. With v_block, each row reads block
-    v_block[w] of v for its slot w (a decode step's wide GEMM, engine/lora_inputs.py). With rows, one
-    program a row walks its columns in ROWS_BLOCK_N blocks (a decode step's few rows fill more SMs than
-    row blocks would), and each delta is rounded to x's dtype before x + delta is (what the decode delta
-    path, add_rmsnorm(x, ..., delta), gives)."""
+    the add and the norm alone. Ranks up to FUSED_MAX_RANK. With rows, one program a row walks its
+    columns in ROWS_BLOCK_N blocks (a decode step's few rows fill more SMs than row blocks would), and
+    each delta is rounded to x's dtype before x + delta is (what the decode delta path, add_rmsnorm(x,
+    ..., delta), gives); then v_block may make each row read block v_block[w] of v for its slot w (a
+    decode step's wide GEMM, engine/lora_inputs.py)."""
     _check(x, residual, weight, None)
+    if v_block is not None and not rows:
+        raise ValueError("v_block goes with rows=True (a decode step's one-row-a-program form)")
     check_expand_args(v, B, meta, x, ((0, x.shape[1]),), v_block)
     if B.shape[2] > FUSED_MAX_RANK:
         raise ValueError(f"rank capacity {B.shape[2]} > {FUSED_MAX_RANK}: expand first, then add_rmsnorm")
@@ -345,14 +343,12 @@ def add_rmsnorm_expand(
     _add_rmsnorm_expand_kernel[(seg_blocks + tail_blocks,)](
         x, r, v, B, weight, out, residual_out,
         meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-        meta.lora_ranks if v_block is None else v_block,  # any int32 tensor where unused
-        num_tokens, x.shape[1], eps, meta.num_segments, seg_blocks, B.shape[2],
+        num_tokens, x.shape[1], eps, meta.num_segments, seg_blocks,
         x.stride(0), r.stride(0), v.stride(0), B.stride(0), B.stride(1), B.stride(2), out.stride(0), residual_out.stride(0),
         HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(B.shape[2])), BLOCK_S=SEGMENT_CHUNK,
         INPUT_PRECISION="ieee",  # as lorakernels/sgmv.py: fp32 operands exact, no TF32
         UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        HAS_V_BLOCK=v_block is not None,
         num_warps=num_warps,
     )  # fmt: skip
     return out, residual_out

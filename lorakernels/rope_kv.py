@@ -16,14 +16,12 @@ D = head_dim, c = cos_sin[positions[t], :D/2], s = cos_sin[positions[t], D/2:]:
     k_cache, v_cache [num_slots, Hkv, D] qkv.dtype; out_cache_loc [T] int; q_out [T, H, D] qkv.dtype
 
 With `expand` = (v, B, meta) instead of a delta, the kernel computes the delta itself, a decode step's
-q/k/v LoRA expand (engine/lora_inputs.py, --lora-decode-fused-expand or --lora-decode-wide-gemm), each
-head from its own columns:
+q/k/v LoRA expand (engine/lora_inputs.py, --lora-decode-fused-expand), each head from its own columns:
 
     delta[t, o_k + c] = round(scalings[w] * v[t, k*R : k*R + r] @ B[w, o_k + c, :r]^T)   k = q, k, v
 
     w, r: the slot of row t's segment (found in meta.seg_indptr on the device) and its rank; rows past
-    the last segment (a graph's padding) get none; v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R]; with
-    v_block, v [T, n * 3 R] holds every tail block's shrink and row t reads block v_block[w]'s 3 R columns
+    the last segment (a graph's padding) get none; v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R]
 
 rounded as the decode expand rounds the delta it writes (lorakernels/sgmv_decode.py), so the sum is what the
 delta path gives up to the order of the rank's fp32 sum.
@@ -44,8 +42,8 @@ import triton.language as tl
 from lorakernels import pdl
 from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta
-from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, own_block, row_adapter
-from lorakernels.sgmv_ref import SgmvMeta, own_block_v, sgmv_expand_ref
+from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, row_adapter
+from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
 from lorakernels.silu_mul import BLOCKS_K, rows_own_block
 
 # A prefill step's rotation: 81920 one-head programs for 2048 tokens of Llama-3-8B took 51 us a layer on an
@@ -84,7 +82,6 @@ def _rope_kv_kernel(
     weight_indices_ptr,  # [num_segments] int32
     lora_ranks_ptr,  # [num_slots] int32
     scalings_ptr,  # [num_slots] fp32
-    v_block_ptr,  # [num_slots] int32: the slot's block of an every-block v (unused without HAS_V_BLOCK)
     # sizes
     num_heads,
     num_kv_heads,
@@ -98,7 +95,6 @@ def _rope_kv_kernel(
     # meta-parameters
     HAS_DELTA: tl.constexpr,
     HAS_EXPAND: tl.constexpr,
-    HAS_V_BLOCK: tl.constexpr,  # v holds every tail block's shrink (3 R columns a block): the row reads its slot's
     HALF: tl.constexpr,  # D // 2
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
     BLOCK_R: tl.constexpr,  # >= R
@@ -123,8 +119,7 @@ def _rope_kv_kernel(
         scaling = tl.load(scalings_ptr + slot)
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
-        v_own = own_block(v_ptr + t * stride_v, v_block_ptr, slot, 3 * max_rank, HAS_V_BLOCK)
-        v_row = v_own + tl.where(h < num_heads, 0, max_rank)  # q's columns of v, or k's
+        v_row = v_ptr + t * stride_v + tl.where(h < num_heads, 0, max_rank)  # q's columns of v, or k's
         b_col = b_ptr + slot.to(tl.int64) * stride_bw + (h * 2 * HALF) * stride_bn
         u1 = _load_plus_expand(row_ptr, offs, mask, v_row, b_col, stride_bn, offs_r, mask_r, scaling).to(tl.float32)
         b_half = b_col + HALF * stride_bn
@@ -147,7 +142,7 @@ def _rope_kv_kernel(
         v_src = row_ptr + num_kv_heads * 2 * HALF  # the value head sits Hkv heads after its key head
         v_dst = v_cache_ptr + loc * stride_vc_slot + j * stride_vc_head
         if HAS_EXPAND:
-            vv_row = v_own + 2 * max_rank  # v's columns of the value target
+            vv_row = v_ptr + t * stride_v + 2 * max_rank  # v's columns of the value target
             b_v = b_ptr + slot.to(tl.int64) * stride_bw + ((h + num_kv_heads) * 2 * HALF) * stride_bn
             first = _load_plus_expand(v_src, offs, mask, vv_row, b_v, stride_bn, offs_r, mask_r, scaling)
             second = _load_plus_expand(v_src + HALF, offs, mask, vv_row, b_v + HALF * stride_bn, stride_bn, offs_r, mask_r, scaling)
@@ -270,7 +265,6 @@ def rope_kv_write(
     head_dim: int,
     delta: torch.Tensor | None = None,  # [T, (H + 2 Hkv) * D]: a LoRA delta still to add to qkv, first
     expand: tuple[torch.Tensor, torch.Tensor, SgmvMeta] | None = None,  # (v, B, meta): the delta's expand, done here
-    v_block: torch.Tensor | None = None,  # [num_slots] int32 with an expand: v is every block's shrink (module doc)
     heads_per_program: int | None = None,  # without an expand: None = HEADS_PER_PROGRAM from GROUP_MIN_TOKENS tokens, else 1
 ) -> torch.Tensor:  # q [T, H, D], rotated
     """Rotate q and k by their positions, write k and v into the paged cache, return q; see the module doc.
@@ -278,9 +272,7 @@ def rope_kv_write(
     (`_rope_kv_heads_kernel`); decode-sized ones one head a program."""
     _check(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim, delta)
     if expand is not None:
-        _check_expand(qkv, expand, delta, _qkv_slices(num_heads, num_kv_heads, head_dim), v_block)
-    elif v_block is not None:
-        raise ValueError("v_block goes with an expand")
+        _check_expand(qkv, expand, delta, _qkv_slices(num_heads, num_kv_heads, head_dim))
     num_tokens = qkv.shape[0]
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
@@ -302,12 +294,11 @@ def rope_kv_write(
         )  # fmt: skip
         return q_out
     if expand is None:  # the expand's arguments unused: any tensors of the right kinds
-        lora_args, max_rank = (qkv, qkv, positions, positions, positions, cos_sin, positions), 1
+        lora_args, max_rank = (qkv, qkv, positions, positions, positions, cos_sin), 1
         num_segments, strides = 0, (0, 0, 0)
     else:
         v, B, meta = expand
-        blocks = meta.lora_ranks if v_block is None else v_block  # any int32 tensor where unused
-        lora_args, max_rank = (v, B, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings, blocks), B.shape[2]
+        lora_args, max_rank = (v, B, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings), B.shape[2]
         num_segments, strides = meta.num_segments, (v.stride(0), B.stride(0), B.stride(1))
     _rope_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, d, positions, cos_sin, k_cache, v_cache, out_cache_loc, q_out, *lora_args,
@@ -317,7 +308,6 @@ def rope_kv_write(
         q_out.stride(0), q_out.stride(1), *strides,
         HAS_DELTA=delta is not None,
         HAS_EXPAND=expand is not None,
-        HAS_V_BLOCK=v_block is not None,
         HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
@@ -494,13 +484,13 @@ def _qkv_slices(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[tuple
     return ((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size))
 
 
-def _check_expand(qkv: torch.Tensor, expand, delta, slices: tuple[tuple[int, int], ...], v_block) -> None:
-    """(v [T, 3 R] or, with v_block, [T, n * 3 R], B [num_slots, (H + 2 Hkv) D, R], meta): what every
-    expand takes (lorakernels/sgmv.py `check_expand_args`), in qkv's dtype, with contiguous rank columns."""
+def _check_expand(qkv: torch.Tensor, expand, delta, slices: tuple[tuple[int, int], ...]) -> None:
+    """(v [T, 3 R], B [num_slots, (H + 2 Hkv) D, R], meta): what every expand takes (lorakernels/sgmv.py
+    `check_expand_args`), in qkv's dtype, with contiguous rank columns."""
     if delta is not None:
         raise ValueError("give a LoRA delta or its expand, not both")
     v, B, meta = expand
-    check_expand_args(v, B, meta, qkv, slices, v_block)
+    check_expand_args(v, B, meta, qkv, slices)
     if B.dtype != qkv.dtype or B.stride(2) != 1:
         raise ValueError(f"B {tuple(B.shape)} {B.dtype} is not [slots, {qkv.shape[1]}, R] {qkv.dtype} with contiguous ranks")
     if v.stride(1) != 1:
@@ -522,13 +512,10 @@ def rope_kv_write_ref(
     head_dim: int,
     delta: torch.Tensor | None = None,
     expand: tuple[torch.Tensor, torch.Tensor, SgmvMeta] | None = None,
-    v_block: torch.Tensor | None = None,
 ) -> torch.Tensor:  # q [T, H, D], rotated
     """The same in PyTorch, rounding as engine/rope.py's apply_rope and the model's cache write do."""
     if expand is not None:  # the delta the decode expand writes: rounded to qkv's dtype, 0 where no LoRA
         v, B, meta = expand
-        if v_block is not None:
-            v = own_block_v(v, v_block, meta, 3 * B.shape[2])
         delta = torch.zeros_like(qkv)
         sgmv_expand_ref(v, B, meta, delta, output_slices=_qkv_slices(num_heads, num_kv_heads, head_dim))
     if delta is not None:

@@ -36,7 +36,6 @@ from lorakernels.sgmv import (
     SEGMENT_CHUNK,
     block_m_for,
     check_expand_args,
-    own_block,
     seg_and_tail_blocks,
     segment_or_tail_block,
 )
@@ -107,7 +106,6 @@ def _silu_mul_expand_kernel(
     b_ptr,  # [num_slots, 2 * I, R]: gate's rows, then up's
     out_ptr,  # [T, I]
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr,
-    v_block_ptr,  # [num_slots] int32: the slot's block of an every-block v (unused without HAS_V_BLOCK)
     # sizes
     num_tokens,
     I,  # noqa: E741 (the intermediate size)
@@ -123,7 +121,6 @@ def _silu_mul_expand_kernel(
     BLOCK_S: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    HAS_V_BLOCK: tl.constexpr = False,  # v holds every tail block's shrink (2 R columns a block): rows read their slot's
     USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
 ):  # fmt: skip
     if USE_PDL:
@@ -147,7 +144,7 @@ def _silu_mul_expand_kernel(
         scaling = tl.load(scalings_ptr + slot)
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank  # v past the rank is not written by the shrink
-        v_ptrs = own_block(v_ptr, v_block_ptr, slot, 2 * max_rank, HAS_V_BLOCK) + offs_m[:, None] * stride_v + offs_r[None, :]
+        v_ptrs = v_ptr + offs_m[:, None] * stride_v + offs_r[None, :]
         v_mask = mask_m[:, None] & mask_r[None, :]
         b_ptrs = b_ptr + slot.to(tl.int64) * stride_bw + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_bk
         b_mask = mask_r[:, None] & mask_n[None, :]
@@ -176,31 +173,29 @@ def silu_mul_expand(
     *,
     output_slices: tuple[tuple[int, int], ...] | None = None,  # the projection's; must be gate's, then up's
     out: torch.Tensor | None = None,  # as silu_mul's
-    v_block: torch.Tensor | None = None,  # [num_slots] int32: v [T, n * 2 R] is every tail block's shrink
 ) -> torch.Tensor:  # [T, I]
     """silu_mul(gate_up after `sgmv_expand(v, B, meta, gate_up, output_slices=((0, I), (I, I)))`), in one
-    kernel that leaves gate_up as it was; see the module doc. Ranks up to FUSED_MAX_RANK. With v_block,
-    each row reads block v_block[w] of v for its slot w (a decode step's wide GEMM, engine/lora_inputs.py)."""
+    kernel that leaves gate_up as it was; see the module doc. Ranks up to FUSED_MAX_RANK."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"want gate_up [T, 2 * I] with contiguous rows, got {tuple(gate_up.shape)}")
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     slices = ((0, inter), (inter, inter))
     if output_slices is not None and tuple(output_slices) != slices:
         raise ValueError(f"output_slices {output_slices} are not gate's then up's halves {slices}")
-    check_expand_args(v, B, meta, gate_up, slices, v_block)
+    check_expand_args(v, B, meta, gate_up, slices)
     if B.shape[2] > FUSED_MAX_RANK:
         raise ValueError(f"rank capacity {B.shape[2]} > {FUSED_MAX_RANK}: expand first, then silu_mul")
     if v.stride(1) != 1 or B.dtype != gate_up.dtype:
         raise ValueError(f"want v with contiguous rows and B in gate_up's dtype {gate_up.dtype}, got {B.dtype}")
     out = output_like(gate_up[:, :inter], out)
     if num_tokens and inter:
-        launch_silu_mul_expand(gate_up, v, B, meta, out, block_m=block_m_for(meta.max_seg_len), v_block=v_block)
+        launch_silu_mul_expand(gate_up, v, B, meta, out, block_m=block_m_for(meta.max_seg_len))
     return out
 
 
 def launch_silu_mul_expand(
     gate_up: torch.Tensor, v: torch.Tensor, B: torch.Tensor, meta: SgmvMeta, out: torch.Tensor,
-    *, block_m: int, block_n: int = 64, num_warps: int = 4, v_block: torch.Tensor | None = None,
+    *, block_m: int, block_n: int = 64, num_warps: int = 4,
 ) -> None:  # fmt: skip
     """The kernel's launch over checked, non-empty inputs (`silu_mul_expand`; the tile sizes are the
     benchmark's to vary, benchmarks/silu_mul_expand.py)."""
@@ -210,14 +205,12 @@ def launch_silu_mul_expand(
     _silu_mul_expand_kernel[grid](
         gate_up, v, B, out,
         meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-        meta.lora_ranks if v_block is None else v_block,  # any int32 tensor where unused
         num_tokens, inter, B.shape[2], meta.num_segments, seg_blocks,
         gate_up.stride(0), v.stride(0), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(B.shape[2])),
         BLOCK_S=SEGMENT_CHUNK,
         INPUT_PRECISION="ieee",  # as lorakernels/sgmv.py: fp32 operands exact, no TF32
         UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
-        HAS_V_BLOCK=v_block is not None,
         num_warps=num_warps, **pdl.launch(gate_up.device),
     )  # fmt: skip
 

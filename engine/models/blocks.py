@@ -163,7 +163,7 @@ class Attention(nn.Module):
             q = rope_kv_write(
                 qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                delta=None if expand is not None else delta, expand=expand, v_block=delta.v_block if expand is not None else None,
+                delta=None if expand is not None else delta, expand=expand,
             )  # fmt: skip
             o = attn.attend(q, k_cache, v_cache, self.scale, out=self._o_head(lora, q))  # [T, H, D]
             return self.project_o(o.reshape(-1, c.q_size), lora)
@@ -219,9 +219,7 @@ class MLP(nn.Module):
                 )  # fmt: skip
                 return self.project_down(out, lora)
             if isinstance(delta, PendingExpand):
-                out = silu_mul_expand(
-                    gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices, out=head, v_block=delta.v_block
-                )  # fmt: skip
+                out = silu_mul_expand(gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices, out=head)
                 return self.project_down(out, lora)
             return self.project_down(silu_mul(gate_up, delta, out=head), lora)
         gate, up = _plus(gate_up, delta).chunk(2, dim=-1)  # each [T, inter]
