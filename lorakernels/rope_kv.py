@@ -42,9 +42,8 @@ import triton.language as tl
 from lorakernels import pdl
 from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta
-from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, row_adapter
+from lorakernels.sgmv import BLOCKS_K, SEGMENT_CHUNK, check_expand_args, row_adapter, rows_own_block
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
-from lorakernels.silu_mul import BLOCKS_K, rows_own_block
 
 # A prefill step's rotation: 81920 one-head programs for 2048 tokens of Llama-3-8B took 51 us a layer on an
 # H100, about 3x its bytes (BENCHMARKS.md, 2026-12-06); 8 heads a program launch 10240. Decode steps keep

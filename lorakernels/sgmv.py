@@ -114,6 +114,32 @@ def own_block(v_ptr, v_block_ptr, slot, width, HAS_V_BLOCK: tl.constexpr):
     return v_ptr
 
 
+# The dense decode expands' chunk of the every-block shrink's columns a dot takes (8 blocks of rank 16 in
+# one; a rank capacity of 64 in several): bounds their [BLOCK_K, columns] B^T tiles
+BLOCKS_K = 128
+
+
+@triton.jit
+def rows_own_block(
+    seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr, num_segments, offs_t, mask_t,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """(block, rank, scaling) of each of the rows offs_t: its segment's slot's tail block and rank (rank 0
+    for a row in no segment, a slot of rank 0 or a slot without a block)."""
+    seg = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for chunk in range(0, num_segments, BLOCK_S):
+        offs_s = chunk + tl.arange(0, BLOCK_S)
+        live = offs_s < num_segments
+        ends = tl.load(seg_indptr_ptr + offs_s + 1, mask=live, other=0)
+        seg += tl.sum((live[None, :] & (ends[None, :] <= offs_t[:, None])).to(tl.int32), axis=1)
+    inside = mask_t & (seg < num_segments)
+    slot = tl.load(weight_indices_ptr + seg, mask=inside, other=0)
+    rank = tl.load(lora_ranks_ptr + slot, mask=inside, other=0)
+    block = tl.load(slot_block_ptr + slot, mask=inside, other=-1)
+    scaling = tl.load(scalings_ptr + slot, mask=inside, other=0.0)
+    return block, tl.where(block >= 0, rank, 0), scaling
+
+
 @triton.jit
 def segment_or_tail_block(
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, num_tokens, pid, seg_blocks,
