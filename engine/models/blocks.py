@@ -125,7 +125,7 @@ class Attention(nn.Module):
     @classmethod
     def rope_reads_qkv(cls) -> bool:
         """Whether RoPE reads the q/k/v projection's output as it is (nothing transforms q and k first), so
-        the RoPE/KV-write kernel may take its pending LoRA expand (engine/lora_inputs.py `wide_gemm_targets`)."""
+        the RoPE/KV-write kernel may take its pending LoRA expand (engine/lora_tail.py `wide_gemm_targets`)."""
         return cls.norm_qk is Attention.norm_qk
 
     def _can_fuse_rope(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -151,20 +151,18 @@ class Attention(nn.Module):
                 rope_kv_write_blocks,
             )
 
+            heads = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
             if isinstance(delta, PendingExpand) and delta.b_rows is not None:  # a wide GEMM's: every row at once
                 q = rope_kv_write_blocks(
                     qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc, delta.v, delta.b_rows, delta.meta, delta.v_block,
-                    num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_rank=delta.b.shape[2],
+                    max_rank=delta.b.shape[2], **heads,
                 )  # fmt: skip
-                o = attn.attend(q, k_cache, v_cache, self.scale, out=self._o_head(lora, q))  # [T, H, D]
-                return self.project_o(o.reshape(-1, c.q_size), lora)
-            # a pending expand (a decode step's, engine/lora_inputs.py) is done by the kernel itself
-            expand = (delta.v, delta.b, delta.meta) if isinstance(delta, PendingExpand) else None
-            q = rope_kv_write(
-                qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
-                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                delta=None if expand is not None else delta, expand=expand,
-            )  # fmt: skip
+            else:  # a pending expand (a decode step's, engine/lora_inputs.py) is done by the kernel itself
+                expand = (delta.v, delta.b, delta.meta) if isinstance(delta, PendingExpand) else None
+                q = rope_kv_write(
+                    qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
+                    delta=None if expand is not None else delta, expand=expand, **heads,
+                )  # fmt: skip
             o = attn.attend(q, k_cache, v_cache, self.scale, out=self._o_head(lora, q))  # [T, H, D]
             return self.project_o(o.reshape(-1, c.q_size), lora)
         qkv = _plus(qkv, delta)
@@ -217,11 +215,11 @@ class MLP(nn.Module):
                 out = silu_mul_blocks(
                     gate_up, delta.v, delta.b_rows, delta.meta, delta.v_block, max_rank=delta.b.shape[2], out=head
                 )  # fmt: skip
-                return self.project_down(out, lora)
-            if isinstance(delta, PendingExpand):
+            elif isinstance(delta, PendingExpand):
                 out = silu_mul_expand(gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices, out=head)
-                return self.project_down(out, lora)
-            return self.project_down(silu_mul(gate_up, delta, out=head), lora)
+            else:
+                out = silu_mul(gate_up, delta, out=head)
+            return self.project_down(out, lora)
         gate, up = _plus(gate_up, delta).chunk(2, dim=-1)  # each [T, inter]
         if lora is not None:
             lora.tail_head("down", gate_up.shape[0], gate_up)  # down's projection copies its input in
