@@ -186,7 +186,7 @@ class LoraInputs:
     decode_norm_shrink: frozenset[str] = frozenset()
     shrink_counters: torch.Tensor | None = None
     # Fused targets whose decode-step LoRA runs in their base GEMM (EngineConfig's lora_decode_wide_gemm:
-    # `wide_gemm_targets`): x @ [W | every tail block's A] gives the projection and each block's shrink
+    # engine/lora_tail.py `wide_gemm_targets`): x @ [W | every tail block's A] gives the projection and each block's shrink
     # (`tail`, built with columns, whose blocks hold every adapter of this step: set only then), and the
     # kernel that reads the projection next expands from the row's own block (PendingExpand.v_block)
     decode_wide: frozenset[str] = frozenset()
@@ -238,7 +238,7 @@ class LoraInputs:
             return self._project_tail(linear, target, layer, x, x_aug), None
         t = self.pool.targets[target]
         if target in self.decode_wide:  # the shrink in the GEMM, on every SM; the next kernel expands
-            tail, out_dim = self.tail, self.pool.targets[target].out_dim
+            tail, out_dim = self.tail, t.out_dim
             y_wide = F.linear(x, tail.wide_weight(target, layer))  # [T, out + blocks * W]
             meta = self.by_target.get(target, self.meta)
             pending = PendingExpand(
@@ -319,34 +319,6 @@ def usable_sm_carveout(requested: int, num_sms: int) -> int:
     """The carve-out a device of num_sms SMs takes: at most half of them (PyTorch asks cuBLASLt for the
     device's SMs less the carve-out, which must stay positive, and the GEMMs keep most of the device)."""
     return max(0, min(requested, num_sms // 2))
-
-
-def wide_gemm_targets(
-    targets: Collection[str], model: torch.nn.Module, pool_targets: Mapping[str, object], max_rank: int, blocks: int, lora_backend: str,
-) -> frozenset[str]:  # fmt: skip
-    """The targets of EngineConfig.lora_decode_wide_gemm that get the wide decode GEMM (the GEMM tail's
-    `columns`, and LoraInputs.decode_wide once the tail is built with them): those the slot pool holds
-    (pool_targets) whose projections have no bias (the wide GEMM's extra columns would take it), with the
-    Triton SGMV ops, a rank capacity the fused expands load whole, extra columns that keep the weight's
-    rows 16-byte aligned (blocks x stack x max_rank a multiple of 8), and q/k/v only where the RoPE/KV-write
-    kernel reads the projection next (engine/models/blocks.py `Attention.rope_reads_qkv`); none elsewhere,
-    so no base GEMM reads a strided weight for nothing. A reader that cannot fuse the expand (the CPU path:
-    Triton's interpreter in tests) gathers each row's block first (PendingExpand.apply): correct, not fast.
-    Decode steps run it on CUDA (side stream steps) and in decode graphs."""
-    from lorakernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
-
-    if lora_backend not in ("triton", "splitk") or max_rank > FUSED_MAX_RANK or blocks < 1:
-        return frozenset()
-    layer = model.layers[0]
-    linears = {
-        "qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj,
-    }  # fmt: skip
-    stacks = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
-    fused_rope = layer.self_attn.rope_reads_qkv()
-    return frozenset(
-        t for t in targets
-        if t in pool_targets and linears[t].bias is None and (t != "qkv" or fused_rope) and blocks * stacks[t] * max_rank % 8 == 0
-    )  # fmt: skip
 
 
 def decode_fused_targets(targets: Collection[str], device: torch.device, lora_backend: str, max_rank: int) -> frozenset[str]:

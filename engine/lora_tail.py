@@ -56,6 +56,31 @@ def _linears(model: torch.nn.Module, target: str) -> list[torch.nn.Module]:
     return [pick(layer) for layer in model.layers]
 
 
+def wide_gemm_targets(
+    targets: Collection[str], model: torch.nn.Module, pool_targets: Mapping[str, FusedTarget], max_rank: int, blocks: int,
+    lora_backend: str,
+) -> frozenset[str]:  # fmt: skip
+    """The targets of EngineConfig.lora_decode_wide_gemm that get the wide decode GEMM (the GemmTail's
+    `columns`, and LoraInputs.decode_wide once the tail is built with them): those the slot pool holds
+    (pool_targets) whose projections have no bias (the wide GEMM's extra columns would take it), with the
+    Triton SGMV ops, a rank capacity the fused expands load whole, extra columns that keep the weight's
+    rows 16-byte aligned (blocks x stack x max_rank a multiple of 8), and q/k/v only where the RoPE/KV-write
+    kernel reads the projection next (engine/models/blocks.py `Attention.rope_reads_qkv`); none elsewhere,
+    so no base GEMM reads a strided weight for nothing. A reader that cannot fuse the expand (the CPU path:
+    Triton's interpreter in tests) gathers each row's block first (PendingExpand.apply): correct, not fast.
+    Decode steps run it on CUDA (side stream steps) and in decode graphs."""
+    from lorakernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
+
+    if lora_backend not in ("triton", "splitk") or max_rank > FUSED_MAX_RANK or blocks < 1:
+        return frozenset()
+    fused_rope = model.layers[0].self_attn.rope_reads_qkv()
+    return frozenset(
+        t for t in targets
+        if t in pool_targets and _linears(model, t)[0].bias is None and (t != "qkv" or fused_rope)
+        and blocks * pool_targets[t].num_stack * max_rank % 8 == 0
+    )  # fmt: skip
+
+
 class GemmTail:
     """Built before the KV pool is sized (its rows take device memory), over a DecoderModel
     (engine/models/blocks.py, not imported: it imports the LoRA seam that reads this) from the slot pool's

@@ -38,9 +38,8 @@ from engine.attention import eager_backend
 from engine.config import EngineConfig
 from engine.forward_inputs import KVBuffers
 from engine.kv_pool import num_slots_for_memory
-from engine.lora_inputs import wide_gemm_targets
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
-from engine.lora_tail import GemmTail
+from engine.lora_tail import GemmTail, wide_gemm_targets
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, SampledTokens
 from engine.parallel import SINGLE, TensorParallel

@@ -331,19 +331,19 @@ def test_wide_gemm_targets_are_those_the_wide_decode_path_can_take():
     weight (no strided base GEMM for nothing), never an error."""
     from types import SimpleNamespace as NS
 
-    from engine.lora_inputs import wide_gemm_targets
+    from engine.lora_tail import wide_gemm_targets
 
     def model(qkv_bias=False, rope=True):
         attn = NS(qkv_proj=NS(bias=object() if qkv_bias else None), o_proj=NS(bias=None), rope_reads_qkv=lambda: rope)
         return NS(layers=[NS(self_attn=attn, mlp=NS(gate_up_proj=NS(bias=None), down_proj=NS(bias=None)))])
 
     all_four = ("qkv", "o", "gate_up", "down")
-    pool = dict.fromkeys(all_four)
+    pool = {name: NS(num_stack=stack) for name, stack in zip(all_four, (3, 1, 2, 1), strict=True)}
     assert wide_gemm_targets(all_four, model(), pool, 16, 8, "splitk") == set(all_four)
     assert wide_gemm_targets(("gate_up",), model(), pool, 64, 4, "triton") == {"gate_up"}
     assert wide_gemm_targets(all_four, model(qkv_bias=True), pool, 16, 8, "splitk") == {"o", "gate_up", "down"}
     assert wide_gemm_targets(all_four, model(rope=False), pool, 16, 8, "splitk") == {"o", "gate_up", "down"}
-    assert wide_gemm_targets(all_four, model(), {"qkv": None}, 16, 8, "splitk") == {"qkv"}  # the pool's targets only
+    assert wide_gemm_targets(all_four, model(), {"qkv": pool["qkv"]}, 16, 8, "splitk") == {"qkv"}  # the pool's targets only
     assert wide_gemm_targets(all_four, model(), pool, 4, 1, "splitk") == {"gate_up"}  # 1 x stack x 4 columns: 8 only for gate/up
     assert not wide_gemm_targets(all_four, model(), pool, 128, 8, "splitk")  # past the fused expands' capacity
     assert not wide_gemm_targets(all_four, model(), pool, 16, 8, "ref") and not wide_gemm_targets(all_four, model(), pool, 16, 8, "chunked")
