@@ -141,8 +141,9 @@ class EngineConfig:
     # more adapters than blocks keep the side stream. The GEMMs read blocks x stack x rank capacity more
     # weight columns (and base GEMMs a strided weight). None by default: with the expands in the fused
     # per-segment kernels, decode steps with 8 adapters were 2.5-23% slower on an H100 (the SiLU-mul
-    # expand 19.5 us a call against 3.4 for the SiLU-mul; BENCHMARKS.md, 2026-12-07); the dense
-    # every-block expands (silu_mul_blocks, rope_kv_write_blocks) that replaced them are not yet measured.
+    # expand 19.5 us a call against 3.4 for the SiLU-mul; BENCHMARKS.md, 2026-12-07), and with the dense
+    # every-block expands (silu_mul_blocks, rope_kv_write_blocks) that replaced them 8.8-13.8% slower (each
+    # expand adds 4.5-8.7 us in series to its kernel, where the side stream's hid the same work).
     lora_decode_wide_gemm: tuple[str, ...] = ()
     # a directory of tuned LoRA-kernel tile files (lorakernels/tuned.py; benchmarks/tune_lora_tiles.py writes
     # them); "" = the package's lorakernels/configs

@@ -238,7 +238,15 @@ def test_rope_kv_write_blocks_is_the_expand_from_each_rows_block(popularity, dty
     adapted = adapted_rows(seg_lens, slots, ranks, rows, DEVICE)
     k_plain, v_plain = caches(num_kv_heads, head_dim, dtype, num_slots=80)
     q_plain = rope_kv_write(qkv, positions, cos_sin, k_plain, v_plain, loc, **kw)
-    assert torch.equal(q[~adapted], q_plain[~adapted]) and torch.equal(v_cache[loc][~adapted], v_plain[loc][~adapted])
+    # Rows without LoRA rotate as the plain kernel does: bit for bit in bf16 (the rounding to bf16 hides
+    # it), to a few fp32 roundings in fp32, where the GPU compiler may contract u1 * cos - u2 * sin into an
+    # FMA one way in one kernel and the other way in the other (seen on an H100); v is stored unrotated.
+    if dtype == torch.float32:
+        torch.testing.assert_close(q[~adapted], q_plain[~adapted], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(q[~adapted], q_plain[~adapted])
+    assert torch.equal(v_cache[loc][~adapted], v_plain[loc][~adapted])
+    assert not torch.allclose(q[adapted].float(), q_plain[adapted].float())
     assert adapted.any() and not torch.allclose(v_cache[loc][adapted].float(), v_plain[loc][adapted].float())
 
 
