@@ -129,8 +129,8 @@ class ModelWorker:
                 config.lora_decode_wide_gemm, model, targets, config.max_lora_rank, config.lora_gemm_tail_blocks,
                 _lora_backend(config, device),
             )  # fmt: skip
-            if set(config.lora_decode_wide_gemm) - wide:
-                log.warning("--lora-decode-wide-gemm: %s cannot take the wide decode GEMM here", ", ".join(sorted(set(config.lora_decode_wide_gemm) - wide)))
+            if refused := set(config.lora_decode_wide_gemm) - wide:
+                log.warning("--lora-decode-wide-gemm: %s cannot take the wide decode GEMM here", ", ".join(sorted(refused)))
             gemm_tail = GemmTail(
                 model, targets, config.max_lora_rank, config.max_loras_per_batch, config.lora_gemm_tail_blocks, columns=wide
             )  # fmt: skip

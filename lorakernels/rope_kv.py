@@ -42,7 +42,14 @@ import triton.language as tl
 from lorakernels import pdl
 from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta
-from lorakernels.sgmv import BLOCKS_K, SEGMENT_CHUNK, check_expand_args, row_adapter, rows_own_block
+from lorakernels.sgmv import (
+    SEGMENT_CHUNK,
+    blocks_k,
+    check_blocks_args,
+    check_expand_args,
+    row_adapter,
+    rows_own_block,
+)
 from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref
 
 # A prefill step's rotation: 81920 one-head programs for 2048 tokens of Llama-3-8B took 51 us a layer on an
@@ -451,14 +458,7 @@ def rope_kv_write_blocks(
     head's columns (the rows' shrinks masked to their own blocks), so each B^T row is read once a row
     tile, along its columns."""
     _check(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads, head_dim, None)
-    num_tokens, width = qkv.shape[0], 3 * max_rank
-    if v.dim() != 2 or v.shape[0] != num_tokens or v.shape[1] % width or v.stride(1) != 1 or v.dtype != qkv.dtype:
-        raise ValueError(f"v {tuple(v.shape)} {v.dtype} is not [{num_tokens}, n * {width}] {qkv.dtype} with contiguous rows")
-    n_blocks = v.shape[1] // width
-    if bt.dim() != 2 or bt.shape != (n_blocks * width, qkv.shape[1]) or bt.stride(1) != 1 or bt.dtype != qkv.dtype:
-        raise ValueError(f"bt {tuple(bt.shape)} {bt.dtype} is not [{n_blocks * width}, {qkv.shape[1]}] {qkv.dtype}")
-    if slot_block.dtype != torch.int32 or slot_block.shape[0] < meta.lora_ranks.shape[0]:
-        raise ValueError(f"slot_block must be int32 with one entry a slot, got {slot_block.dtype} {tuple(slot_block.shape)}")
+    num_tokens, n_blocks = qkv.shape[0], check_blocks_args(qkv, v, bt, slot_block, meta, 3 * max_rank)
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q_out
@@ -470,7 +470,7 @@ def rope_kv_write_blocks(
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         q_out.stride(0), q_out.stride(1), v.stride(0), bt.stride(0),
         R=max_rank, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_T=block_t,
-        BLOCK_K=min(BLOCKS_K, max(16, triton.next_power_of_2(n_blocks * max_rank))), BLOCK_S=SEGMENT_CHUNK,
+        BLOCK_K=blocks_k(n_blocks, max_rank), BLOCK_S=SEGMENT_CHUNK,
         UPCAST_DOT=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16,
         num_warps=4, **pdl.launch(qkv.device),
     )  # fmt: skip

@@ -119,6 +119,27 @@ def own_block(v_ptr, v_block_ptr, slot, width, HAS_V_BLOCK: tl.constexpr):
 BLOCKS_K = 128
 
 
+def blocks_k(n_blocks: int, max_rank: int) -> int:
+    """A dense decode expand's BLOCK_K: the every-block shrink's n_blocks x R columns, at most BLOCKS_K a dot."""
+    return min(BLOCKS_K, max(16, triton.next_power_of_2(n_blocks * max_rank)))
+
+
+def check_blocks_args(y: torch.Tensor, v: torch.Tensor, bt: torch.Tensor, slot_block: torch.Tensor, meta: SgmvMeta, width: int) -> int:
+    """What a dense decode expand takes besides its own inputs (y [T, out_dim], the projection it adds to):
+    v [T, n * width] every tail block's shrink, bt [n * width, out_dim] the tail's B^T rows, both in y's
+    dtype with contiguous rows, and slot_block int32 with an entry a slot; ValueError naming what is
+    wrong. Returns n, the block count."""
+    num_tokens = y.shape[0]
+    if v.dim() != 2 or v.shape[0] != num_tokens or v.shape[1] % width or v.stride(1) != 1 or v.dtype != y.dtype:
+        raise ValueError(f"v {tuple(v.shape)} {v.dtype} is not [{num_tokens}, n * {width}] {y.dtype} with contiguous rows")
+    n_blocks = v.shape[1] // width
+    if bt.dim() != 2 or bt.shape != (n_blocks * width, y.shape[1]) or bt.stride(1) != 1 or bt.dtype != y.dtype:
+        raise ValueError(f"bt {tuple(bt.shape)} {bt.dtype} is not [{n_blocks * width}, {y.shape[1]}] {y.dtype}")
+    if slot_block.dtype != torch.int32 or slot_block.shape[0] < meta.lora_ranks.shape[0]:
+        raise ValueError(f"slot_block must be int32 with one entry a slot, got {slot_block.dtype} {tuple(slot_block.shape)}")
+    return n_blocks
+
+
 @triton.jit
 def rows_own_block(
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr, num_segments, offs_t, mask_t,

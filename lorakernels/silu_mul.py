@@ -33,9 +33,10 @@ from lorakernels import pdl
 from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta, output_like
 from lorakernels.sgmv import (
-    BLOCKS_K,
     SEGMENT_CHUNK,
     block_m_for,
+    blocks_k,
+    check_blocks_args,
     check_expand_args,
     rows_own_block,
     seg_and_tail_blocks,
@@ -305,14 +306,7 @@ def silu_mul_blocks(
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"want gate_up [T, 2 * I] with contiguous rows, got {tuple(gate_up.shape)}")
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    width = 2 * max_rank
-    if v.dim() != 2 or v.shape[0] != num_tokens or v.shape[1] % width or v.stride(1) != 1 or v.dtype != gate_up.dtype:
-        raise ValueError(f"v {tuple(v.shape)} {v.dtype} is not [{num_tokens}, n * {width}] {gate_up.dtype} with contiguous rows")
-    n_blocks = v.shape[1] // width
-    if bt.dim() != 2 or bt.shape != (n_blocks * width, 2 * inter) or bt.stride(1) != 1 or bt.dtype != gate_up.dtype:
-        raise ValueError(f"bt {tuple(bt.shape)} {bt.dtype} is not [{n_blocks * width}, {2 * inter}] {gate_up.dtype}")
-    if slot_block.dtype != torch.int32 or slot_block.shape[0] < meta.lora_ranks.shape[0]:
-        raise ValueError(f"slot_block must be int32 with one entry a slot, got {slot_block.dtype} {tuple(slot_block.shape)}")
+    n_blocks = check_blocks_args(gate_up, v, bt, slot_block, meta, 2 * max_rank)
     out = output_like(gate_up[:, :inter], out)
     if not num_tokens or not inter:
         return out
@@ -322,7 +316,7 @@ def silu_mul_blocks(
         num_tokens, inter, meta.num_segments, n_blocks,
         gate_up.stride(0), v.stride(0), bt.stride(0), out.stride(0),
         R=max_rank, BLOCK_T=block_t, BLOCK_N=block_n,
-        BLOCK_K=min(BLOCKS_K, max(16, triton.next_power_of_2(n_blocks * max_rank))), BLOCK_S=SEGMENT_CHUNK,
+        BLOCK_K=blocks_k(n_blocks, max_rank), BLOCK_S=SEGMENT_CHUNK,
         UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
         num_warps=8 if block_t >= 64 else 4,  # a 64-row tile's two [64, BLOCK_K] shrinks and [64, BLOCK_N] sums
         **pdl.launch(gate_up.device),

@@ -157,11 +157,9 @@ def k_chunks(request, monkeypatch):
     """The dense expands' dots over every block's columns at once (5 blocks x R = 40 <= 128), or in chunks
     of 16 (three, the last partial), as a rank capacity of 64 takes them."""
     if request.param:
-        import lorakernels.rope_kv
-        import lorakernels.silu_mul
+        import lorakernels.sgmv
 
-        monkeypatch.setattr(lorakernels.silu_mul, "BLOCKS_K", 16)
-        monkeypatch.setattr(lorakernels.rope_kv, "BLOCKS_K", 16)
+        monkeypatch.setattr(lorakernels.sgmv, "BLOCKS_K", 16)  # blocks_k reads it at each launch
     return request.param
 
 
