@@ -5,12 +5,15 @@ and against the GEMM alone with every SM. Times per projection from CUDA graphs 
 each over its own copy of the weights, as `tune_lora_tiles.py` times them (its `Projection`).
 
     python benchmarks/fused_delta.py --shape llama3-8b --tokens 32 64 --adapters 1 8 32
+    python benchmarks/fused_delta.py --tokens 128 --adapters 32 --lora-pdl off on
 
 One JSON row per (target, tokens, adapters): gemm_us, unfused_us, fused_us and fused_vs_unfused; the
 LoRA kernels alone with every SM (unfused_lora_us, fused_lora_us) and the share of --copy-gbps they move
 of the delta's bytes (x read, the used adapters' A and B at their rank read, the delta written): the
 issue's SGMV target is half the copy rate at 32+ adapters and 128 tokens. The fused delta is checked
-against the unfused one first. On the CPU (the interpreter) it runs one call
+against the unfused one first. `--lora-pdl off on` times every row both ways (lorakernels/pdl.py
+`set_lora_enabled`: the kernels after the split shrink launched with programmatic dependent launch), each
+delta first checked bit for bit against the same kernels' without it. On the CPU (the interpreter) it runs one call
 each, for a smoke test only.
 """
 
@@ -32,6 +35,7 @@ from engine.lora_inputs import usable_sm_carveout
 from engine.lora_pool import fused_targets
 from engine.named_shapes import NAMED_SHAPES
 from engine.parallel import TensorParallel, local_config
+from lorakernels import pdl
 from lorakernels.sgmv_decode import _num_sms, sgmv_lora_delta_decode
 from lorakernels.sgmv_ref import SgmvMeta
 
@@ -55,6 +59,26 @@ def fused_step(proj: Projection, meta: SgmvMeta, i: int) -> None:
     proj.beside_gemm(lambda: fused_lora(proj, meta, i), i)
 
 
+def time_row(proj: Projection, meta: SgmvMeta, n: int, gemm_us: float, args, device, reps: int, copy_gbps: float, carveout: int, setting: str) -> dict:
+    """One row: the projection's decode step and its LoRA kernels alone, unfused and fused, timed."""
+    unfused_us = median_us(lambda i: proj.decode_step(meta, None, None, i), device, reps)
+    fused_us = median_us(lambda i: fused_step(proj, meta, i), device, reps)
+    unfused_lora_us = median_us(lambda i: proj.decode_lora(meta, None, None, i), device, reps)
+    fused_lora_us = median_us(lambda i: fused_lora(proj, meta, i), device, reps)
+    nbytes = delta_bytes(proj, n, args.rank)
+    row = {
+        "target": proj.target.name, "tokens": proj.num_tokens, "adapters": n, "lora_pdl": setting, "gemm_us": round(gemm_us, 2),
+        "unfused_us": round(unfused_us, 2), "fused_us": round(fused_us, 2),
+        "fused_vs_unfused": round(fused_us / unfused_us, 4),
+        "unfused_lora_us": round(unfused_lora_us, 2), "fused_lora_us": round(fused_lora_us, 2), "lora_bytes": nbytes,
+        "unfused_bw_frac": float(f"{nbytes / unfused_lora_us * 1e-3 / copy_gbps:.3g}"),
+        "fused_bw_frac": float(f"{nbytes / fused_lora_us * 1e-3 / copy_gbps:.3g}"), "copy_gbps": round(copy_gbps, 1),
+        "carveout": carveout, "device": str(device),
+    }  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(NAMED_SHAPES))
@@ -67,6 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT)
     parser.add_argument("--reps", type=int, default=15, help="graph replays a timing")
+    parser.add_argument("--lora-pdl", nargs="+", choices=["off", "on"], default=["off"], help="the LoRA chain's PDL switch: rows for each")
     parser.add_argument("--copy-gbps", type=float, default=0.0, help="device copy bandwidth, GB/s (0: measured on the device first)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
@@ -88,25 +113,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             proj = Projection(target, num_tokens, {str(n): m for n, m in metas.items()}, len(ranks), args, device, carveout)
             gemm_us = median_us(proj.gemm, device, reps)
             for n, meta in metas.items():
+                pdl.set_lora_enabled(False)
                 unfused, fused = proj.decode_lora(meta, None, None).float(), fused_lora(proj, meta).float()
                 if not torch.allclose(fused, unfused, rtol=2e-2, atol=2e-2 * unfused.abs().max().item() + 1e-6):
                     raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the fused delta differs from the unfused one")
-                unfused_us = median_us(lambda i, m=meta, p=proj: p.decode_step(m, None, None, i), device, reps)
-                fused_us = median_us(lambda i, m=meta, p=proj: fused_step(p, m, i), device, reps)
-                unfused_lora_us = median_us(lambda i, m=meta, p=proj: p.decode_lora(m, None, None, i), device, reps)
-                fused_lora_us = median_us(lambda i, m=meta, p=proj: fused_lora(p, m, i), device, reps)
-                nbytes = delta_bytes(proj, n, args.rank)
-                row = {
-                    "target": target.name, "tokens": num_tokens, "adapters": n, "gemm_us": round(gemm_us, 2),
-                    "unfused_us": round(unfused_us, 2), "fused_us": round(fused_us, 2),
-                    "fused_vs_unfused": round(fused_us / unfused_us, 4),
-                    "unfused_lora_us": round(unfused_lora_us, 2), "fused_lora_us": round(fused_lora_us, 2), "lora_bytes": nbytes,
-                    "unfused_bw_frac": float(f"{nbytes / unfused_lora_us * 1e-3 / copy_gbps:.3g}"),
-                    "fused_bw_frac": float(f"{nbytes / fused_lora_us * 1e-3 / copy_gbps:.3g}"), "copy_gbps": round(copy_gbps, 1),
-                    "carveout": carveout, "device": str(device),
-                }  # fmt: skip
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+                for setting in args.lora_pdl:
+                    pdl.set_lora_enabled(setting == "on")
+                    if not (torch.equal(proj.decode_lora(meta, None, None).float(), unfused) and torch.equal(fused_lora(proj, meta).float(), fused)):
+                        raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the deltas with --lora-pdl {setting} differ")
+                    rows.append(time_row(proj, meta, n, gemm_us, args, device, reps, copy_gbps, carveout, setting))
+                pdl.set_lora_enabled(False)
     return rows
 
 

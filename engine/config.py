@@ -184,6 +184,12 @@ class EngineConfig:
     # default: decode steps with adapters 0.6-1.2% faster, base steps 0.6-1.0% slower (an H200 and an H100,
     # Llama-3-8B; BENCHMARKS.md, 2026-12-06); a process-wide setting each model worker makes when it builds
     kernel_pdl: bool = False
+    # On CUDA (compute capability 9+), the decode LoRA chain on the side stream (the split shrink, its
+    # reduce, the expand; lorakernels/sgmv_decode.py) with programmatic dependent launch: each kernel
+    # releases the next at its start, whose programs read the step's metadata and the adapters' B, then
+    # wait on the device (lorakernels/pdl.py). Base steps run none of these kernels. Not yet measured on a
+    # GPU; a process-wide setting each model worker makes when it builds
+    lora_pdl: bool = False
     # How the base model's linear weights lie in memory: "in_out" (the logical [out, in] tensors stored
     # transposed, so each GEMM reads W^T as a row-major [in, out] matrix) or "out_in" (nn.Linear's rows).
     # cuBLASLt reads the decode GEMMs' weights faster the first way: Llama-3-8B decode steps 3.5-3.9% shorter

@@ -103,6 +103,7 @@ class ModelWorker:
             from lorakernels import pdl  # Triton: CUDA only
 
             pdl.set_enabled(config.kernel_pdl)
+            pdl.set_lora_enabled(config.lora_pdl)
             if not config.disable_custom_all_reduce:
                 tp = tp.with_peer_all_reduce(device)
         # the LoRA kernels' tuned tiles (lorakernels/tuned.py): a file its parser refuses fails the start, not a step

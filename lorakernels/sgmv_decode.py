@@ -40,6 +40,11 @@ merges them into one segment per run (engine/lora_inputs.py, `lora_segments`), s
         stores v, then expands; no stage 2 and no v. Every column block's program sums its segment's
         splits again (from L2), in exchange for one launch and one dependent round trip less.
 
+    with the LoRA PDL switch on (lorakernels/pdl.py `set_lora_enabled`, EngineConfig.lora_pdl): stage 1
+        releases its dependents first thing and stage 2 and the expand are launched with programmatic
+        dependent launch, each releasing its own; so their programs are scheduled while the kernel before
+        still runs, read the step's metadata (and the expand its B tile), and only then wait for it.
+
 All grids are fixed by host ints (T, num_segments, in_dim, the device's SM count), so launching never
 syncs and a captured CUDA graph serves every step of its batch size. Prefill-sized steps go to
 `sgmv_shrink` / `sgmv_expand` (`*_auto`: more than DECODE_MAX_TOKENS tokens, or a segment of more than
@@ -52,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorakernels import pdl
+from lorakernels.pdl import release_dependents, wait_for_producer
 from lorakernels.sgmv import MAX_STACK, check_expand_args, sgmv_expand, sgmv_shrink, shrink_output
 from lorakernels.sgmv_ref import SgmvMeta
 from lorakernels.tuned import ExpandTile, ShrinkTile, device_sms, device_tiles
@@ -110,7 +117,10 @@ def _shrink_split_kernel(
     BLOCK_G: tl.constexpr,  # >= num_segments
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    RELEASE: tl.constexpr = False,  # lorakernels/pdl.py: let the next kernel's programs start now
 ):  # fmt: skip
+    if RELEASE:
+        release_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)  # stacked target
     n = _num_live_segments(seg_indptr_ptr, num_segments, BLOCK_G)
@@ -186,25 +196,30 @@ def _shrink_reduce_kernel(
     BLOCK_G: tl.constexpr,  # >= num_segments
     BLOCK_S: tl.constexpr,  # >= any split count: every split's partial in one load
     BLOCK_RR: tl.constexpr,  # >= R
+    RELEASE: tl.constexpr = False,  # lorakernels/pdl.py: let the next kernel's programs start now
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: read the metadata, then wait for the shrink
 ):  # fmt: skip
+    if RELEASE:
+        release_dependents()
     row = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_g = tl.arange(0, BLOCK_G)
     ends = tl.load(seg_indptr_ptr + 1 + offs_g, mask=offs_g < num_segments, other=2**30)
     seg = tl.sum((ends <= row).to(tl.int32))  # the segment holding row (num_segments: none)
-    if seg < num_segments:
-        rank = tl.load(lora_ranks_ptr + tl.load(weight_indices_ptr + seg))
-        n = _num_live_segments(seg_indptr_ptr, num_segments, BLOCK_G)
-        _, _, num_splits = _splits(n, num_programs, K, BLOCK_K)
-        offs_s = tl.arange(0, BLOCK_S)
-        offs_r = tl.arange(0, BLOCK_RR)
-        cols = pid_k * max_rank + offs_r
-        mask = (offs_s[:, None] < num_splits) & (offs_r[None, :] < rank)
-        p_ptrs = partial_ptr + offs_s[:, None] * stride_ps + row * stride_pm + cols[None, :] * stride_pn
-        acc = tl.sum(tl.load(p_ptrs, mask=mask, other=0.0), axis=0)  # [BLOCK_RR]
-        tl.store(
-            v_ptr + row * stride_vm + cols * stride_vn, acc.to(v_ptr.dtype.element_ty), mask=offs_r < rank
-        )
+    live = seg < num_segments
+    # rank 0 for a row past the segments: nothing loaded or stored below
+    rank = tl.load(lora_ranks_ptr + tl.load(weight_indices_ptr + seg, mask=live, other=0), mask=live, other=0)
+    n = _num_live_segments(seg_indptr_ptr, num_segments, BLOCK_G)
+    _, _, num_splits = _splits(n, num_programs, K, BLOCK_K)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_RR)
+    cols = pid_k * max_rank + offs_r
+    mask = (offs_s[:, None] < num_splits) & (offs_r[None, :] < rank)
+    if USE_PDL:
+        wait_for_producer()  # everything above is metadata; the partials are the shrink's
+    p_ptrs = partial_ptr + offs_s[:, None] * stride_ps + row * stride_pm + cols[None, :] * stride_pn
+    acc = tl.sum(tl.load(p_ptrs, mask=mask, other=0.0), axis=0)  # [BLOCK_RR]
+    tl.store(v_ptr + row * stride_vm + cols * stride_vn, acc.to(v_ptr.dtype.element_ty), mask=offs_r < rank)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -267,7 +282,7 @@ def sgmv_shrink_decode(
         out.stride(0), out.stride(1),
         BLOCK_K=config["block_k"], BLOCK_G=triton.next_power_of_2(meta.num_segments),
         BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_RR=max(triton.next_power_of_2(max_rank), 16),
-        num_warps=1 if max_splits * max_rank <= 1024 else 4,
+        num_warps=1 if max_splits * max_rank <= 1024 else 4, **pdl.lora_launch(x.device, first=False),
     )  # fmt: skip
     return out
 
@@ -286,7 +301,7 @@ def _split_partials(x: torch.Tensor, A: torch.Tensor, meta: SgmvMeta, num_stack:
         ROWS=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=config["block_k"], BLOCK_G=block_g,
         INPUT_PRECISION="ieee",  # only fp32 operands look at it: exact fp32, no TF32
         UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,  # the interpreter's bf16 dot
-        num_warps=config["num_warps"],
+        num_warps=config["num_warps"], **pdl.lora_launch(x.device, first=True),
     )  # fmt: skip
     return partial
 
@@ -347,7 +362,11 @@ def _expand_decode_kernel(
     SHRINK_BLOCK_K: tl.constexpr,  # FROM_PARTIALS: the shrink's BLOCK_K
     BLOCK_G: tl.constexpr,  # FROM_PARTIALS: >= num_segments
     SPLIT_CHUNK: tl.constexpr,  # FROM_PARTIALS: splits summed a load
+    RELEASE: tl.constexpr = False,  # lorakernels/pdl.py: let the next kernel's programs start now
+    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: read the metadata and B, then wait for v
 ):  # fmt: skip
+    if RELEASE:
+        release_dependents()
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)  # stacked target
@@ -355,25 +374,24 @@ def _expand_decode_kernel(
     rank = tl.load(lora_ranks_ptr + slot)
     offset = tl.where(pid_k == 0, off0, tl.where(pid_k == 1, off1, off2))
     size = tl.where(pid_k == 0, size0, tl.where(pid_k == 1, size1, size2))
+    # -- what no kernel of the step writes (metadata, this slot's B tile) before any wait: a program past
+    # -- its slice's columns or of a rank-0 segment reads no B
+    row_start = tl.load(seg_indptr_ptr + seg)
+    row_end = tl.load(seg_indptr_ptr + seg + 1)
+    offs_m = tl.arange(0, ROWS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < size
+    scaling = tl.load(scalings_ptr + slot)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bw + (offset + offs_n)[None, :] * stride_bn + offs_r[:, None] * stride_br
+    b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]: B^T
+    if UPCAST_DOT:
+        b = b.to(tl.float32)
+    if USE_PDL:
+        wait_for_producer()  # v (or the partials) and y come from the kernels before
     if pid_n * BLOCK_N < size:
-        row_start = tl.load(seg_indptr_ptr + seg)
-        row_end = tl.load(seg_indptr_ptr + seg + 1)
-        offs_m = tl.arange(0, ROWS)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < size
         if rank > 0:
-            scaling = tl.load(scalings_ptr + slot)
-            offs_r = tl.arange(0, BLOCK_R)
-            mask_r = offs_r < rank
-            b_ptrs = (
-                b_ptr
-                + slot.to(tl.int64) * stride_bw
-                + (offset + offs_n)[None, :] * stride_bn
-                + offs_r[:, None] * stride_br
-            )
-            b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]: B^T
-            if UPCAST_DOT:
-                b = b.to(tl.float32)
             if FROM_PARTIALS:
                 n = _num_live_segments(seg_indptr_ptr, num_segments, BLOCK_G)
                 _, _, num_splits = _splits(n, num_programs, K, SHRINK_BLOCK_K)
@@ -463,7 +481,7 @@ def _launch_expand(
         INPUT_PRECISION="ieee", UPCAST_DOT=y.device.type == "cpu" and y.dtype == torch.bfloat16,
         FROM_PARTIALS=partials is not None, SHRINK_BLOCK_K=partials["block_k"] if partials else BLOCK_K,
         BLOCK_G=triton.next_power_of_2(meta.num_segments) if partials else 1, SPLIT_CHUNK=SPLIT_CHUNK,  # 1: no variants
-        num_warps=tile.num_warps,
+        num_warps=tile.num_warps, **pdl.lora_launch(y.device, first=False),
     )  # fmt: skip
 
 

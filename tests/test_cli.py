@@ -214,14 +214,17 @@ def test_lora_decode_norm_shrink_reaches_the_engine_config_and_refuses_a_target_
     EngineConfig(model_dir="m", lora_decode_fused_delta=("o", "down"), lora_decode_norm_shrink=("qkv", "gate_up"))
 
 
-def test_kernel_pdl_reaches_the_engine_config_from_the_flag_or_its_variable():
+@pytest.mark.parametrize("field", ["kernel_pdl", "lora_pdl"])
+def test_pdl_switches_reach_the_engine_config_from_the_flag_or_its_variable(field):
     from loramux.shell.settings import engine_config
 
-    serve = ["engine", "serve", "--model", "m"]
-    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).kernel_pdl is False
-    assert engine_config(cli.build_parser({}).parse_args([*serve, "--kernel-pdl"]), "m", 0).kernel_pdl is True
-    assert engine_config(cli.build_parser({"LORAMUX_KERNEL_PDL": "1"}).parse_args(serve), "m", 0).kernel_pdl is True
-    assert engine_config(cli.build_parser({"LORAMUX_KERNEL_PDL": "0"}).parse_args(serve), "m", 0).kernel_pdl is False
+    serve, flag, var = ["engine", "serve", "--model", "m"], "--" + field.replace("_", "-"), "LORAMUX_" + field.upper()
+    other = {"kernel_pdl": "lora_pdl", "lora_pdl": "kernel_pdl"}[field]
+    assert getattr(engine_config(cli.build_parser({}).parse_args(serve), "m", 0), field) is False
+    on = engine_config(cli.build_parser({}).parse_args([*serve, flag]), "m", 0)
+    assert getattr(on, field) is True and getattr(on, other) is False  # the two switches are apart
+    assert getattr(engine_config(cli.build_parser({var: "1"}).parse_args(serve), "m", 0), field) is True
+    assert getattr(engine_config(cli.build_parser({var: "0"}).parse_args(serve), "m", 0), field) is False
 
 
 def test_lora_prefill_fused_expand_reaches_the_engine_config_from_the_flag_or_its_variable():

@@ -284,6 +284,29 @@ def test_cuda_kernel_pdl_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, mon
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_lora_pdl_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
+    """--lora-pdl: the decode LoRA chain on the side stream (split shrink, reduce, expand) with early
+    release and programmatic dependent launch, in graphs or eagerly, with three adapters: greedy tokens
+    equal the CPU reference's, and the chain's kernels after the first were launched with PDL (an H100 or
+    H200)."""
+    from lorakernels import pdl
+
+    adapters = three_adapters(make_adapter, "lora-pdl", seed=140)
+    launches, real = [], pdl.lora_launch
+    monkeypatch.setattr(pdl, "lora_launch", lambda device, first: launches.append((first, real(device, first=first))) or launches[-1][1])
+    try:
+        expected = greedy_three_adapters(tiny_llama_dir, adapters, "cpu", tmp_path / "cpu", graphs)
+        got = greedy_three_adapters(tiny_llama_dir, adapters, "cuda", tmp_path / "cuda", graphs, lora_pdl=True)
+    finally:
+        pdl.set_lora_enabled(False)
+    assert got == expected
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert {first for first, _ in launches} == {True, False}
+    assert all(kwargs.get("launch_pdl", False) == (hopper and not first) for first, kwargs in launches)
+    assert all(kwargs.get("RELEASE", False) == hopper for _, kwargs in launches)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_cuda_decode_fused_delta_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
     """--lora-decode-fused-delta on all four fused targets: decode steps compute each LoRA delta beside the
     base GEMM in one pass from x (lorakernels/sgmv_decode.py `sgmv_lora_delta_decode`, the expand summing

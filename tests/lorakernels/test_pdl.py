@@ -1,6 +1,7 @@
 """lorakernels/pdl.py: which launches take programmatic dependent launch, and that the kernels which take
 it compute the same with it (on a GPU of compute capability 9+; the interpreter never launches with it)."""
 
+import itertools
 import os
 
 import torch
@@ -88,3 +89,117 @@ def test_the_decode_chain_in_a_cuda_graph_computes_the_same_with_pdl(restore_pdl
     plain, with_pdl = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, with_pdl, strict=True))
     assert plain[0].abs().sum() > 0
+
+
+@pytest.fixture
+def restore_lora_pdl():
+    before = pdl.lora_enabled()
+    yield
+    pdl.set_lora_enabled(before)
+
+
+def test_lora_launch_releases_first_and_waits_after_only_where_enabled_on_a_hopper_or_later(restore_pdl, restore_lora_pdl, monkeypatch):
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(pdl, "HAS_GDC", True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    pdl.set_lora_enabled(False)
+    pdl.set_enabled(True)  # the other switch does not turn this one on
+    assert pdl.lora_launch(cuda, first=True) == {} and pdl.lora_launch(cuda, first=False) == {}
+    pdl.set_enabled(False)
+    pdl.set_lora_enabled(True)
+    assert pdl.launch(cuda) == {}  # nor this one the other
+    assert pdl.lora_launch(cuda, first=True) == {"RELEASE": True}  # the chain's first kernel: a plain launch
+    assert pdl.lora_launch(cuda, first=False) == {"RELEASE": True, "USE_PDL": True, "launch_pdl": True}
+    assert pdl.lora_launch(cpu, first=False) == {}
+    capability[0] = (8, 0)
+    assert pdl.lora_launch(cuda, first=False) == {} and pdl.lora_launch(cuda, first=True) == {}
+    capability[0] = (9, 0)
+    monkeypatch.setattr(pdl, "HAS_GDC", False)
+    assert pdl.lora_launch(cuda, first=False) == {}
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs compute capability 9+")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_decode_lora_chain_beside_a_gemm_in_a_cuda_graph_computes_the_same_with_pdl(restore_lora_pdl, dtype):
+    """Per layer, a GEMM on the main stream and the decode LoRA chain beside it on a side stream (split
+    shrink -> reduce -> expand into a new delta, and the fused delta), joined, the delta added: a graph of
+    several such projections captured with and without the LoRA PDL switch, replayed over groupings that
+    change between replays (popular and unpopular adapters, a rank-0 segment, a rank-4 slot in a rank-16
+    capacity); every output bit for bit the same, and the same as eager calls."""
+    from lorakernels.sgmv_decode import sgmv_delta_auto, sgmv_lora_delta_decode, sgmv_shrink_auto
+    from lorakernels.sgmv_ref import SgmvMeta
+
+    torch.manual_seed(0)
+    dev, tokens, hidden, out_dim, max_rank, num_slots, layers = "cuda", 48, 1024, 1536, 16, 9, 4
+    gen = torch.Generator(dev).manual_seed(2)
+    w = [torch.randn(hidden, out_dim, device=dev, dtype=dtype, generator=gen) / hidden**0.5 for _ in range(layers)]
+    a = [torch.randn(num_slots, 3 * max_rank, hidden, device=dev, dtype=dtype, generator=gen) / hidden**0.5 for _ in range(layers)]
+    b = [torch.randn(num_slots, out_dim, max_rank, device=dev, dtype=dtype, generator=gen) for _ in range(layers)]
+    slices = ((0, 1024), (1024, 256), (1280, 256))
+    ranks = torch.tensor([0, 16, 16, 4, 16, 8, 16, 16, 16], dtype=torch.int32, device=dev)
+    scalings = torch.linspace(0.5, 2.0, num_slots, device=dev)
+    x = torch.randn(tokens, hidden, device=dev, dtype=dtype, generator=gen)
+    seg_indptr = torch.zeros(tokens + 1, dtype=torch.int32, device=dev)
+    weight_indices = torch.zeros(tokens, dtype=torch.int32, device=dev)
+    groupings = [  # (segment lengths, slots): every row covered, as a decode graph's
+        ([16, 16, 16], [1, 2, 4]),
+        ([1] * 8 + [16, 16, 8], [1, 2, 3, 4, 5, 6, 7, 8, 1, 0, 3]),
+        ([48], [3]),
+        ([3, 5, 7, 9, 11, 13], [8, 0, 6, 5, 2, 7]),
+    ]
+    num_segments = max(len(lens) for lens, _ in groupings)
+
+    def meta_for(lens: list[int], slots: list[int]) -> SgmvMeta:
+        # padding segments are empty and trail, as the engine's decode graphs have them
+        starts = [0, *itertools.accumulate(lens)]
+        seg_indptr[: num_segments + 1] = torch.tensor(starts + [tokens] * (num_segments + 1 - len(starts)), dtype=torch.int32)
+        weight_indices[:num_segments] = torch.tensor(slots + [0] * (num_segments - len(slots)), dtype=torch.int32)
+        return SgmvMeta(
+            seg_indptr=seg_indptr[: num_segments + 1], weight_indices=weight_indices[:num_segments], lora_ranks=ranks,
+            scalings=scalings, max_seg_len=tokens, num_segments=num_segments,
+            host_seg_lens=tuple(lens) + (0,) * (num_segments - len(lens)), host_slots=tuple(slots) + (0,) * (num_segments - len(slots)),
+        )  # fmt: skip
+
+    side = torch.cuda.Stream(dev)
+
+    def step(meta: SgmvMeta) -> list[torch.Tensor]:
+        main, outs, h = torch.cuda.current_stream(), [], x
+        for i in range(layers):
+            ready = main.record_event()
+            y = h @ w[i]
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                if i % 2:
+                    delta = sgmv_lora_delta_decode(h, a[i], b[i], meta, num_stack=3, output_slices=slices)
+                else:
+                    v = sgmv_shrink_auto(h, a[i], meta, num_stack=3)
+                    delta = sgmv_delta_auto(v, b[i], meta, output_slices=slices)
+            main.wait_stream(side)
+            delta.record_stream(main)
+            outs.append(y + delta)
+            h = outs[-1][:, :hidden].contiguous()
+        return outs
+
+    def run(use_pdl: bool) -> tuple[list, list]:
+        pdl.set_lora_enabled(use_pdl)
+        meta = meta_for(*groupings[0])
+        eager = [[t.clone() for t in step(meta_for(*g))] for g in groupings]
+        meta = meta_for(*groupings[0])
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step(meta)
+        replayed = []
+        for g in groupings:
+            meta_for(*g)  # the same buffers, refilled in place
+            graph.replay()
+            replayed.append([t.clone() for t in outs])
+        torch.cuda.synchronize()
+        return eager, replayed
+
+    plain_eager, plain_graph = run(False)
+    pdl_eager, pdl_graph = run(True)
+    for got in (plain_graph, pdl_eager, pdl_graph):
+        assert all(torch.equal(p, q) for ps, qs in zip(plain_eager, got, strict=True) for p, q in zip(ps, qs, strict=True))
+    assert all(not torch.equal(ps[0], qs[0]) for ps, qs in itertools.pairwise(plain_eager))  # the groupings matter
