@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT)
     parser.add_argument("--reps", type=int, default=15, help="graph replays a timing")
-    parser.add_argument("--lora-pdl", nargs="+", choices=["off", "on"], default=["off"], help="the LoRA chain's PDL switch: rows for each")
+    parser.add_argument("--lora-pdl", nargs="+", choices=["off", "on"], default=["on"], help="the LoRA chain's PDL switch (the engine's default: on): rows for each")
     parser.add_argument("--copy-gbps", type=float, default=0.0, help="device copy bandwidth, GB/s (0: measured on the device first)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)

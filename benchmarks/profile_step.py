@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--gemm-tail-blocks", type=int, default=4, help="the engine's --lora-gemm-tail-blocks (0: off)")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the engine's --max-lora-rank (adapters are rank 16)")
     parser.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
-    parser.add_argument("--lora-pdl", action="store_true", help="the engine's --lora-pdl")
+    parser.add_argument("--disable-lora-pdl", action="store_true", help="the engine's --disable-lora-pdl")
     parser.add_argument("--decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink")
     parser.add_argument("--decode-wide-gemm", nargs="*", default=[], choices=LORA_FUSED_TARGETS, help="the engine's --lora-decode-wide-gemm")
     args = parser.parse_args()
@@ -84,7 +84,7 @@ def build_loop(args, device: torch.device, graphs: bool, max_len: int):
         SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], max_len, args.attention, args.adapters,
         args.lora_backend, graphs, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
         decode_norm_shrink=tuple(args.decode_norm_shrink), kernel_pdl=args.kernel_pdl, decode_wide_gemm=tuple(args.decode_wide_gemm),
-        lora_pdl=args.lora_pdl,
+        lora_pdl=not args.disable_lora_pdl,
     )  # fmt: skip
 
 

@@ -706,8 +706,8 @@ def engine_serve_args(config: EngineConfig) -> list[str]:
         args += ["--lora-decode-wide-gemm", *config.lora_decode_wide_gemm]
     if config.kernel_pdl:
         args += ["--kernel-pdl"]
-    if config.lora_pdl:
-        args += ["--lora-pdl"]
+    if not config.lora_pdl:
+        args += ["--disable-lora-pdl"]
     args += ["--linear-weight-layout", config.linear_weight_layout]
     args += ["--lora-gemm-tail-blocks", str(config.lora_gemm_tail_blocks)]
     if config.lora_backend:
@@ -882,7 +882,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_decode_norm_shrink=tuple(args.lora_decode_norm_shrink),
         lora_decode_wide_gemm=tuple(args.lora_decode_wide_gemm),
         kernel_pdl=args.kernel_pdl,
-        lora_pdl=args.lora_pdl,
+        lora_pdl=not args.disable_lora_pdl,
         linear_weight_layout=args.linear_weight_layout,
         lora_gemm_tail_blocks=args.lora_gemm_tail_blocks,
     )
@@ -948,7 +948,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora-decode-fused-delta", nargs="*", default=[], choices=LORA_FUSED_TARGETS, help="the engine's --lora-decode-fused-delta"
     )
     p.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
-    p.add_argument("--lora-pdl", action="store_true", help="the engine's --lora-pdl")
+    p.add_argument("--disable-lora-pdl", action="store_true", help="the engine's --disable-lora-pdl")
     p.add_argument(
         "--lora-decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink"
     )

@@ -187,9 +187,11 @@ class EngineConfig:
     # On CUDA (compute capability 9+), the decode LoRA chain on the side stream (the split shrink, its
     # reduce, the expand; lorakernels/sgmv_decode.py) with programmatic dependent launch: each kernel
     # releases the next at its start, whose programs read the step's metadata and the adapters' B, then
-    # wait on the device (lorakernels/pdl.py). Base steps run none of these kernels. Not yet measured on a
-    # GPU; a process-wide setting each model worker makes when it builds
-    lora_pdl: bool = False
+    # wait on the device (lorakernels/pdl.py). Base steps run none of these kernels. On by default: decode
+    # steps with 8 or 32 adapters 0-2.5% shorter at batch 32 and 64, base steps level, the LoRA kernels
+    # alone 1-2.7 us shorter a projection in most shapes (an H100, Llama-3-8B; BENCHMARKS.md, 2026-12-07);
+    # a process-wide setting each model worker makes when it builds
+    lora_pdl: bool = True
     # How the base model's linear weights lie in memory: "in_out" (the logical [out, in] tensors stored
     # transposed, so each GEMM reads W^T as a row-major [in, out] matrix) or "out_in" (nn.Linear's rows).
     # cuBLASLt reads the decode GEMMs' weights faster the first way: Llama-3-8B decode steps 3.5-3.9% shorter

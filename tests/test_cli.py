@@ -214,17 +214,23 @@ def test_lora_decode_norm_shrink_reaches_the_engine_config_and_refuses_a_target_
     EngineConfig(model_dir="m", lora_decode_fused_delta=("o", "down"), lora_decode_norm_shrink=("qkv", "gate_up"))
 
 
-@pytest.mark.parametrize("field", ["kernel_pdl", "lora_pdl"])
-def test_pdl_switches_reach_the_engine_config_from_the_flag_or_its_variable(field):
+def test_the_pdl_switches_reach_the_engine_config_from_their_flags_or_variables():
+    """--kernel-pdl is off unless asked for; the LoRA chain's PDL is on unless --disable-lora-pdl; each
+    flag moves its own switch only."""
     from loramux.shell.settings import engine_config
 
-    serve, flag, var = ["engine", "serve", "--model", "m"], "--" + field.replace("_", "-"), "LORAMUX_" + field.upper()
-    other = {"kernel_pdl": "lora_pdl", "lora_pdl": "kernel_pdl"}[field]
-    assert getattr(engine_config(cli.build_parser({}).parse_args(serve), "m", 0), field) is False
-    on = engine_config(cli.build_parser({}).parse_args([*serve, flag]), "m", 0)
-    assert getattr(on, field) is True and getattr(on, other) is False  # the two switches are apart
-    assert getattr(engine_config(cli.build_parser({var: "1"}).parse_args(serve), "m", 0), field) is True
-    assert getattr(engine_config(cli.build_parser({var: "0"}).parse_args(serve), "m", 0), field) is False
+    serve = ["engine", "serve", "--model", "m"]
+
+    def switches(argv: list[str], env: dict[str, str] | None = None) -> tuple[bool, bool]:
+        config = engine_config(cli.build_parser(env or {}).parse_args([*serve, *argv]), "m", 0)
+        return config.kernel_pdl, config.lora_pdl
+
+    assert switches([]) == (False, True)
+    assert switches(["--kernel-pdl"]) == (True, True)
+    assert switches(["--disable-lora-pdl"]) == (False, False)
+    assert switches([], {"LORAMUX_KERNEL_PDL": "1"}) == (True, True)
+    assert switches([], {"LORAMUX_KERNEL_PDL": "0", "LORAMUX_DISABLE_LORA_PDL": "1"}) == (False, False)
+    assert switches([], {"LORAMUX_DISABLE_LORA_PDL": "false"}) == (False, True)
 
 
 def test_lora_prefill_fused_expand_reaches_the_engine_config_from_the_flag_or_its_variable():

@@ -292,10 +292,10 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " with the KV write, attention, SiLU-mul) with programmatic dependent launch",
     )
     p.add_argument(
-        "--lora-pdl", action="store_true", default=env("--lora-pdl", "") not in ("", "0", "false"),
-        help="on cuda (compute capability 9+), launch the decode LoRA kernels after the split shrink (its reduce,"
-        " the expand) with programmatic dependent launch: they read the adapters' weights while the kernel"
-        " before them runs",
+        "--disable-lora-pdl", action="store_true", default=env("--disable-lora-pdl", "") not in ("", "0", "false"),
+        help="launch the decode LoRA kernels plainly; by default on cuda (compute capability 9+) the kernels after"
+        " the split shrink (its reduce, the expand) take programmatic dependent launch and read the adapters'"
+        " weights while the kernel before them runs",
     )
     p.add_argument(
         "--linear-weight-layout", choices=LINEAR_WEIGHT_LAYOUTS, default=env("--linear-weight-layout", "in_out"),
