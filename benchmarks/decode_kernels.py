@@ -11,13 +11,7 @@ side stream runs it). Request i uses adapter i mod N (rank-16 adapters in slots 
 in two layouts: one segment per request ("rows") and each adapter's requests merged into one segment
 after the scheduler's sort by slot ("merged", what the engine runs). The norm-shrink cases time the
 residual add + RMSNorm alone, then followed by the decode shrink of its output, and the two in one
-kernel (`add_rmsnorm_shrink`, --lora-decode-norm-shrink) for q/k/v and gate/up, merged segments. The wide
-cases (--lora-decode-wide-gemm; as many tail blocks as adapters) time, per fused target, the plain GEMM
-against the wide one (the blocks' A as extra weight columns), and the kernel that reads the projection
-next alone, with the per-row fused expand from the rows' own shrinks, and with the every-block form the
-wide GEMM feeds (`silu_mul_blocks`, `rope_kv_write_blocks`; o and down: `add_rmsnorm_expand(rows=True)`).
-A replayed graph keeps the adapters' B in L2 between calls (a few MB here, 0.3-2.6 GB a step in the
-engine), so these are lower bounds for the expands: engine_step.py decides.
+kernel (`add_rmsnorm_shrink`, --lora-decode-norm-shrink) for q/k/v and gate/up, merged segments.
 """
 
 from __future__ import annotations
@@ -31,12 +25,12 @@ import triton.testing
 
 from engine.lora_inputs import lora_segments
 from lorakernels.norm_shrink import add_rmsnorm_shrink, shrink_counters
-from lorakernels.rmsnorm import add_rmsnorm, add_rmsnorm_expand, add_rmsnorm_ref
-from lorakernels.rope_kv import rope_kv_write, rope_kv_write_blocks, rope_kv_write_ref
+from lorakernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
+from lorakernels.rope_kv import rope_kv_write, rope_kv_write_ref
 from lorakernels.sgmv import sgmv_shrink
 from lorakernels.sgmv_decode import sgmv_delta_auto, sgmv_shrink_decode
 from lorakernels.sgmv_ref import SgmvMeta
-from lorakernels.silu_mul import silu_mul, silu_mul_blocks, silu_mul_expand
+from lorakernels.silu_mul import silu_mul
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 SHRINKS = {"qkv": (4096, 3), "o": (4096, 1), "gate_up": (4096, 2), "down": (14336, 1)}  # in_dim, num_stack
@@ -53,23 +47,19 @@ def graph_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
-def rope_inputs(batch: int, num_slots: int = 65536) -> tuple[torch.Tensor, ...]:
-    """(positions, cos_sin, k_cache, v_cache, out_cache_loc) of a decode batch at Llama-3-8B's heads."""
-    positions = torch.randint(0, 4096, (batch,), device="cuda")
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM)
-    freqs = torch.arange(8192, device="cuda").float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    k_cache = torch.zeros(num_slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    return positions, cos_sin, k_cache, torch.zeros_like(k_cache), torch.randperm(num_slots, device="cuda")[:batch]
-
-
 def fused_cases(batch: int) -> list[dict]:
     x = torch.randn(batch, HIDDEN, device="cuda", dtype=DTYPE)
     residual = torch.randn_like(x)
     weight = torch.rand(HIDDEN, device="cuda", dtype=DTYPE) + 0.5
     gate_up = torch.randn(batch, 2 * INTER, device="cuda", dtype=DTYPE)
     qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=DTYPE)
-    positions, cos_sin, k_cache, v_cache, loc = rope_inputs(batch)
+    positions = torch.randint(0, 4096, (batch,), device="cuda")
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM)
+    freqs = torch.arange(8192, device="cuda").float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    k_cache = torch.zeros(65536, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.randperm(65536, device="cuda")[:batch]
     heads = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
 
     def silu_mul_torch():
@@ -155,51 +145,6 @@ def norm_shrink_case(proj: str, batch: int, num_adapters: int, max_rank: int, ra
     }  # fmt: skip
 
 
-def wide_cases(batch: int, num_adapters: int, max_rank: int, rank: int) -> list[dict]:
-    """Each fused target's GEMM plain and wide, and its next kernel alone, with the per-row expand, and with
-    the every-block expand (module doc); request i uses adapter i mod N, merged segments, block = slot - 1."""
-    slots = sorted(1 + i % num_adapters for i in range(batch))
-    ranks, scalings = [0] + [rank] * num_adapters, [0.0] + [2.0] * num_adapters
-    meta = SgmvMeta.from_lists(*lora_segments([1] * batch, slots), ranks, scalings, "cuda")
-    slot_block = torch.tensor([-1, *range(num_adapters)], dtype=torch.int32, device="cuda")
-    return [wide_case(proj, batch, num_adapters, max_rank, rank, meta, slot_block) for proj in SHRINKS]
-
-
-def wide_case(proj: str, batch: int, num_adapters: int, max_rank: int, rank: int, meta: SgmvMeta, slot_block: torch.Tensor) -> dict:
-    in_dim, num_stack = SHRINKS[proj]
-    out_dim, width = sum(size for _, size in SLICES[proj]), num_stack * max_rank
-    storage = torch.randn(in_dim + num_adapters * width, out_dim + num_adapters * width, device="cuda", dtype=DTYPE) / 64
-    x = torch.randn(batch, in_dim, device="cuda", dtype=DTYPE)
-    y_wide = x @ storage[:in_dim]
-    y, v_all = y_wide[:, :out_dim], y_wide[:, out_dim:]
-    v_own = torch.randn(batch, width, device="cuda", dtype=DTYPE)
-    B = torch.randn(num_adapters + 1, out_dim, max_rank, device="cuda", dtype=DTYPE) / 4
-    bt = storage[in_dim:, :out_dim]
-    row = {
-        "case": "wide", "proj": proj, "batch": batch, "adapters": num_adapters, "rank": rank, "max_rank": max_rank,
-        "gemm_us": graph_us(lambda: x @ storage[:in_dim, :out_dim]), "wide_gemm_us": graph_us(lambda: x @ storage[:in_dim]),
-    }  # fmt: skip
-    if proj == "gate_up":
-        row["next_us"] = graph_us(lambda: silu_mul(y))
-        row["fused_expand_us"] = graph_us(lambda: silu_mul_expand(y, v_own, B, meta))
-        row["blocks_us"] = graph_us(lambda: silu_mul_blocks(y, v_all, bt, meta, slot_block, max_rank=max_rank))
-    elif proj == "qkv":
-        positions, cos_sin, k_cache, v_cache, loc = rope_inputs(batch, 8192)
-        kw = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
-        row["next_us"] = graph_us(lambda: rope_kv_write(y, positions, cos_sin, k_cache, v_cache, loc, **kw))
-        row["fused_expand_us"] = graph_us(lambda: rope_kv_write(y, positions, cos_sin, k_cache, v_cache, loc, expand=(v_own, B, meta), **kw))
-        row["blocks_us"] = graph_us(
-            lambda: rope_kv_write_blocks(y, positions, cos_sin, k_cache, v_cache, loc, v_all, bt, meta, slot_block, max_rank=max_rank, **kw)
-        )  # fmt: skip
-    else:
-        residual = torch.randn(batch, out_dim, device="cuda", dtype=DTYPE)
-        weight = torch.rand(out_dim, device="cuda", dtype=DTYPE) + 0.5
-        row["next_us"] = graph_us(lambda: add_rmsnorm(y, residual, weight, 1e-5))
-        row["fused_expand_us"] = graph_us(lambda: add_rmsnorm_expand(y, residual, weight, 1e-5, v_own, B, meta, rows=True))
-        row["blocks_us"] = graph_us(lambda: add_rmsnorm_expand(y, residual, weight, 1e-5, v_all, B, meta, rows=True, v_block=slot_block))
-    return {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])
@@ -208,9 +153,7 @@ def main() -> None:
     parser.add_argument("--max-rank", type=int, nargs="+", default=[16, 64], help="slot capacities R")
     parser.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     parser.add_argument("--copy-gbps", type=float, default=4200.0)
-    parser.add_argument(
-        "--parts", nargs="+", default=["fused", "shrink", "norm_shrink"], choices=["fused", "shrink", "norm_shrink", "wide"]
-    )
+    parser.add_argument("--parts", nargs="+", default=["fused", "shrink", "norm_shrink"], choices=["fused", "shrink", "norm_shrink"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/decode_kernels.py needs CUDA")
@@ -225,8 +168,6 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
                 for proj in ("qkv", "gate_up") if "norm_shrink" in args.parts else ():
                     print(json.dumps(norm_shrink_case(proj, batch, num_adapters, max_rank, args.rank)), flush=True)
-                for row in wide_cases(batch, num_adapters, max_rank, args.rank) if "wide" in args.parts else ():
-                    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.engine_step import SHAPES, build, make_request, step, sync
-from engine.config import DECODE_FUSED_TARGETS, LORA_FUSED_TARGETS
+from engine.config import DECODE_FUSED_TARGETS
 
 
 def main() -> None:
@@ -43,7 +43,6 @@ def main() -> None:
     parser.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
     parser.add_argument("--disable-lora-pdl", action="store_true", help="the engine's --disable-lora-pdl")
     parser.add_argument("--decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink")
-    parser.add_argument("--decode-wide-gemm", nargs="*", default=[], choices=LORA_FUSED_TARGETS, help="the engine's --lora-decode-wide-gemm")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     graphs = device.type == "cuda"
@@ -83,7 +82,7 @@ def build_loop(args, device: torch.device, graphs: bool, max_len: int):
     return build(
         SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], max_len, args.attention, args.adapters,
         args.lora_backend, graphs, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
-        decode_norm_shrink=tuple(args.decode_norm_shrink), kernel_pdl=args.kernel_pdl, decode_wide_gemm=tuple(args.decode_wide_gemm),
+        decode_norm_shrink=tuple(args.decode_norm_shrink), kernel_pdl=args.kernel_pdl,
         lora_pdl=not args.disable_lora_pdl,
     )  # fmt: skip
 

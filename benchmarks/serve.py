@@ -702,8 +702,6 @@ def engine_serve_args(config: EngineConfig) -> list[str]:
         args += ["--lora-decode-fused-delta", *config.lora_decode_fused_delta]
     if config.lora_decode_norm_shrink:
         args += ["--lora-decode-norm-shrink", *config.lora_decode_norm_shrink]
-    if config.lora_decode_wide_gemm:
-        args += ["--lora-decode-wide-gemm", *config.lora_decode_wide_gemm]
     if config.kernel_pdl:
         args += ["--kernel-pdl"]
     if not config.lora_pdl:
@@ -880,7 +878,6 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
         lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),
         lora_decode_norm_shrink=tuple(args.lora_decode_norm_shrink),
-        lora_decode_wide_gemm=tuple(args.lora_decode_wide_gemm),
         kernel_pdl=args.kernel_pdl,
         lora_pdl=not args.disable_lora_pdl,
         linear_weight_layout=args.linear_weight_layout,
@@ -951,9 +948,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-lora-pdl", action="store_true", help="the engine's --disable-lora-pdl")
     p.add_argument(
         "--lora-decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink"
-    )
-    p.add_argument(
-        "--lora-decode-wide-gemm", nargs="*", default=[], choices=LORA_FUSED_TARGETS, help="the engine's --lora-decode-wide-gemm"
     )
     p.add_argument(
         "--linear-weight-layout", default="in_out", choices=LINEAR_WEIGHT_LAYOUTS, help="the engine's --linear-weight-layout"

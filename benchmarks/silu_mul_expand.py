@@ -4,9 +4,7 @@ gate_up read and written once more) against `silu_mul_expand` (one kernel), at L
     python benchmarks/silu_mul_expand.py --tokens 8192 --segments 4 --rank 16
 
 Prints one JSON line per configuration: microseconds (CUDA events, median of triton's do_bench) and the
-bytes each path moves at its floor. With --blocks N (a decode step's wide GEMM, --lora-decode-wide-gemm)
-also `silu_mul_blocks`: every row's expand from its own of N tail blocks, one dense dot per column block
-(`blocks_<block_n>`), and its floor (gate_up read, out written, each segment's B once).
+bytes each path moves at its floor.
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ def main() -> None:
     parser.add_argument("--segments", type=int, default=4)
     parser.add_argument("--inter", type=int, default=14336)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--blocks", type=int, default=0, help="also time silu_mul_blocks over this many tail blocks (>= --segments)")
-    parser.add_argument("--block-n", type=int, nargs="*", default=[32, 64, 128], help="silu_mul_blocks' column blocks to time")
     parser.add_argument("--tiles", nargs="*", default=["32x64x4", "64x64x4", "64x128x4", "64x128x8", "128x64x8", "32x128x4"],
                         help="BLOCK_M x BLOCK_N x num_warps of the fused kernel to time besides the default")
     args = parser.parse_args()
@@ -63,21 +59,10 @@ def main() -> None:
             launch_silu_mul_expand(gate_up, v, B, meta, out, block_m=bm, block_n=bn, num_warps=warps)
 
         results[f"silu_mul_expand_{tile}"] = do_bench(fused) * 1e3
-    if args.blocks:
-        from lorakernels.silu_mul import silu_mul_blocks
-
-        if args.blocks < args.segments:
-            parser.error("--blocks must be >= --segments (each segment's adapter holds a block)")
-        v_all = torch.randn(T, args.blocks * 2 * R, device=dev, dtype=dtype)
-        bt = torch.randn(args.blocks * 2 * R, 2 * I, device=dev, dtype=dtype) / 4
-        slot_block = torch.tensor([-1, *range(args.segments)], dtype=torch.int32, device=dev)
-        for bn in args.block_n:
-            results[f"blocks_{bn}"] = do_bench(lambda bn=bn: silu_mul_blocks(gate_up, v_all, bt, meta, slot_block, max_rank=R, out=out, block_n=bn)) * 1e3
     floor_fused = (T * 2 * I + T * I) * 2  # read gate_up, write out (bytes)
     floor_two = floor_fused + 2 * (T * 2 * I) * 2  # plus the expand's read and write of gate_up
-    floor_blocks = floor_fused + args.segments * 2 * R * I * 2  # plus each segment's B, read once
-    print(json.dumps({"tokens": T, "inter": I, "rank": R, "segments": args.segments, "blocks": args.blocks,
-                      "floor_gb_fused": floor_fused / 1e9, "floor_gb_two": floor_two / 1e9, "floor_gb_blocks": floor_blocks / 1e9,
+    print(json.dumps({"tokens": T, "inter": I, "rank": R, "segments": args.segments,
+                      "floor_gb_fused": floor_fused / 1e9, "floor_gb_two": floor_two / 1e9,
                       **{k: round(us, 1) for k, us in results.items()}}))  # fmt: skip
 
 

@@ -132,19 +132,6 @@ class EngineConfig:
     # q/k/v's too: the fused norm costs 5-8 us more than the plain one, more than the side stream's carve-out
     # and events cost (BENCHMARKS.md, 2026-12-06)
     lora_decode_norm_shrink: tuple[str, ...] = ()
-    # On CUDA with the Triton SGMV ops, the GEMM tail on (lora_gemm_tail_blocks) and a max LoRA rank up to 64,
-    # the fused targets (LORA_FUSED_TARGETS; q/k/v only in families whose RoPE kernel reads it next, and
-    # only projections without a bias) whose decode-step LoRA runs in the base GEMM: each layer's weight
-    # storage holds the tail blocks' A as extra columns, so one GEMM gives the projection and every block's
-    # shrink on every SM with nothing beside it, and the kernel that reads the projection next (RoPE with
-    # the KV write, SiLU-mul, the residual add + RMSNorm) expands from the row's own block. Steps with
-    # more adapters than blocks keep the side stream. The GEMMs read blocks x stack x rank capacity more
-    # weight columns (and base GEMMs a strided weight). None by default: with the expands in the fused
-    # per-segment kernels, decode steps with 8 adapters were 2.5-23% slower on an H100 (the SiLU-mul
-    # expand 19.5 us a call against 3.4 for the SiLU-mul; BENCHMARKS.md, 2026-12-07), and with the dense
-    # every-block expands (silu_mul_blocks, rope_kv_write_blocks) that replaced them 8.8-13.8% slower (each
-    # expand adds 4.5-8.7 us in series to its kernel, where the side stream's hid the same work).
-    lora_decode_wide_gemm: tuple[str, ...] = ()
     # a directory of tuned LoRA-kernel tile files (lorakernels/tuned.py; benchmarks/tune_lora_tiles.py writes
     # them); "" = the package's lorakernels/configs
     kernel_configs: str = ""
@@ -240,10 +227,6 @@ class EngineConfig:
                 f"{', '.join(both)} cannot be in both lora_decode_fused_delta (the delta beside the GEMM) and"
                 " lora_decode_norm_shrink (the shrink in the norm, the expand in the next kernel)"
             )
-        if not set(self.lora_decode_wide_gemm) <= set(LORA_FUSED_TARGETS):
-            raise ValueError(f"lora_decode_wide_gemm takes {', '.join(LORA_FUSED_TARGETS)}, got {self.lora_decode_wide_gemm}")
-        if self.lora_decode_wide_gemm and not self.lora_gemm_tail_blocks:
-            raise ValueError("lora_decode_wide_gemm needs the GEMM tail's blocks (lora_gemm_tail_blocks > 0)")
         if not 0 <= self.lora_gemm_tail_blocks <= 64:
             raise ValueError(f"lora_gemm_tail_blocks must be 0-64, got {self.lora_gemm_tail_blocks}")
         if self.linear_weight_layout not in LINEAR_WEIGHT_LAYOUTS:

@@ -45,17 +45,12 @@ class DecodeGraphs:
         fused_delta: frozenset[str] = frozenset(),  # LoraInputs.decode_fused_delta of the LoRA graphs
         norm_shrink: frozenset[str] = frozenset(),  # LoraInputs.decode_norm_shrink of the LoRA graphs
         shrink_counters: torch.Tensor | None = None,  # LoraInputs.shrink_counters of the LoRA graphs
-        wide: frozenset[str] = frozenset(),  # LoraInputs.decode_wide of the wide LoRA graphs
-        gemm_tail=None,  # engine/lora_tail.py GemmTail (with columns) that the wide graphs read
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
         self.sm_carveout, self.fused_expand, self.fused_delta = sm_carveout, fused_expand, fused_delta
         self.sm_carveout_targets = dict(sm_carveout_targets or {})
         self.norm_shrink, self.shrink_counters = norm_shrink, shrink_counters
-        # With wide targets, each LoRA variant is captured twice: with their LoRA in the base GEMMs (a step
-        # whose adapters all hold a tail block: `gemm_tail.assign` places them before the replay) and without
-        self.wide, self.gemm_tail = (wide, gemm_tail) if wide and gemm_tail is not None else (frozenset(), None)
         self.device = attention.req_to_token.device
         self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
         n = max_batch
@@ -77,23 +72,18 @@ class DecodeGraphs:
         self.lora_variants: tuple[frozenset[str], ...] = (
             (skip_beyond_qkv, frozenset()) if "qkv" in targets and skip_beyond_qkv else (frozenset(),)
         ) if lora_pool else ()  # fmt: skip
-        # (batch, skipped targets or None without LoRA, wide) -> what runs the step: its graph's replay, or
-        # the step function uncaptured
-        self.steps: dict[tuple[int, frozenset[str] | None, bool], Callable[[], torch.Tensor]] = {}
+        # (batch, skipped targets or None without LoRA) -> what runs the step: its graph's replay, or the
+        # step function uncaptured
+        self.steps: dict[tuple[int, frozenset[str] | None], Callable[[], torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
 
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
-        keys = [(batch, None, False) for batch in reversed(self.buckets)]
-        keys += [(batch, skipped, wide) for batch in reversed(self.buckets) for skipped in self.lora_variants for wide in self._wide_variants()]
-        keys.sort(key=lambda key: -key[0])
+        keys = [(batch, skipped) for batch in reversed(self.buckets) for skipped in (None, *self.lora_variants)]
         self.steps, self.pool = capture_steps(keys, self._step, self.device, self.pool, self.capture_graphs)
         if self.capture_graphs:
             log.info("captured %d decode graphs for batch sizes %s", len(self.steps), self.buckets)
-
-    def _wide_variants(self) -> tuple[bool, ...]:
-        return (False, True) if self.wide else (False,)
 
     def can_run(self, num_requests: int) -> bool:
         return 0 < num_requests <= self.buckets[-1]
@@ -119,7 +109,7 @@ class DecodeGraphs:
         self.seq_lens[:batch].copy_(self._inputs[4, :batch])  # to int32, on the device
         if previous is not None:
             self.input_ids[:batch].copy_(resolve_previous(self.input_ids[:batch], previous))
-        skipped, wide = None, False
+        skipped = None
         if lora_slots is not None:
             pool = self.lora_pool
             pool.wait_for_loads(lora_slots)  # loads ahead into other slots keep running beside the replay
@@ -128,17 +118,13 @@ class DecodeGraphs:
             self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
             idle = pool.idle_targets(lora_slots)
             skipped = next(v for v in self.lora_variants if v <= idle)  # the most skipped first
-            # the wide variant where a wide target is adapted and the step's adapters all hold a tail block
-            # (assign: None with more adapters than blocks); a step adapting none of them needs no block
-            wide = bool(self.wide - idle) and bool(self.gemm_tail.assign(pool, lora_slots))
-        logits = self.steps[(batch, skipped, wide)]()
+        logits = self.steps[(batch, skipped)]()
         self.num_replays += 1
         return logits[:n]
 
-    def _step(self, batch: int, skipped: frozenset[str] | None, wide: bool) -> Callable[[], torch.Tensor]:
+    def _step(self, batch: int, skipped: frozenset[str] | None) -> Callable[[], torch.Tensor]:
         """The decode step of `batch` padded rows over the static buffers, returning [batch, vocab] logits;
-        skipped: the fused targets whose LoRA kernels it leaves out (None: no LoRA at all); wide: the
-        `wide` targets' LoRA in their base GEMMs."""
+        skipped: the fused targets whose LoRA kernels it leaves out (None: no LoRA at all)."""
         metadata = self.attention.capture_metadata(self.req_rows[:batch], self.seq_lens[:batch])
         attn = AttentionInputs(out_cache_loc=self.out_cache_loc[:batch], metadata=metadata)
         lora = None
@@ -153,7 +139,6 @@ class DecodeGraphs:
                 sm_carveout_targets=self.sm_carveout_targets,
                 decode_fused_expand=self.fused_expand, decode_fused_delta=self.fused_delta,
                 decode_norm_shrink=self.norm_shrink, shrink_counters=self.shrink_counters,
-                tail=self.gemm_tail, decode_wide=self.wide if wide else frozenset(),
             )  # fmt: skip
 
         def step() -> torch.Tensor:

@@ -6,9 +6,7 @@ base GEMM, and the delta comes back for the next kernel to add; in prefill-sized
 expand is left to the SiLU-mul kernel, `PendingExpand`, and with `decode_fused_expand` a decode step's
 q/k/v or gate/up expand to the RoPE/KV-write or SiLU-mul kernel; with `decode_fused_delta` a decode step's
 side stream computes a target's delta in one fused pass from x; with `decode_norm_shrink` a decode step's
-q/k/v or gate/up LoRA leaves the side stream: the norm before the GEMM shrinks, the kernel after it expands;
-with `decode_wide` a decode step's base GEMM shrinks too, over the GEMM tail's blocks of A in extra weight
-columns, and the kernel after it expands from each row's own block):
+q/k/v or gate/up LoRA leaves the side stream: the norm before the GEMM shrinks, the kernel after it expands):
 
     y[T, out] += scalings[slot] * (x[T, in] @ A[slot]^T) @ B[slot]^T     per segment of tokens
 """
@@ -28,7 +26,7 @@ import torch.nn.functional as F
 
 from engine.forward_inputs import StagingFence
 from engine.lora_pool import LoraSlotPool
-from lorakernels.sgmv_ref import SgmvMeta, own_block_v, sgmv_expand_ref, sgmv_shrink_ref
+from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 
 if TYPE_CHECKING:
     from engine.lora_tail import GemmTail
@@ -104,19 +102,10 @@ class PendingExpand:
     meta: SgmvMeta
     output_slices: tuple[tuple[int, int], ...]
     expand: Callable  # the backend's, for a reader that cannot fuse it (`apply`)
-    # [num_slots] int32, or None: v [T, n * num_stack * R] is every GEMM tail block's shrink (a decode
-    # step's wide GEMM, LoraInputs.decode_wide) and a row of slot w reads block v_block[w]
-    v_block: torch.Tensor | None = None
-    # with v_block: the GEMM tail's rows of every block's B^T [n * num_stack * R, out] (GemmTail.b_rows),
-    # for a reader that expands every row at once from them (SiLU-mul: lorakernels/silu_mul.py `silu_mul_blocks`)
-    b_rows: torch.Tensor | None = None
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:
         """y with the expand added in place (what the in-line path does)."""
-        v = self.v
-        if self.v_block is not None:  # each row's own block first (on the device: graph-safe)
-            v = own_block_v(v, self.v_block, self.meta, len(self.output_slices) * self.b.shape[2])
-        self.expand(v, self.b, self.meta, y, output_slices=self.output_slices)
+        self.expand(self.v, self.b, self.meta, y, output_slices=self.output_slices)
         return y
 
 
@@ -185,11 +174,6 @@ class LoraInputs:
     # `decode_fused_targets`); with the per-row counts the kernel's splits share (`shrink_counters`)
     decode_norm_shrink: frozenset[str] = frozenset()
     shrink_counters: torch.Tensor | None = None
-    # Fused targets whose decode-step LoRA runs in their base GEMM (EngineConfig's lora_decode_wide_gemm:
-    # engine/lora_tail.py `wide_gemm_targets`): x @ [W | every tail block's A] gives the projection and each block's shrink
-    # (`tail`, built with columns, whose blocks hold every adapter of this step: set only then), and the
-    # kernel that reads the projection next expands from the row's own block (PendingExpand.v_block)
-    decode_wide: frozenset[str] = frozenset()
     _tail_x: dict[str, torch.Tensor] = field(default_factory=dict)  # target -> its x_aug, head not yet projected
     _norm_shrunk: dict[str, NormShrink] = field(default_factory=dict)  # target -> its input's shrink, not yet projected
 
@@ -197,10 +181,7 @@ class LoraInputs:
         """What the norm writing fused target `target`'s input in `layer` needs to shrink it as well
         (RMSNorm.add_forward fills its v, which `project_deferred` then takes), or None where this step's
         `target` runs otherwise."""
-        if (
-            target not in self.decode_norm_shrink or target in self.idle or target not in self.pool.targets
-            or self.tail_blocks or target in self.decode_wide
-        ):  # fmt: skip
+        if target not in self.decode_norm_shrink or target in self.idle or target not in self.pool.targets or self.tail_blocks:
             return None
         ns = NormShrink(
             self.pool.a[target][layer], self.by_target.get(target, self.meta), self.pool.targets[target].num_stack,
@@ -237,15 +218,6 @@ class LoraInputs:
         if x_aug is not None:
             return self._project_tail(linear, target, layer, x, x_aug), None
         t = self.pool.targets[target]
-        if target in self.decode_wide:  # the shrink in the GEMM, on every SM; the next kernel expands
-            tail, out_dim = self.tail, t.out_dim
-            y_wide = F.linear(x, tail.wide_weight(target, layer))  # [T, out + blocks * W]
-            meta = self.by_target.get(target, self.meta)
-            pending = PendingExpand(
-                y_wide[:, out_dim:], self.pool.b[target][layer], meta, t.output_slices, self.expand, tail.slot_block,
-                tail.b_rows(target, layer),
-            )  # fmt: skip
-            return y_wide[:, :out_dim], pending
         a, b = self.pool.a[target][layer], self.pool.b[target][layer]
         ns = self._norm_shrunk.pop(target, None)
         if ns is not None:  # x's norm shrank it: the GEMM alone, on every SM; the next kernel expands

@@ -19,17 +19,11 @@ blocks, least recently used first out, and copies a slot's A and B^T in only whe
 reloaded since (LoraSlotPool.generations). A step with more adapters than blocks, or fewer than
 MIN_TOKENS tokens, keeps the in-line path. One GPU (a row-parallel projection's delta would be summed
 over the ranks).
-
-For the targets in `columns` (EngineConfig.lora_decode_wide_gemm, as `wide_gemm_targets` filters it), the
-blocks' A lie in extra columns of the same allocation instead, [in + C, out + C]: the base weight is the strided view [:in, :out], and a decode step's GEMM
-over [:in, :out + C] gives the projection and every block's shrink at once (`wide_weight`, at the
-weight-read rate of a GEMM that reads C / out more columns), for the kernel that reads the projection next
-to expand from the row's own block (LoraInputs.project_deferred).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -56,40 +50,12 @@ def _linears(model: torch.nn.Module, target: str) -> list[torch.nn.Module]:
     return [pick(layer) for layer in model.layers]
 
 
-def wide_gemm_targets(
-    targets: Collection[str], model: torch.nn.Module, pool_targets: Mapping[str, FusedTarget], max_rank: int, blocks: int,
-    lora_backend: str,
-) -> frozenset[str]:  # fmt: skip
-    """The targets of EngineConfig.lora_decode_wide_gemm that get the wide decode GEMM (the GemmTail's
-    `columns`, and LoraInputs.decode_wide once the tail is built with them): those the slot pool holds
-    (pool_targets) whose projections have no bias (the wide GEMM's extra columns would take it), with the
-    Triton SGMV ops, a rank capacity the fused expands load whole, extra columns that keep the weight's
-    rows 16-byte aligned (blocks x stack x max_rank a multiple of 8), and q/k/v only where the RoPE/KV-write
-    kernel reads the projection next (engine/models/blocks.py `Attention.rope_reads_qkv`); none elsewhere,
-    so no base GEMM reads a strided weight for nothing. A reader that cannot fuse the expand (the CPU path:
-    Triton's interpreter in tests) gathers each row's block first (PendingExpand.apply): correct, not fast.
-    Decode steps run it on CUDA (side stream steps) and in decode graphs."""
-    from lorakernels.silu_mul import FUSED_MAX_RANK  # imports Triton: only where a LoRA pool exists
-
-    if lora_backend not in ("triton", "splitk") or max_rank > FUSED_MAX_RANK or blocks < 1:
-        return frozenset()
-    fused_rope = model.layers[0].self_attn.rope_reads_qkv()
-    return frozenset(
-        t for t in targets
-        if t in pool_targets and _linears(model, t)[0].bias is None and (t != "qkv" or fused_rope)
-        and blocks * pool_targets[t].num_stack * max_rank % 8 == 0
-    )  # fmt: skip
-
-
 class GemmTail:
     """Built before the KV pool is sized (its rows take device memory), over a DecoderModel
     (engine/models/blocks.py, not imported: it imports the LoRA seam that reads this) from the slot pool's
     targets and rank capacity; `assign` then reads that pool."""
 
-    def __init__(
-        self, model: torch.nn.Module, targets: Mapping[str, FusedTarget], max_rank: int, num_slots: int, blocks: int,
-        columns: Collection[str] = (),
-    ):  # fmt: skip
+    def __init__(self, model: torch.nn.Module, targets: Mapping[str, FusedTarget], max_rank: int, num_slots: int, blocks: int):
         if blocks < 1:
             raise ValueError(f"a GEMM tail needs at least one block, got {blocks}")
         if model.tp.size > 1:
@@ -97,15 +63,10 @@ class GemmTail:
         self.targets, self.max_rank, self.blocks = dict(targets), max_rank, blocks
         self.width = {name: t.num_stack * max_rank for name, t in self.targets.items()}
         self.in_dim = {name: t.in_dim for name, t in self.targets.items()}
-        self.out_dim = {name: t.out_dim for name, t in self.targets.items()}
-        self.columns = frozenset(columns) & set(self.targets)
-        # target -> each layer's [in + blocks * W, out (+ blocks * W in columns)]: one allocation a layer,
-        # so building the tail holds one layer's weight twice at most, not a whole target's (gate/up: 7.5
-        # GB at Llama-3-8B)
+        # target -> each layer's [in + blocks * W, out]: one allocation a layer, so building the tail holds
+        # one layer's weight twice at most, not a whole target's (gate/up: 7.5 GB at Llama-3-8B)
         self.storage: dict[str, list[torch.Tensor]] = {}
-        self.a_blocks: dict[str, torch.Tensor] = {}  # target -> [layers, blocks * W, in] (targets not in columns)
-        # targets in columns -> block j -> each layer's [in, W] columns of block j's A^T
-        self._a_views: dict[str, list[list[torch.Tensor]]] = {}
+        self.a_blocks: dict[str, torch.Tensor] = {}  # target -> [layers, blocks * W, in]
         # target -> projection k -> block j -> each layer's rows of k's B^T in block j, k's columns only
         # (the other columns stay zero from the start), made once for `_copy_in`'s multi-tensor copies
         self._b_views: dict[str, list[list[list[torch.Tensor]]]] = {}
@@ -113,21 +74,17 @@ class GemmTail:
         with torch.no_grad():
             for name, target in self.targets.items():
                 linears = _linears(model, name)
-                in_dim, out_dim, width = target.in_dim, target.out_dim, self.width[name]
+                in_dim, width = target.in_dim, self.width[name]
                 layers = []
                 for linear in linears:
                     old = linear.weight
-                    cols = out_dim + (blocks * width if name in self.columns else 0)
-                    storage = torch.zeros(in_dim + blocks * width, cols, dtype=old.dtype, device=old.device)
-                    storage[:in_dim, :out_dim].copy_(old.t())
-                    linear.weight = torch.nn.Parameter(storage[:in_dim, :out_dim].t(), requires_grad=old.requires_grad)
+                    storage = torch.zeros(in_dim + blocks * width, target.out_dim, dtype=old.dtype, device=old.device)
+                    storage[:in_dim].copy_(old.t())
+                    linear.weight = torch.nn.Parameter(storage[:in_dim].t(), requires_grad=old.requires_grad)
                     del old
                     layers.append(storage)
                 self.storage[name] = layers
-                if name in self.columns:
-                    self._a_views[name] = [[s[:in_dim, out_dim + j * width : out_dim + (j + 1) * width] for s in layers] for j in range(blocks)]
-                else:
-                    self.a_blocks[name] = torch.zeros(len(layers), blocks * width, in_dim, dtype=layers[0].dtype, device=device)
+                self.a_blocks[name] = torch.zeros(len(layers), blocks * width, in_dim, dtype=layers[0].dtype, device=device)
                 self._b_views[name] = [
                     [
                         [s[in_dim + j * width + k * max_rank : in_dim + j * width + (k + 1) * max_rank, offset : offset + size] for s in layers]
@@ -192,32 +149,12 @@ class GemmTail:
                 for k, (offset, size) in enumerate(target.output_slices):
                     source = pool.b[name][:, slot, offset : offset + size].transpose(1, 2)  # [layers, R, size]
                     torch._foreach_copy_(self._b_views[name][k][block], list(source.unbind(0)))
-                if name in self.columns:  # A^T into the block's columns of each layer's storage
-                    torch._foreach_copy_(self._a_views[name][block], list(pool.a[name][:, slot].transpose(1, 2).unbind(0)))
-                else:
-                    self.a_blocks[name][:, block * width : (block + 1) * width].copy_(pool.a[name][:, slot])
+                self.a_blocks[name][:, block * width : (block + 1) * width].copy_(pool.a[name][:, slot])
 
     def weight(self, target: str, layer: int, blocks: int) -> torch.Tensor:
         """The logical [out, in + blocks * W] weight of `target` in `layer` with its first blocks' tail rows."""
-        return self.storage[target][layer][: self.in_dim[target] + blocks * self.width[target], : self.out_dim[target]].t()
+        return self.storage[target][layer][: self.in_dim[target] + blocks * self.width[target]].t()
 
     def shrink_weight(self, target: str, layer: int, blocks: int) -> torch.Tensor:
         """[blocks * W, in]: the first blocks' A, the every-block shrink's weight."""
-        if target in self.columns:
-            out_dim = self.out_dim[target]
-            return self.storage[target][layer][: self.in_dim[target], out_dim : out_dim + blocks * self.width[target]].t()
         return self.a_blocks[target][layer, : blocks * self.width[target]]
-
-    def b_rows(self, target: str, layer: int) -> torch.Tensor:
-        """[blocks * W, out]: `target`'s tail rows in `layer`, every block's B^T (projection k's rank rows
-        in its own columns), for a decode expand that reads them along the columns
-        (lorakernels/silu_mul.py `silu_mul_blocks`)."""
-        in_dim = self.in_dim[target]
-        return self.storage[target][layer][in_dim : in_dim + self.blocks * self.width[target], : self.out_dim[target]]
-
-    def wide_weight(self, target: str, layer: int) -> torch.Tensor:
-        """The logical [out + blocks * W, in] weight whose GEMM gives `target`'s projection in `layer` and
-        every block's shrink after it (targets in columns only)."""
-        if target not in self.columns:
-            raise RuntimeError(f"this GEMM tail keeps {target}'s blocks' A apart (not in its columns): no wide weight")
-        return self.storage[target][layer][: self.in_dim[target]].t()

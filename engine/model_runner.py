@@ -57,7 +57,6 @@ class ModelRunner:
         lora_prefill_fused_expand: tuple[str, ...] = ("gate_up",),  # CUDA prefill-sized steps: targets whose expand the next kernel does
         lora_gemm_tail: GemmTail | None = None,  # prefill-sized steps: the LoRA in the base GEMMs (engine/lora_tail.py)
         lora_decode_norm_shrink: tuple[str, ...] = (),  # CUDA decode steps: targets shrunk by their input's norm
-        lora_decode_wide_gemm: tuple[str, ...] = (),  # CUDA decode steps: targets shrunk by their base GEMM (those in the tail's columns)
     ):
         self.model = model
         self.kv = kv
@@ -98,9 +97,6 @@ class ModelRunner:
             from lorakernels.norm_shrink import shrink_counters
 
             self._shrink_counters = shrink_counters(self.device)
-        # ... and shrink these targets in their base GEMM, over the tail's blocks, when the step's adapters
-        # all hold one; the next kernel expands
-        self._decode_wide = frozenset(lora_decode_wide_gemm) & self.gemm_tail.columns if self.gemm_tail is not None else frozenset()
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran
@@ -144,7 +140,6 @@ class ModelRunner:
                 sm_carveout_targets=self.lora_sm_carveout_targets,
                 fused_expand=self._decode_fused_expand, fused_delta=self._decode_fused_delta,
                 norm_shrink=self._decode_norm_shrink, shrink_counters=self._shrink_counters,
-                wide=self._decode_wide, gemm_tail=self.gemm_tail,
             )  # fmt: skip
             self.graphs.pool = pool
             self.graphs.capture()
@@ -230,8 +225,6 @@ class ModelRunner:
         tail_blocks = 0
         if self.gemm_tail is not None and not plan.is_decode and plan.num_tokens >= TAIL_MIN_TOKENS:
             tail_blocks = self.gemm_tail.assign(pool, seg_slots) or 0  # None (more adapters than blocks): in line
-        # a decode step's wide GEMMs need every adapter of the step in a block (else the side stream)
-        wide = side is not None and bool(self._decode_wide - idle) and bool(self.gemm_tail.assign(pool, seg_slots))
         return LoraInputs(
             pool, meta, *self.lora_ops, side=side, by_target=self.lora_meta.by_target(meta), idle=idle,
             fused_expand=self._fused_expand, sm_carveout=self.lora_sm_carveout if side is not None else 0,
@@ -240,7 +233,6 @@ class ModelRunner:
             decode_fused_delta=self._decode_fused_delta if side is not None else frozenset(),
             decode_norm_shrink=self._decode_norm_shrink if side is not None else frozenset(),
             shrink_counters=self._shrink_counters, tail=self.gemm_tail, tail_blocks=tail_blocks,
-            decode_wide=self._decode_wide if wide else frozenset(),
         )  # fmt: skip
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

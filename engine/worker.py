@@ -39,7 +39,7 @@ from engine.config import EngineConfig
 from engine.forward_inputs import KVBuffers
 from engine.kv_pool import num_slots_for_memory
 from engine.lora_pool import LoraSlotPool, PackedAdapter, fused_targets
-from engine.lora_tail import GemmTail, wide_gemm_targets
+from engine.lora_tail import GemmTail
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, SampledTokens
 from engine.parallel import SINGLE, TensorParallel
@@ -126,15 +126,7 @@ class ModelWorker:
         ):  # fmt: skip
             # before the KV pool is sized: the blocks' rows take device memory
             targets = {t.name: t for t in fused_targets(model.config, config.lora_target_modules)}
-            wide = wide_gemm_targets(
-                config.lora_decode_wide_gemm, model, targets, config.max_lora_rank, config.lora_gemm_tail_blocks,
-                _lora_backend(config, device),
-            )  # fmt: skip
-            if refused := set(config.lora_decode_wide_gemm) - wide:
-                log.warning("--lora-decode-wide-gemm: %s cannot take the wide decode GEMM here", ", ".join(sorted(refused)))
-            gemm_tail = GemmTail(
-                model, targets, config.max_lora_rank, config.max_loras_per_batch, config.lora_gemm_tail_blocks, columns=wide
-            )  # fmt: skip
+            gemm_tail = GemmTail(model, targets, config.max_lora_rank, config.max_loras_per_batch, config.lora_gemm_tail_blocks)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         dtype = next(model.parameters()).dtype
@@ -155,7 +147,6 @@ class ModelWorker:
             lora_sm_carveout_targets=dict(config.lora_sm_carveout_targets), lora_decode_fused_expand=config.lora_decode_fused_expand,
             lora_decode_fused_delta=config.lora_decode_fused_delta, lora_prefill_fused_expand=config.lora_prefill_fused_expand,
             lora_gemm_tail=gemm_tail, lora_decode_norm_shrink=config.lora_decode_norm_shrink,
-            lora_decode_wide_gemm=config.lora_decode_wide_gemm,
         )  # fmt: skip
         if device.type == "cuda" and (config.cuda_graph_max_batch > 0 or config.cuda_graph_max_tokens > 0):
             runner.enable_cuda_graphs(

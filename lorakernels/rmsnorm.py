@@ -29,14 +29,7 @@ import triton.language as tl
 from lorakernels import pdl
 from lorakernels.pdl import wait_for_producer
 from lorakernels.pending_delta import load_plus_delta, output_like
-from lorakernels.sgmv import (
-    SEGMENT_CHUNK,
-    check_expand_args,
-    own_block,
-    row_adapter,
-    seg_and_tail_blocks,
-    segment_or_tail_block,
-)
+from lorakernels.sgmv import SEGMENT_CHUNK, check_expand_args, seg_and_tail_blocks, segment_or_tail_block
 from lorakernels.sgmv_ref import SgmvMeta
 from lorakernels.silu_mul import FUSED_MAX_RANK
 
@@ -215,75 +208,6 @@ def _add_rmsnorm_expand_kernel(
         tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _add_rmsnorm_expand_rows_kernel(
-    # pointers
-    x_ptr,  # [T, N]
-    residual_ptr,  # [T, N] (unused without HAS_RESIDUAL)
-    v_ptr,  # [T, R], or [T, n * R] with HAS_V_BLOCK
-    b_ptr,  # [num_slots, N, R], rank columns contiguous
-    weight_ptr,  # [N]
-    out_ptr,  # [T, N]
-    residual_out_ptr,  # [T, N]
-    seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr,
-    v_block_ptr,  # [num_slots] int32 (unused without HAS_V_BLOCK)
-    # sizes
-    N,
-    eps,
-    num_segments,
-    max_rank,  # R
-    # strides
-    stride_x, stride_r, stride_v, stride_bw, stride_bn, stride_o, stride_ro,
-    # meta-parameters
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_V_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
-):  # fmt: skip
-    """One row a program (a decode step's): its adapter found on the device, the delta of each column block
-    dotted from the row's v and its slot's B, rounded, added to x, rounded; then the residual; pass 2 the norm."""
-    if USE_PDL:
-        wait_for_producer()
-    row = tl.program_id(0).to(tl.int64)
-    slot, rank = row_adapter(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, row, BLOCK_S)
-    scaling = tl.load(scalings_ptr + slot)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank  # v and B past the rank are not read (a rank-0 row: no delta)
-    v_row = own_block(v_ptr + row * stride_v, v_block_ptr, slot, max_rank, HAS_V_BLOCK)
-    vv = tl.load(v_row + offs_r, mask=mask_r, other=0.0).to(tl.float32)
-    b_row = b_ptr + slot.to(tl.int64) * stride_bw
-    sum_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask = offs_n < N
-        x = tl.load(x_ptr + row * stride_x + offs_n, mask=mask, other=0.0)
-        b = tl.load(b_row + offs_n[:, None] * stride_bn + offs_r[None, :], mask=mask[:, None] & mask_r[None, :], other=0.0)
-        d = (tl.sum(b.to(tl.float32) * vv[None, :], axis=1) * scaling).to(x_ptr.dtype.element_ty)  # the delta, rounded
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        if HAS_RESIDUAL:
-            r = tl.load(residual_ptr + row * stride_r + offs_n, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + row * stride_ro + offs_n, x, mask=mask)
-        x32 = x.to(tl.float32)
-        sum_sq += x32 * x32
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / N + eps)
-    tl.debug_barrier()  # pass 2 reads what other threads of the program stored in pass 1
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask = offs_n < N
-        s32 = tl.load(residual_out_ptr + row * stride_ro + offs_n, mask=mask, other=0.0).to(tl.float32)
-        normed = (s32 * rstd).to(x_ptr.dtype.element_ty)
-        w = tl.load(weight_ptr + offs_n, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_o + offs_n, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-# the one-row-a-program expand's column block at rank capacity 16 ([1024, 16] of B in registers); a larger
-# capacity takes proportionally fewer columns a block (256 at 64), so the tile stays that size
-ROWS_BLOCK_N = 1024
-
-
 def add_rmsnorm_expand(
     x: torch.Tensor,  # [T, N]
     residual: torch.Tensor | None,  # [T, N] or None
@@ -297,23 +221,15 @@ def add_rmsnorm_expand(
     block_n: int = 256,
     num_warps: int = 4,
     out: torch.Tensor | None = None,  # as add_rmsnorm's
-    v_block: torch.Tensor | None = None,  # [num_slots] int32: v [T, n * R] is every tail block's shrink
-    rows: bool = False,  # one row a program (decode steps): the delta rounded before it is added, as the delta path does
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, N], new residual [T, N]); x is left as it was
     """add_rmsnorm(x after `sgmv_expand(v, B, meta, x, output_slices=((0, N),))`, residual, weight, eps)
     in one kernel: a prefill-sized step's o or down expand added as x is loaded, instead of the expand
     reading and writing x first (engine/lora_inputs.py PendingExpand). Row blocks of block_m rows follow
     the segments (lorakernels/sgmv.py `row_block`); each walks its rows twice in block_n columns, the
     second pass normalising what the first stored. Rows past the last segment (a graph's padding) get
-    the add and the norm alone. Ranks up to FUSED_MAX_RANK. With rows, one program a row walks its
-    columns in ROWS_BLOCK_N blocks (a decode step's few rows fill more SMs than row blocks would), and
-    each delta is rounded to x's dtype before x + delta is (what the decode delta path, add_rmsnorm(x,
-    ..., delta), gives); then v_block may make each row read block v_block[w] of v for its slot w (a
-    decode step's wide GEMM, engine/lora_inputs.py)."""
+    the add and the norm alone. Ranks up to FUSED_MAX_RANK."""
     _check(x, residual, weight, None)
-    if v_block is not None and not rows:
-        raise ValueError("v_block goes with rows=True (a decode step's one-row-a-program form)")
-    check_expand_args(v, B, meta, x, ((0, x.shape[1]),), v_block)
+    check_expand_args(v, B, meta, x, ((0, x.shape[1]),))
     if B.shape[2] > FUSED_MAX_RANK:
         raise ValueError(f"rank capacity {B.shape[2]} > {FUSED_MAX_RANK}: expand first, then add_rmsnorm")
     if v.stride(1) != 1 or B.dtype != x.dtype:
@@ -322,24 +238,8 @@ def add_rmsnorm_expand(
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return out, residual_out
-    r = x if residual is None else residual
-    if rows:
-        block_r = max(16, triton.next_power_of_2(B.shape[2]))
-        if B.stride(2) != 1:
-            raise ValueError("B's rank columns must be contiguous")
-        _add_rmsnorm_expand_rows_kernel[(num_tokens,)](
-            x, r, v, B, weight, out, residual_out,
-            meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-            meta.lora_ranks if v_block is None else v_block,  # any int32 tensor where unused
-            x.shape[1], eps, meta.num_segments, B.shape[2],
-            x.stride(0), r.stride(0), v.stride(0), B.stride(0), B.stride(1), out.stride(0), residual_out.stride(0),
-            HAS_RESIDUAL=residual is not None, HAS_V_BLOCK=v_block is not None,
-            BLOCK_N=min(ROWS_BLOCK_N * 16 // block_r, triton.next_power_of_2(x.shape[1])), BLOCK_R=block_r,
-            BLOCK_S=min(max(16, triton.next_power_of_2(max(meta.num_segments, 1))), SEGMENT_CHUNK),
-            num_warps=8, **pdl.launch(x.device),
-        )  # fmt: skip
-        return out, residual_out
     seg_blocks, tail_blocks = seg_and_tail_blocks(meta, num_tokens, block_m)
+    r = x if residual is None else residual
     _add_rmsnorm_expand_kernel[(seg_blocks + tail_blocks,)](
         x, r, v, B, weight, out, residual_out,
         meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,

@@ -104,64 +104,6 @@ def row_adapter(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments
 
 
 @triton.jit
-def own_block(v_ptr, v_block_ptr, slot, width, HAS_V_BLOCK: tl.constexpr):
-    """v_ptr moved to slot `slot`'s block of an every-block shrink (HAS_V_BLOCK: v's rows hold one block of
-    `width` columns per tail block, v_block_ptr[slot] the slot's; lorakernels/sgmv_ref.py `own_block_v`),
-    else v_ptr as it is. A slot without a block (-1) reads block 0: the caller gives every slot of rank > 0
-    a block (engine/lora_tail.py `assign` does, or the step takes the side stream)."""
-    if HAS_V_BLOCK:
-        v_ptr += tl.maximum(tl.load(v_block_ptr + slot), 0).to(tl.int64) * width
-    return v_ptr
-
-
-# The dense decode expands' chunk of the every-block shrink's columns a dot takes (8 blocks of rank 16 in
-# one; a rank capacity of 64 in several): bounds their [BLOCK_K, columns] B^T tiles
-BLOCKS_K = 128
-
-
-def blocks_k(n_blocks: int, max_rank: int) -> int:
-    """A dense decode expand's BLOCK_K: the every-block shrink's n_blocks x R columns, at most BLOCKS_K a dot."""
-    return min(BLOCKS_K, max(16, triton.next_power_of_2(n_blocks * max_rank)))
-
-
-def check_blocks_args(y: torch.Tensor, v: torch.Tensor, bt: torch.Tensor, slot_block: torch.Tensor, meta: SgmvMeta, width: int) -> int:
-    """What a dense decode expand takes besides its own inputs (y [T, out_dim], the projection it adds to):
-    v [T, n * width] every tail block's shrink, bt [n * width, out_dim] the tail's B^T rows, both in y's
-    dtype with contiguous rows, and slot_block int32 with an entry a slot; ValueError naming what is
-    wrong. Returns n, the block count."""
-    num_tokens = y.shape[0]
-    if v.dim() != 2 or v.shape[0] != num_tokens or v.shape[1] % width or v.stride(1) != 1 or v.dtype != y.dtype:
-        raise ValueError(f"v {tuple(v.shape)} {v.dtype} is not [{num_tokens}, n * {width}] {y.dtype} with contiguous rows")
-    n_blocks = v.shape[1] // width
-    if bt.dim() != 2 or bt.shape != (n_blocks * width, y.shape[1]) or bt.stride(1) != 1 or bt.dtype != y.dtype:
-        raise ValueError(f"bt {tuple(bt.shape)} {bt.dtype} is not [{n_blocks * width}, {y.shape[1]}] {y.dtype}")
-    if slot_block.dtype != torch.int32 or slot_block.shape[0] < meta.lora_ranks.shape[0]:
-        raise ValueError(f"slot_block must be int32 with one entry a slot, got {slot_block.dtype} {tuple(slot_block.shape)}")
-    return n_blocks
-
-
-@triton.jit
-def rows_own_block(
-    seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr, num_segments, offs_t, mask_t,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """(block, rank, scaling) of each of the rows offs_t: its segment's slot's tail block and rank (rank 0
-    for a row in no segment, a slot of rank 0 or a slot without a block)."""
-    seg = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    for chunk in range(0, num_segments, BLOCK_S):
-        offs_s = chunk + tl.arange(0, BLOCK_S)
-        live = offs_s < num_segments
-        ends = tl.load(seg_indptr_ptr + offs_s + 1, mask=live, other=0)
-        seg += tl.sum((live[None, :] & (ends[None, :] <= offs_t[:, None])).to(tl.int32), axis=1)
-    inside = mask_t & (seg < num_segments)
-    slot = tl.load(weight_indices_ptr + seg, mask=inside, other=0)
-    rank = tl.load(lora_ranks_ptr + slot, mask=inside, other=0)
-    block = tl.load(slot_block_ptr + slot, mask=inside, other=-1)
-    scaling = tl.load(scalings_ptr + slot, mask=inside, other=0.0)
-    return block, tl.where(block >= 0, rank, 0), scaling
-
-
-@triton.jit
 def segment_or_tail_block(
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, num_tokens, pid, seg_blocks,
     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -510,25 +452,16 @@ def sgmv_expand(
 
 
 def check_expand_args(
-    v: torch.Tensor, B: torch.Tensor, meta: SgmvMeta, y: torch.Tensor, output_slices: tuple[tuple[int, int], ...],
-    v_block: torch.Tensor | None = None,
+    v: torch.Tensor, B: torch.Tensor, meta: SgmvMeta, y: torch.Tensor, output_slices: tuple[tuple[int, int], ...]
 ) -> None:
-    """The shapes, dtypes and slices every expand kernel takes; ValueError naming what is wrong. v_block:
-    v is every block's shrink, one block of len(output_slices) x R columns per tail block, and
-    v_block[slot] the block a slot's rows read (`own_block`)."""
+    """The shapes, dtypes and slices every expand kernel takes; ValueError naming what is wrong."""
     if v.dim() != 2 or B.dim() != 3 or y.dim() != 2 or y.shape[0] != v.shape[0] or B.shape[1] != y.shape[1]:
         raise ValueError(
             f"want v [T, stack*R], B [slots, out_dim, R], y [T, out_dim]; "
             f"got {tuple(v.shape)}, {tuple(B.shape)}, {tuple(y.shape)}"
         )
     max_rank = B.shape[2]
-    width = len(output_slices) * max_rank
-    if v_block is not None:  # every block's shrink: a whole number of blocks of `width` columns
-        if v_block.dtype != torch.int32 or v_block.dim() != 1 or v_block.shape[0] < B.shape[0] or v_block.device != v.device:
-            raise ValueError(f"v_block must be int32 [>= {B.shape[0]} slots] on {v.device}, got {v_block.dtype} {tuple(v_block.shape)}")
-        if not 1 <= len(output_slices) <= MAX_STACK or v.shape[1] == 0 or v.shape[1] % width:
-            raise ValueError(f"v has {v.shape[1]} columns, want blocks of {len(output_slices)} targets x R={max_rank}")
-    elif not 1 <= len(output_slices) <= MAX_STACK or v.shape[1] != width:
+    if not 1 <= len(output_slices) <= MAX_STACK or v.shape[1] != len(output_slices) * max_rank:
         raise ValueError(f"v has {v.shape[1]} columns, want {len(output_slices)} targets x R={max_rank}")
     if any(off < 0 or size < 0 or off + size > y.shape[1] for off, size in output_slices):
         raise ValueError(f"output_slices {output_slices} fall outside out_dim {y.shape[1]}")

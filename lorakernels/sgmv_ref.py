@@ -185,18 +185,6 @@ def sgmv_expand_ref(
             y[start:end, cols] = (y[start:end, cols].float() + scaling * delta).to(y.dtype)
 
 
-def own_block_v(v: torch.Tensor, v_block: torch.Tensor, meta: SgmvMeta, width: int) -> torch.Tensor:
-    """[T, width]: each row's own block of an every-block shrink v [T, n * width] (block v_block[w] of the
-    row's slot w; rows in no segment, or of a slot without a block, read block 0, which a rank-0 row never
-    uses). On the device, without a host sync, so a captured graph computes it too."""
-    rows = torch.arange(v.shape[0], dtype=meta.seg_indptr.dtype, device=v.device)
-    seg = torch.searchsorted(meta.seg_indptr[1:], rows, right=True).clamp_(max=max(meta.num_segments - 1, 0))
-    slots = meta.weight_indices[seg].long() if meta.num_segments else torch.zeros_like(rows, dtype=torch.long)
-    block = v_block[slots].long().clamp_(min=0)
-    cols = block[:, None] * width + torch.arange(width, device=v.device)[None, :]
-    return v.gather(1, cols)
-
-
 def _segments(meta: SgmvMeta):
     """(start, end, slot, rank, scaling) of each non-empty segment with a LoRA (rank > 0)."""
     indptr = meta.seg_indptr.tolist()

@@ -35,10 +35,7 @@ from lorakernels.pending_delta import load_plus_delta, output_like
 from lorakernels.sgmv import (
     SEGMENT_CHUNK,
     block_m_for,
-    blocks_k,
-    check_blocks_args,
     check_expand_args,
-    rows_own_block,
     seg_and_tail_blocks,
     segment_or_tail_block,
 )
@@ -216,112 +213,6 @@ def launch_silu_mul_expand(
         UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
         num_warps=num_warps, **pdl.launch(gate_up.device),
     )  # fmt: skip
-
-
-@triton.jit
-def _silu_mul_blocks_kernel(
-    # pointers
-    gate_up_ptr,  # [T, 2 * I]
-    v_ptr,  # [T, n * 2R]: every tail block's gate/up shrink
-    bt_ptr,  # [n * 2R, 2 * I]: the tail rows, block j's gate B^T at rows j*2R .. j*2R + R (gate columns), up's after
-    out_ptr,  # [T, I]
-    seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr,
-    # sizes
-    num_tokens,
-    I,  # noqa: E741 (the intermediate size)
-    num_segments,
-    n_blocks,
-    # strides
-    stride_g, stride_v, stride_bt, stride_o,
-    # meta-parameters
-    R: tl.constexpr,  # the rank capacity: a block is 2R columns of v, 2R rows of bt
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # the masked shrink's columns a dot takes (n_blocks * R in chunks of it)
-    BLOCK_S: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # lorakernels/pdl.py: wait for the previous grid first
-):  # fmt: skip
-    """A column block of gate and up for every row: the rows' shrinks masked to their own blocks (scaled)
-    times every block's B^T rows, dots over chunks of the blocks' columns for gate and up (the blocks'
-    rows read once a row tile, coalesced)."""
-    if USE_PDL:
-        wait_for_producer()
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I
-    for t0 in range(0, num_tokens, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < num_tokens
-        block, rank, scaling = rows_own_block(
-            seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, slot_block_ptr, num_segments, offs_t, mask_t,
-            BLOCK_T, BLOCK_S,
-        )  # fmt: skip
-        d_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        d_up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, n_blocks * R, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            j, r = offs_k // R, offs_k % R  # column k of the masked shrink: block j, rank index r
-            live_k = j < n_blocks
-            bt_rows = bt_ptr + (j * 2 * R + r).to(tl.int64)[:, None] * stride_bt + offs_n[None, :]
-            b_mask = live_k[:, None] & mask_n[None, :]
-            bt_gate = tl.load(bt_rows, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-            bt_up = tl.load(bt_rows + R * stride_bt + I, mask=b_mask, other=0.0)
-            keep = (j[None, :] == block[:, None]) & (r[None, :] < rank[:, None]) & live_k[None, :]
-            v_rows = v_ptr + offs_t.to(tl.int64)[:, None] * stride_v + (j * 2 * R + r)[None, :]
-            v_gate = tl.load(v_rows, mask=keep, other=0.0)  # [BLOCK_T, BLOCK_K]: zeros outside the row's block
-            v_up = tl.load(v_rows + R, mask=keep, other=0.0)
-            if UPCAST_DOT:
-                v_gate, v_up = v_gate.to(tl.float32), v_up.to(tl.float32)
-                bt_gate, bt_up = bt_gate.to(tl.float32), bt_up.to(tl.float32)
-            d_gate += tl.dot(v_gate, bt_gate, input_precision="ieee")
-            d_up += tl.dot(v_up, bt_up, input_precision="ieee")
-        mask = mask_t[:, None] & mask_n[None, :]
-        g_ptrs = gate_up_ptr + offs_t.to(tl.int64)[:, None] * stride_g + offs_n[None, :]
-        gate = tl.load(g_ptrs, mask=mask, other=0.0)
-        up = tl.load(g_ptrs + I, mask=mask, other=0.0)
-        gate = (gate.to(tl.float32) + scaling[:, None] * d_gate).to(out_ptr.dtype.element_ty)
-        up = (up.to(tl.float32) + scaling[:, None] * d_up).to(out_ptr.dtype.element_ty)
-        gate32 = gate.to(tl.float32)
-        silu = (gate32 / (1.0 + tl.exp(-gate32))).to(out_ptr.dtype.element_ty)
-        out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + offs_n[None, :], out, mask=mask)
-
-
-def silu_mul_blocks(
-    gate_up: torch.Tensor,  # [T, 2 * I], rows may be strided (the wide GEMM's output)
-    v: torch.Tensor,  # [T, n * 2R]: every tail block's gate/up shrink (the wide GEMM's extra columns)
-    bt: torch.Tensor,  # [n * 2R, 2 * I]: the GEMM tail's rows of every block's B^T (engine/lora_tail.py `b_rows`)
-    meta: SgmvMeta,
-    slot_block: torch.Tensor,  # [num_slots] int32: the block each slot holds, -1 none
-    *,
-    max_rank: int,
-    out: torch.Tensor | None = None,  # as silu_mul's
-    block_n: int = 64,
-) -> torch.Tensor:  # [T, I]
-    """silu_mul_expand's result for a decode step whose adapters all hold a GEMM tail block: each row's
-    expand from its own block of v and that block's B^T rows, as dense dots per column block over every
-    block (rows masked to their own), so every B^T row is read once a row tile, along its columns. Rounded
-    as silu_mul_expand rounds, once (gate + scaling * d); the RoPE and norm forms round the delta first,
-    as the side stream's delta path does."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
-        raise ValueError(f"want gate_up [T, 2 * I] with contiguous rows, got {tuple(gate_up.shape)}")
-    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    n_blocks = check_blocks_args(gate_up, v, bt, slot_block, meta, 2 * max_rank)
-    out = output_like(gate_up[:, :inter], out)
-    if not num_tokens or not inter:
-        return out
-    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
-    _silu_mul_blocks_kernel[(triton.cdiv(inter, block_n),)](
-        gate_up, v, bt, out, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings, slot_block,
-        num_tokens, inter, meta.num_segments, n_blocks,
-        gate_up.stride(0), v.stride(0), bt.stride(0), out.stride(0),
-        R=max_rank, BLOCK_T=block_t, BLOCK_N=block_n,
-        BLOCK_K=blocks_k(n_blocks, max_rank), BLOCK_S=SEGMENT_CHUNK,
-        UPCAST_DOT=gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16,
-        num_warps=8 if block_t >= 64 else 4,  # a 64-row tile's two [64, BLOCK_K] shrinks and [64, BLOCK_N] sums
-        **pdl.launch(gate_up.device),
-    )  # fmt: skip
-    return out
 
 
 def silu_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:  # [T, 2 * I] -> [T, I]

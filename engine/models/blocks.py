@@ -20,9 +20,7 @@ RoPE's KV write, SiLU-mul, or the residual add before the next norm; a path with
 at once (`_plus`). In a prefill-sized CUDA step gate/up's expand itself is pending (`PendingExpand`): the
 SiLU-mul kernel computes and adds it as it loads gate_up; with --lora-decode-fused-expand a decode step's
 q/k/v or gate/up expand is pending too, for the RoPE/KV-write or SiLU-mul kernel, and with
---lora-decode-norm-shrink its shrink is done by the RMSNorm kernel before the GEMM; with
---lora-decode-wide-gemm the base GEMM itself shrinks (every tail block's, in extra output columns) and
-the pending expand reads each row's own block. Under tensor
+--lora-decode-norm-shrink its shrink is done by the RMSNorm kernel before the GEMM. Under tensor
 parallelism o's and down's deltas are added before the all-reduce.
 """
 
@@ -77,10 +75,7 @@ class RMSNorm(nn.Module):
             )
 
             if isinstance(delta, PendingExpand):  # o's or down's expand (a prefill-sized step's), done as x loads
-                normed, s = add_rmsnorm_expand(
-                    x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta, out=out, v_block=delta.v_block,
-                    rows=delta.v_block is not None,  # a decode step's wide GEMM: a program a row
-                )  # fmt: skip
+                normed, s = add_rmsnorm_expand(x, residual, self.weight, self.eps, delta.v, delta.b, delta.meta, out=out)
             elif shrink is not None and shrink.counters is not None:
                 from lorakernels.norm_shrink import add_rmsnorm_shrink
 
@@ -122,16 +117,10 @@ class Attention(nn.Module):
         """A family's per-head transform of q and k before RoPE; none in the Llama family."""
         return q, k
 
-    @classmethod
-    def rope_reads_qkv(cls) -> bool:
-        """Whether RoPE reads the q/k/v projection's output as it is (nothing transforms q and k first), so
-        the RoPE/KV-write kernel may take its pending LoRA expand (engine/lora_tail.py `wide_gemm_targets`)."""
-        return cls.norm_qk is Attention.norm_qk
-
     def _can_fuse_rope(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """RoPE and the KV write in one kernel (lorakernels/rope_kv.py): on CUDA, when nothing transforms q
         and k between the projection and RoPE and the cache holds the model dtype."""
-        return qkv.is_cuda and self.rope_reads_qkv() and k_cache.dtype == qkv.dtype
+        return qkv.is_cuda and type(self).norm_qk is Attention.norm_qk and k_cache.dtype == qkv.dtype
 
     def forward(
         self,
@@ -146,23 +135,15 @@ class Attention(nn.Module):
         qkv, delta = self.project_qkv(x, lora)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         if self._can_fuse_rope(qkv, k_cache):
-            from lorakernels.rope_kv import (  # Triton: imported only where it runs
-                rope_kv_write,
-                rope_kv_write_blocks,
-            )
+            from lorakernels.rope_kv import rope_kv_write  # Triton: imported only where it runs
 
-            heads = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
-            if isinstance(delta, PendingExpand) and delta.b_rows is not None:  # a wide GEMM's: every row at once
-                q = rope_kv_write_blocks(
-                    qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc, delta.v, delta.b_rows, delta.meta, delta.v_block,
-                    max_rank=delta.b.shape[2], **heads,
-                )  # fmt: skip
-            else:  # a pending expand (a decode step's, engine/lora_inputs.py) is done by the kernel itself
-                expand = (delta.v, delta.b, delta.meta) if isinstance(delta, PendingExpand) else None
-                q = rope_kv_write(
-                    qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
-                    delta=None if expand is not None else delta, expand=expand, **heads,
-                )  # fmt: skip
+            # a pending expand (a decode step's, engine/lora_inputs.py) is done by the kernel itself
+            expand = (delta.v, delta.b, delta.meta) if isinstance(delta, PendingExpand) else None
+            q = rope_kv_write(
+                qkv, positions, cos_sin, k_cache, v_cache, attn.out_cache_loc,
+                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                delta=None if expand is not None else delta, expand=expand,
+            )  # fmt: skip
             o = attn.attend(q, k_cache, v_cache, self.scale, out=self._o_head(lora, q))  # [T, H, D]
             return self.project_o(o.reshape(-1, c.q_size), lora)
         qkv = _plus(qkv, delta)
@@ -204,18 +185,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraInputs | None = None) -> tuple[torch.Tensor, Pending]:  # x: [T, hidden]
         gate_up, delta = self.project_gate_up(x, lora)  # [T, 2 * inter]
         if gate_up.is_cuda:
-            from lorakernels.silu_mul import (  # Triton: imported only where it runs
-                silu_mul,
-                silu_mul_blocks,
-                silu_mul_expand,
-            )
+            from lorakernels.silu_mul import silu_mul, silu_mul_expand  # Triton: imported only where it runs
 
             head = None if lora is None else lora.tail_head("down", gate_up.shape[0], gate_up)  # down's LoRA in its GEMM
-            if isinstance(delta, PendingExpand) and delta.b_rows is not None:  # a wide GEMM's: every row at once
-                out = silu_mul_blocks(
-                    gate_up, delta.v, delta.b_rows, delta.meta, delta.v_block, max_rank=delta.b.shape[2], out=head
-                )  # fmt: skip
-            elif isinstance(delta, PendingExpand):
+            if isinstance(delta, PendingExpand):
                 out = silu_mul_expand(gate_up, delta.v, delta.b, delta.meta, output_slices=delta.output_slices, out=head)
             else:
                 out = silu_mul(gate_up, delta, out=head)

@@ -346,15 +346,6 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " SiLU-mul) (default: none)",
     )
     p.add_argument(
-        "--lora-decode-wide-gemm", nargs="+", metavar="TARGET", choices=LORA_FUSED_TARGETS,
-        default=env("--lora-decode-wide-gemm", "").split(),
-        help="on cuda with the triton or splitk LoRA backend and the GEMM tail on (--lora-gemm-tail-blocks),"
-        " decode steps whose adapters all hold a tail block shrink these projections in the base GEMM (the"
-        " blocks' A as extra weight columns), and the kernel that reads the projection next expands (qkv:"
-        f" RoPE with the KV write; gate_up: SiLU-mul; o, down: the residual add + RMSNorm) (TARGET:"
-        f" {', '.join(LORA_FUSED_TARGETS)}; default: none)",
-    )
-    p.add_argument(
         "--lora-prefill-fused-expand", nargs="*", metavar="TARGET", choices=PREFILL_FUSED_TARGETS,
         default=env("--lora-prefill-fused-expand", "gate_up").split(),
         help="on cuda with the triton or splitk LoRA backend, prefill-sized steps add these projections' LoRA"

@@ -87,7 +87,6 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_sm_carveout_targets=tuple(args.lora_sm_carveout_target),
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
         lora_decode_norm_shrink=tuple(args.lora_decode_norm_shrink),
-        lora_decode_wide_gemm=tuple(args.lora_decode_wide_gemm),
         lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),
         lora_prefill_fused_expand=tuple(args.lora_prefill_fused_expand),
         lora_gemm_tail_blocks=args.lora_gemm_tail_blocks,

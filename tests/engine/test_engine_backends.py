@@ -53,8 +53,7 @@ def run_batch(
     static_steps: token buckets of CUDA-graph steps (engine/step_graphs.py) run uncaptured on the CPU,
     which then serve every step, under the overlapped schedule (chained plans). static_decode: batch
     buckets of the decode graphs (engine/cuda_graphs.py) run uncaptured, which then serve every decode
-    step, the paged decode-attention kernel included (with the runner's wide GEMM targets and tail); replayed
-    gets the key (batch, skipped targets, wide) of each decode step's graph (the targets it
+    step, the paged decode-attention kernel included; replayed gets the LoRA variant (the targets it
     skips) of each decode step."""
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
     core = EngineCore.build(EngineConfig(model_dir=str(model_dir), adapters=adapters, work_dir=str(tmp_path / "work"), **config))
@@ -66,8 +65,7 @@ def run_batch(
         c = runner.model.config
         decode = DecodeKernelBackend(runner.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
         runner.graphs = DecodeGraphs(
-            runner.model, runner.kv, decode, max(static_decode), runner.lora_pool, runner.lora_ops, static_decode, capture=False,
-            wide=runner._decode_wide, gemm_tail=runner.gemm_tail,
+            runner.model, runner.kv, decode, max(static_decode), runner.lora_pool, runner.lora_ops, static_decode, capture=False
         )  # fmt: skip
         runner.graphs.capture()
         core.loop.overlap = True
@@ -125,7 +123,7 @@ def run_batch(
 
 def _counted(key, step, replayed: list):
     def run():
-        replayed.append(key)
+        replayed.append(key[1])
         return step()
 
     return run
@@ -216,42 +214,10 @@ def test_decode_steps_of_qv_adapters_take_the_graph_that_skips_the_other_targets
         attention_backend="ref", lora_backend="splitk",
     )  # fmt: skip
     assert tokens == reference[:2]
-    assert replayed and {key[1] for key in replayed} == {frozenset({"o", "gate_up", "down"})}
+    assert replayed and set(replayed) == {frozenset({"o", "gate_up", "down"})}
     replayed.clear()
     run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "all", static_decode=(4,), replayed=replayed, attention_backend="ref", lora_backend="splitk")
-    assert replayed and {key[1] for key in replayed} == {frozenset()}
-
-
-@pytest.mark.parametrize("blocks", [2, 1], ids=["adapters-in-blocks", "more-adapters-than-blocks"])
-def test_decode_graphs_with_the_lora_in_wide_gemms_give_the_reference_tokens(tiny_llama_dir, adapter_dirs, reference, tmp_path, blocks):
-    """--lora-decode-wide-gemm on all four targets: the decode graphs (run uncaptured) take the wide variant
-    while both adapters of the batch hold a tail block (their shrinks come out of the base GEMMs' extra
-    columns, each row expanding from its own block) and the side-stream variant when they do not; the
-    tokens are the reference's either way."""
-    replayed: list = []
-    tokens = run_batch(
-        tiny_llama_dir, adapter_dirs, tmp_path, static_decode=(4,), replayed=replayed, attention_backend="ref",
-        lora_backend="splitk", lora_gemm_tail_blocks=blocks, lora_decode_wide_gemm=("qkv", "o", "gate_up", "down"),
-    )  # fmt: skip
-    assert tokens == reference
-    assert replayed and {key[2] for key in replayed} == {blocks == 2}
-
-
-def test_decode_steps_adapting_no_wide_target_take_no_tail_block(tiny_llama_dir, adapter_dirs, reference, tmp_path, monkeypatch):
-    """--lora-decode-wide-gemm gate_up with a batch of the base model and a q/v adapter: gate/up is idle, so
-    the steps replay the plain graph and ask the tail for no block (nothing copied in); the reference's tokens."""
-    from engine.lora_tail import GemmTail
-
-    assigned, real = [], GemmTail.assign
-    monkeypatch.setattr(GemmTail, "assign", lambda self, pool, slots: assigned.append(slots) or real(self, pool, slots))
-    replayed: list = []
-    tokens = run_batch(
-        tiny_llama_dir, adapter_dirs, tmp_path, static_decode=(2,), jobs=JOBS[:2], replayed=replayed, attention_backend="ref",
-        lora_backend="splitk", lora_gemm_tail_blocks=2, lora_decode_wide_gemm=("gate_up",),
-    )  # fmt: skip
-    assert tokens == reference[:2]
-    assert replayed and {key[1:] for key in replayed} == {(frozenset({"o", "gate_up", "down"}), False)}
-    assert not assigned
+    assert replayed and set(replayed) == {frozenset()}
 
 
 def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):
@@ -322,31 +288,6 @@ def test_decode_fused_expand_is_the_asked_targets_where_the_kernels_can_take_it(
     assert not decode_fused_targets(both, cpu, "splitk", 16)
     assert not decode_fused_targets(both, cuda, "chunked", 16) and not decode_fused_targets(both, cuda, "ref", 16)
     assert not decode_fused_targets(both, cuda, "splitk", 2 * FUSED_MAX_RANK)
-
-
-def test_wide_gemm_targets_are_those_the_wide_decode_path_can_take():
-    """--lora-decode-wide-gemm widens only projections without a bias whose next kernel can expand (q/k/v
-    where RoPE reads the projection as it is), with the Triton ops, a rank capacity the expands load
-    whole, and extra columns that keep the weight's rows 16-byte aligned; anything else keeps its plain
-    weight (no strided base GEMM for nothing), never an error."""
-    from types import SimpleNamespace as NS
-
-    from engine.lora_tail import wide_gemm_targets
-
-    def model(qkv_bias=False, rope=True):
-        attn = NS(qkv_proj=NS(bias=object() if qkv_bias else None), o_proj=NS(bias=None), rope_reads_qkv=lambda: rope)
-        return NS(layers=[NS(self_attn=attn, mlp=NS(gate_up_proj=NS(bias=None), down_proj=NS(bias=None)))])
-
-    all_four = ("qkv", "o", "gate_up", "down")
-    pool = {name: NS(num_stack=stack) for name, stack in zip(all_four, (3, 1, 2, 1), strict=True)}
-    assert wide_gemm_targets(all_four, model(), pool, 16, 8, "splitk") == set(all_four)
-    assert wide_gemm_targets(("gate_up",), model(), pool, 64, 4, "triton") == {"gate_up"}
-    assert wide_gemm_targets(all_four, model(qkv_bias=True), pool, 16, 8, "splitk") == {"o", "gate_up", "down"}
-    assert wide_gemm_targets(all_four, model(rope=False), pool, 16, 8, "splitk") == {"o", "gate_up", "down"}
-    assert wide_gemm_targets(all_four, model(), {"qkv": pool["qkv"]}, 16, 8, "splitk") == {"qkv"}  # the pool's targets only
-    assert wide_gemm_targets(all_four, model(), pool, 4, 1, "splitk") == {"gate_up"}  # 1 x stack x 4 columns: 8 only for gate/up
-    assert not wide_gemm_targets(all_four, model(), pool, 128, 8, "splitk")  # past the fused expands' capacity
-    assert not wide_gemm_targets(all_four, model(), pool, 16, 8, "ref") and not wide_gemm_targets(all_four, model(), pool, 16, 8, "chunked")
 
 
 def test_decode_fused_delta_is_the_asked_targets_where_the_splitk_kernels_run():

@@ -213,55 +213,6 @@ def test_cuda_decode_norm_shrink_matches_cpu(tiny_llama_dir, make_adapter, tmp_p
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("blocks", [4, 2], ids=["adapters-in-blocks", "more-adapters-than-blocks"])
-def test_cuda_decode_wide_gemm_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs, blocks):
-    """--lora-decode-wide-gemm on all four targets: decode steps whose adapters all hold a tail block
-    shrink in the base GEMMs (the blocks' A in the weights' extra columns) and expand from each row's
-    block in the RoPE/KV-write, SiLU-mul (every row at once from the tail's B^T rows) and residual add +
-    RMSNorm kernels, in the decode graphs or
-    eagerly; with fewer blocks than adapters the side stream runs them. Greedy tokens equal the CPU
-    reference's, and the kernels took blocked shrinks only where the blocks held the step's adapters."""
-    import lorakernels.rope_kv
-    import lorakernels.silu_mul
-
-    adapters = three_adapters(make_adapter, "decode-wide", seed=150)
-    blocked = []
-    real_silu, real_rope = lorakernels.silu_mul.silu_mul_blocks, lorakernels.rope_kv.rope_kv_write_blocks
-
-    def silu(*args, **kwargs):
-        blocked.append(("silu_mul_blocks", True))
-        return real_silu(*args, **kwargs)
-
-    def rope(*args, **kwargs):
-        blocked.append(("rope_kv_write_blocks", True))
-        return real_rope(*args, **kwargs)
-
-    from engine.lora_tail import GemmTail
-
-    assigned, real_assign = [], GemmTail.assign
-
-    def assign(self, pool, slots):
-        assigned.append(real_assign(self, pool, slots))
-        return assigned[-1]
-
-    expected = greedy_three_adapters(tiny_llama_dir, adapters, "cpu", tmp_path / "cpu", graphs)
-    monkeypatch.setattr(GemmTail, "assign", assign)
-    monkeypatch.setattr(lorakernels.silu_mul, "silu_mul_blocks", silu)
-    monkeypatch.setattr(lorakernels.rope_kv, "rope_kv_write_blocks", rope)
-    got = greedy_three_adapters(
-        tiny_llama_dir, adapters, "cuda", tmp_path / "cuda", graphs, lora_gemm_tail_blocks=blocks,
-        lora_decode_wide_gemm=("qkv", "o", "gate_up", "down"),
-    )  # fmt: skip
-    assert got == expected
-    # every decode step asks the tail (short prompts: no prefill step does); with 4 blocks every step's
-    # adapters fit (the wide graphs replay, or the eager steps run the dense kernels), with 2 the steps
-    # that hold all three adapters take the side stream
-    assert any(assigned) and ((None not in assigned) if blocks == 4 else (None in assigned))
-    if blocks == 4:
-        assert {kernel for kernel, wide in blocked if wide} == {"silu_mul_blocks", "rope_kv_write_blocks"}
-
-
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_cuda_kernel_pdl_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
     """--kernel-pdl: the decode path's Triton kernels launched with programmatic dependent launch (each
     waits for the grid before it on the device), in graphs or eagerly, with adapters and

@@ -20,17 +20,13 @@ ADAPTERS = {
 }
 
 
-WIDE = ("qkv", "o", "gate_up", "down")  # --lora-decode-wide-gemm: the blocks' A in the weights' extra columns
-
-
-@pytest.fixture(params=[False, True], ids=["a-apart", "a-columns"])
-def engine(tiny_llama_dir, make_adapter, tmp_path, request):
-    """(runner, {name: packed adapter}) of a CPU engine with three slots and a two-block tail, its blocks'
-    A apart from the weights or (the wide decode GEMMs' layout) in their extra columns."""
+@pytest.fixture
+def engine(tiny_llama_dir, make_adapter, tmp_path):
+    """(runner, {name: packed adapter}) of a CPU engine with three slots and a two-block tail."""
     adapters = tuple((name, str(make_adapter(f"tail-{name}", **kwargs))) for name, kwargs in ADAPTERS.items())
     config = EngineConfig(
         model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / "work"), max_loras_per_batch=3,
-        lora_backend="triton", lora_gemm_tail_blocks=2, lora_decode_wide_gemm=WIDE if request.param else (),
+        lora_backend="triton", lora_gemm_tail_blocks=2,
     )  # fmt: skip
     core = EngineCore.build(config)
     packed = {name: asyncio.run(core.prepare(core.resolve_adapter(name))) for name in ADAPTERS}
@@ -49,8 +45,7 @@ def assert_block_holds(tail: GemmTail, pool, block: int, slot: int) -> None:
             others = torch.ones(rows.shape[-1], dtype=torch.bool)
             others[offset : offset + size] = False
             assert (rows[:, k, :, others] == 0).all()
-        a_rows = torch.stack([tail.shrink_weight(name, layer, tail.blocks) for layer in range(len(tail.storage[name]))])
-        torch.testing.assert_close(a_rows[:, block * width : (block + 1) * width], pool.a[name][:, slot])
+        torch.testing.assert_close(tail.a_blocks[name][:, block * width : (block + 1) * width], pool.a[name][:, slot])
 
 
 def test_blocks_are_reused_evicted_least_recent_first_and_recopied_after_a_reload(engine):
@@ -71,7 +66,7 @@ def test_blocks_are_reused_evicted_least_recent_first_and_recopied_after_a_reloa
     # the linears' weights are views of the storage's head rows, so the base GEMMs read what they read before
     layer = runner.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.data_ptr() == tail.storage["qkv"][0].data_ptr()
-    assert tail.weight("qkv", 0, 2).shape == (tail.out_dim["qkv"], tail.in_dim["qkv"] + 2 * tail.width["qkv"])
+    assert tail.weight("qkv", 0, 2).shape == (tail.storage["qkv"][0].shape[1], tail.in_dim["qkv"] + 2 * tail.width["qkv"])
 
     assert tail.assign(pool, [1, 0]) == 2 and tail.copies == 2  # both current: no copy
     assert tail.assign(pool, [1]) == 2  # block 1 used last; slot 0's block 0 is now the least recent
@@ -103,54 +98,3 @@ def test_step_graph_block_variants():
     assert block_variants(4) == (1, 2, 4)
     assert block_variants(8) == (1, 2, 4, 8)
     assert block_variants(12) == (1, 2, 4, 8, 12)
-
-
-def test_the_wide_weight_gives_the_projection_then_every_blocks_shrink(engine):
-    """With columns, each layer's storage is [in + C, out + C]: the linear's weight is its strided head
-    (what the base GEMM read before the tail was built), and one GEMM over the wide weight gives the
-    projection followed by x @ A^T of every block, which is what the every-block shrink weight gives."""
-    runner, packed = engine
-    tail, pool = runner.gemm_tail, runner.lora_pool
-    if not tail.columns:
-        assert runner._decode_wide == frozenset()
-        with pytest.raises(RuntimeError, match="no wide weight"):
-            tail.wide_weight("qkv", 0)
-        return
-    assert runner._decode_wide == frozenset(WIDE)  # Llama: no biases, RoPE reads q/k/v next
-    pool.load(0, packed["all"])
-    pool.load(1, packed["mlp"])
-    assert tail.assign(pool, [1, 0]) == 2
-    gen = torch.Generator().manual_seed(5)
-    for name, target in tail.targets.items():
-        linear = {"qkv": runner.model.layers[1].self_attn.qkv_proj, "o": runner.model.layers[1].self_attn.o_proj,
-                  "gate_up": runner.model.layers[1].mlp.gate_up_proj, "down": runner.model.layers[1].mlp.down_proj}[name]  # fmt: skip
-        storage = tail.storage[name][1]
-        assert storage.shape == (target.in_dim + 2 * tail.width[name], target.out_dim + 2 * tail.width[name])
-        assert linear.weight.data_ptr() == storage.data_ptr() and linear.weight.stride() == (1, storage.shape[1])
-        x = torch.randn(5, target.in_dim, generator=gen)
-        wide = torch.nn.functional.linear(x, tail.wide_weight(name, 1))
-        torch.testing.assert_close(wide[:, : target.out_dim], linear(x), rtol=0, atol=1e-5)
-        torch.testing.assert_close(wide[:, target.out_dim :], x @ tail.shrink_weight(name, 1, 2).T, rtol=0, atol=1e-5)
-        slot_block = tail.slot_block.tolist()
-        for slot in (0, 1):  # each slot's block of the shrink is x @ its A^T
-            cols = slice(target.out_dim + slot_block[slot] * tail.width[name], target.out_dim + (slot_block[slot] + 1) * tail.width[name])
-            torch.testing.assert_close(wide[:, cols], x @ pool.a[name][1, slot].T, rtol=0, atol=1e-5)
-
-
-def test_only_the_wide_targets_weights_take_columns(tiny_llama_dir, make_adapter, tmp_path):
-    """--lora-decode-wide-gemm gate_up: gate/up's storage gets the blocks' A as columns, the other targets'
-    weights keep their plain rows (their base GEMMs read no strided weight) and their A apart."""
-    adapters = (("all", str(make_adapter("tail-all", **ADAPTERS["all"]))),)
-    config = EngineConfig(
-        model_dir=str(tiny_llama_dir), adapters=adapters, work_dir=str(tmp_path / "work"), max_loras_per_batch=2,
-        lora_backend="triton", lora_gemm_tail_blocks=2, lora_decode_wide_gemm=("gate_up",),
-    )  # fmt: skip
-    runner = EngineCore.build(config).workers.local.runner
-    tail = runner.gemm_tail
-    assert tail.columns == {"gate_up"} and runner._decode_wide == {"gate_up"}
-    for name, target in tail.targets.items():
-        widened = name == "gate_up"
-        assert tail.storage[name][0].shape[1] == target.out_dim + (2 * tail.width[name] if widened else 0), name
-        assert (name in tail.a_blocks) != widened, name
-    qkv = runner.model.layers[0].self_attn.qkv_proj.weight
-    assert qkv.t().is_contiguous()  # the plain [in, out] layout
