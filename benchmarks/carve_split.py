@@ -3,7 +3,8 @@ with the LoRA chain beside it on the side stream (as the engine runs the whole G
 it on every SM, once the chain no longer needs the SMs. The question it answers: does a GEMM that leaves
 SMs free only while the chain runs beat one that leaves them free throughout (the twenty-first session's
 profile: gate/up's GEMM takes 95.5 us a layer under the carve-out against 85.4 on every SM, while its
-chain is done in about 30)?
+chain is done in about 30)? On an H100 it does not (BENCHMARKS.md, thirty-third session): two GEMMs over
+the column shares take longer than the one they replace, more than the SMs given back earn.
 
     python benchmarks/carve_split.py --tokens 32 64 --adapters 8 32 --split 1 0.75 0.5 0.35 0.25 0
 
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             proj = Projection(target, num_tokens, {str(n): m for n, m in metas.items()}, len(ranks), args, device, carveout)
             split = SplitProjection(proj)
             full_gemm_us = median_us(lambda i, split=split: split.gemm(0, i), device, reps)
+            split.gemm(0, 0)  # the graph's last GEMM read another copy of the weights
             whole = split.y.clone()
             for share in args.split:
                 cols = split_columns(target.out_dim, share)
