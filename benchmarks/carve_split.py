@@ -27,15 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tune_lora_tiles import Projection, decode_grouping, median_us, resolve_device
-from engine.config import DEFAULT_LORA_SM_CARVEOUT
+from benchmarks.fused_delta import add_projection_arguments, decode_projections
+from benchmarks.tune_lora_tiles import Projection, median_us, resolve_device
 from engine.lora_inputs import sm_carveout, usable_sm_carveout
-from engine.lora_pool import fused_targets
-from engine.named_shapes import NAMED_SHAPES
-from engine.parallel import TensorParallel, local_config
 from lorakernels import pdl
 from lorakernels.sgmv_decode import _num_sms
-from lorakernels.sgmv_ref import SgmvMeta
 
 COLUMN_ALIGN = 128  # a share's columns: a multiple of a GEMM tile's width
 
@@ -77,17 +73,8 @@ class SplitProjection:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="llama3-8b", choices=sorted(NAMED_SHAPES))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--targets", nargs="*", default=[], help="fused targets (default: all)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 64])
-    parser.add_argument("--adapters", type=int, nargs="+", default=[8, 32])
+    add_projection_arguments(parser, adapters=[8, 32])
     parser.add_argument("--split", type=float, nargs="+", default=[1.0, 0.5, 0.0], help="shares of the output columns under the carve-out")
-    parser.add_argument("--max-rank", type=int, default=16, help="the slots' capacity")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT)
-    parser.add_argument("--reps", type=int, default=15, help="graph replays a timing")
     args = parser.parse_args(argv)
     if any(not 0.0 <= s <= 1.0 for s in args.split):
         parser.error(f"--split takes shares in [0, 1], got {args.split}")
@@ -96,39 +83,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.cuda.set_device(device)
         torch.backends.cuda.preferred_blas_library("cublaslt")  # as the engine's workers
     carveout = usable_sm_carveout(args.lora_sm_carveout, _num_sms(device)) if device.type == "cuda" else 0
-    config = local_config(NAMED_SHAPES[args.shape], TensorParallel(0, 1))
     reps = args.reps if device.type == "cuda" else 1
     pdl.set_lora_enabled(True)  # the engine's default
     rows = []
-    for target in fused_targets(config):
-        if args.targets and target.name not in args.targets:
-            continue
-        for num_tokens in args.tokens:
-            counts = sorted({min(n, num_tokens) for n in args.adapters})
-            ranks, scalings = [0] + [args.rank] * max(counts), [0.0] + [2.0] * max(counts)
-            metas = {n: SgmvMeta.from_lists(*decode_grouping(num_tokens, n), ranks, scalings, device) for n in counts}
-            proj = Projection(target, num_tokens, {str(n): m for n, m in metas.items()}, len(ranks), args, device, carveout)
-            split = SplitProjection(proj)
-            full_gemm_us = median_us(lambda i, split=split: split.gemm(0, i), device, reps)
-            split.gemm(0, 0)  # the graph's last GEMM read another copy of the weights
-            whole = split.y.clone()
-            for share in args.split:
-                cols = split_columns(target.out_dim, share)
-                split.y.zero_()
-                split.gemm(cols, 0)
-                err = (split.y.float() - whole.float()).abs().max().item()
-                if err > 2e-2 * whole.float().abs().max().item() + 1e-6:
-                    raise SystemExit(f"{target.name} T={num_tokens} split at {cols}: the split GEMM differs from the whole by {err}")
-                gemm_us = median_us(lambda i, cols=cols, split=split: split.gemm(cols, i), device, reps)
-                for n, meta in metas.items():
-                    beside_us = median_us(lambda i, cols=cols, meta=meta, split=split: split.gemm(cols, i, lambda: split.proj.decode_lora(meta, None, None, i)), device, reps)
-                    row = {
-                        "target": target.name, "tokens": num_tokens, "adapters": n, "split": share, "columns": cols,
-                        "out_dim": target.out_dim, "full_gemm_us": round(full_gemm_us, 2), "gemm_us": round(gemm_us, 2),
-                        "beside_us": round(beside_us, 2), "max_abs_diff": err, "carveout": carveout, "device": str(device),
-                    }  # fmt: skip
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+    for proj, metas in decode_projections(args, device, carveout):
+        target, num_tokens = proj.target, proj.num_tokens
+        split = SplitProjection(proj)
+        full_gemm_us = median_us(lambda i, split=split: split.gemm(0, i), device, reps)
+        split.gemm(0, 0)  # the graph's last GEMM read another copy of the weights
+        whole = split.y.clone()
+        for share in args.split:
+            cols = split_columns(target.out_dim, share)
+            split.y.zero_()
+            split.gemm(cols, 0)
+            err = (split.y.float() - whole.float()).abs().max().item()
+            if err > 2e-2 * whole.float().abs().max().item() + 1e-6:
+                raise SystemExit(f"{target.name} T={num_tokens} split at {cols}: the split GEMM differs from the whole by {err}")
+            gemm_us = median_us(lambda i, cols=cols, split=split: split.gemm(cols, i), device, reps)
+            for n, meta in metas.items():
+                beside_us = median_us(lambda i, cols=cols, meta=meta, split=split: split.gemm(cols, i, lambda: split.proj.decode_lora(meta, None, None, i)), device, reps)
+                row = {
+                    "target": target.name, "tokens": num_tokens, "adapters": n, "split": share, "columns": cols,
+                    "out_dim": target.out_dim, "full_gemm_us": round(full_gemm_us, 2), "gemm_us": round(gemm_us, 2),
+                    "beside_us": round(beside_us, 2), "max_abs_diff": err, "carveout": carveout, "device": str(device),
+                }  # fmt: skip
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     pdl.set_lora_enabled(False)
     return rows
 

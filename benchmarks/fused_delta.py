@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -81,16 +82,7 @@ def time_row(proj: Projection, meta: SgmvMeta, n: int, gemm_us: float, args, dev
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="llama3-8b", choices=sorted(NAMED_SHAPES))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--targets", nargs="*", default=[], help="fused targets (default: all)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 64])
-    parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--max-rank", type=int, default=16, help="the slots' capacity")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT)
-    parser.add_argument("--reps", type=int, default=15, help="graph replays a timing")
+    add_projection_arguments(parser, adapters=[1, 8, 32])
     parser.add_argument("--lora-pdl", nargs="+", choices=["off", "on"], default=["on"], help="the LoRA chain's PDL switch (the engine's default: on): rows for each")
     parser.add_argument("--copy-gbps", type=float, default=0.0, help="device copy bandwidth, GB/s (0: measured on the device first)")
     args = parser.parse_args(argv)
@@ -100,9 +92,44 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.cuda.set_device(device)
         torch.backends.cuda.preferred_blas_library("cublaslt")  # as the engine's workers
     carveout = usable_sm_carveout(args.lora_sm_carveout, _num_sms(device)) if device.type == "cuda" else 0
-    config = local_config(NAMED_SHAPES[args.shape], TensorParallel(0, 1))
     reps = args.reps if device.type == "cuda" else 1
     rows = []
+    for proj, metas in decode_projections(args, device, carveout):
+        target, num_tokens = proj.target, proj.num_tokens
+        gemm_us = median_us(proj.gemm, device, reps)
+        for n, meta in metas.items():
+            pdl.set_lora_enabled(False)
+            unfused, fused = proj.decode_lora(meta, None, None).float(), fused_lora(proj, meta).float()
+            if not torch.allclose(fused, unfused, rtol=2e-2, atol=2e-2 * unfused.abs().max().item() + 1e-6):
+                raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the fused delta differs from the unfused one")
+            for setting in args.lora_pdl:
+                pdl.set_lora_enabled(setting == "on")
+                if not (torch.equal(proj.decode_lora(meta, None, None).float(), unfused) and torch.equal(fused_lora(proj, meta).float(), fused)):
+                    raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the deltas with --lora-pdl {setting} differ")
+                rows.append(time_row(proj, meta, n, gemm_us, args, device, reps, copy_gbps, carveout, setting))
+            pdl.set_lora_enabled(False)
+    return rows
+
+
+def add_projection_arguments(parser: argparse.ArgumentParser, adapters: list[int]) -> None:
+    """The options `decode_projections` reads, and --device, --lora-sm-carveout and --reps."""
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(NAMED_SHAPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--targets", nargs="*", default=[], help="fused targets (default: all)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--adapters", type=int, nargs="+", default=adapters)
+    parser.add_argument("--max-rank", type=int, default=16, help="the slots' capacity")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--lora-sm-carveout", type=int, default=DEFAULT_LORA_SM_CARVEOUT)
+    parser.add_argument("--reps", type=int, default=15, help="graph replays a timing")
+
+
+def decode_projections(args, device: torch.device, carveout: int) -> Iterator[tuple[Projection, dict[int, SgmvMeta]]]:
+    """Each fused target of args.shape (those args.targets names, if any) at each of args.tokens, with the
+    decode groupings of args.adapters (capped at the token count) at rank args.rank: a Projection and its
+    metadata by adapter count."""
+    config = local_config(NAMED_SHAPES[args.shape], TensorParallel(0, 1))
     for target in fused_targets(config):
         if args.targets and target.name not in args.targets:
             continue
@@ -110,20 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             counts = sorted({min(n, num_tokens) for n in args.adapters})
             ranks, scalings = [0] + [args.rank] * max(counts), [0.0] + [2.0] * max(counts)
             metas = {n: SgmvMeta.from_lists(*decode_grouping(num_tokens, n), ranks, scalings, device) for n in counts}
-            proj = Projection(target, num_tokens, {str(n): m for n, m in metas.items()}, len(ranks), args, device, carveout)
-            gemm_us = median_us(proj.gemm, device, reps)
-            for n, meta in metas.items():
-                pdl.set_lora_enabled(False)
-                unfused, fused = proj.decode_lora(meta, None, None).float(), fused_lora(proj, meta).float()
-                if not torch.allclose(fused, unfused, rtol=2e-2, atol=2e-2 * unfused.abs().max().item() + 1e-6):
-                    raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the fused delta differs from the unfused one")
-                for setting in args.lora_pdl:
-                    pdl.set_lora_enabled(setting == "on")
-                    if not (torch.equal(proj.decode_lora(meta, None, None).float(), unfused) and torch.equal(fused_lora(proj, meta).float(), fused)):
-                        raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the deltas with --lora-pdl {setting} differ")
-                    rows.append(time_row(proj, meta, n, gemm_us, args, device, reps, copy_gbps, carveout, setting))
-                pdl.set_lora_enabled(False)
-    return rows
+            yield Projection(target, num_tokens, {str(n): m for n, m in metas.items()}, len(ranks), args, device, carveout), metas
 
 
 if __name__ == "__main__":
