@@ -43,32 +43,31 @@ def split_columns(out_dim: int, share: float) -> int:
 
 
 class SplitProjection:
-    """A Projection whose weights are stored `in_out` and whose GEMM is split at `cols` columns."""
+    """A Projection whose weights are stored `in_out` and whose GEMM is split at `cols` output columns."""
 
     def __init__(self, proj: Projection):
         self.proj = proj
         proj.copies = [(w.t().contiguous().t(), a, b) for w, a, b in proj.copies]
         self.y = torch.empty(proj.num_tokens, proj.target.out_dim, dtype=proj.x.dtype, device=proj.device)
 
-    def gemm(self, cols: int, i: int, lora=None) -> None:
-        proj = self.proj
-        w = proj.copies[i % len(proj.copies)][0]
-        main = torch.cuda.current_stream(proj.device) if proj.side is not None else None
-        x_ready = main.record_event() if main is not None else None
-        if cols:
-            with sm_carveout(proj.carveout):
-                torch.mm(proj.x, w[:cols].t(), out=self.y[:, :cols])
-        if lora is not None and main is not None:
-            proj.side.wait_event(x_ready)
-            with torch.cuda.stream(proj.side):
-                lora()
-        if cols < w.shape[0]:
-            torch.mm(proj.x, w[cols:].t(), out=self.y[:, cols:])
-        if lora is not None:
-            if main is None:
-                lora()
-            else:
-                main.wait_stream(proj.side)
+    def columns(self, start: int, stop: int, i: int) -> None:
+        """Output columns start:stop of the i-th copy's GEMM, into their slice of y."""
+        if start < stop:
+            w = self.proj.copies[i % len(self.proj.copies)][0]
+            torch.mm(self.proj.x, w[start:stop].t(), out=self.y[:, start:stop])
+
+    def gemm(self, cols: int, i: int) -> None:
+        """The first cols columns under the carve-out, the rest on every SM."""
+        with sm_carveout(self.proj.carveout):
+            self.columns(0, cols, i)
+        self.columns(cols, self.proj.target.out_dim, i)
+
+    def beside(self, cols: int, meta, i: int) -> None:
+        """The split GEMM with the LoRA chain beside its carved-out share (Projection.beside_gemm)."""
+        self.proj.beside_gemm(
+            lambda: self.proj.decode_lora(meta, None, None, i), i,
+            gemm=lambda i: self.columns(0, cols, i), after=lambda i: self.columns(cols, self.proj.target.out_dim, i),
+        )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 raise SystemExit(f"{target.name} T={num_tokens} split at {cols}: the split GEMM differs from the whole by {err}")
             gemm_us = median_us(lambda i, cols=cols, split=split: split.gemm(cols, i), device, reps)
             for n, meta in metas.items():
-                beside_us = median_us(lambda i, cols=cols, meta=meta, split=split: split.gemm(cols, i, lambda: split.proj.decode_lora(meta, None, None, i)), device, reps)
+                beside_us = median_us(lambda i, cols=cols, meta=meta, split=split: split.beside(cols, meta, i), device, reps)
                 row = {
                     "target": target.name, "tokens": num_tokens, "adapters": n, "split": share, "columns": cols,
                     "out_dim": target.out_dim, "full_gemm_us": round(full_gemm_us, 2), "gemm_us": round(gemm_us, 2),

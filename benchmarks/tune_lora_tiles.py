@@ -178,20 +178,25 @@ class Projection:
         """What `LoraInputs.project_deferred` enqueues for one projection of a decode step."""
         self.beside_gemm(lambda: self.decode_lora(meta, shrink, expand, i), i)
 
-    def beside_gemm(self, lora: Callable[[], object], i: int) -> None:
-        """The i-th GEMM under the carve-out and lora() on the side stream beside it, joined (in line on the CPU)."""
+    def beside_gemm(self, lora: Callable[[], object], i: int, gemm: Callable[[int], object] | None = None, after: Callable[[int], object] | None = None) -> None:
+        """The i-th GEMM (gemm(i), the projection's own by default) under the carve-out and lora() on the
+        side stream beside it, then after(i) on the main stream with every SM, joined (in line on the CPU)."""
+        gemm = self.gemm if gemm is None else gemm
         if self.side is None:
-            self.gemm(i)
+            gemm(i)
             lora()
-            return
-        main = torch.cuda.current_stream(self.device)
-        x_ready = main.record_event()
-        with sm_carveout(self.carveout):
-            self.gemm(i)
-        self.side.wait_event(x_ready)
-        with torch.cuda.stream(self.side):
-            lora()
-        main.wait_stream(self.side)
+        else:
+            main = torch.cuda.current_stream(self.device)
+            x_ready = main.record_event()
+            with sm_carveout(self.carveout):
+                gemm(i)
+            self.side.wait_event(x_ready)
+            with torch.cuda.stream(self.side):
+                lora()
+        if after is not None:
+            after(i)
+        if self.side is not None:
+            main.wait_stream(self.side)
 
     def prefill_lora(self, meta: SgmvMeta, shrink: SgmvTile, expand: SgmvTile, i: int = 0, y: torch.Tensor | None = None) -> torch.Tensor:
         """A prefill step's in-line LoRA, the shrink then the expand adding into y (a copy of y0: the
