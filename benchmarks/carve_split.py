@@ -42,12 +42,18 @@ def split_columns(out_dim: int, share: float) -> int:
     return out_dim if share >= 1.0 else min(out_dim, round(out_dim * share / COLUMN_ALIGN) * COLUMN_ALIGN)
 
 
+def store_in_out(proj: Projection) -> Projection:
+    """proj with its base weights stored as the engine stores them (`in_out`: the logical [out, in]
+    weight with strides (1, out), so w.t() is a row-major [in, out] matrix)."""
+    proj.copies = [(w.t().contiguous().t(), a, b) for w, a, b in proj.copies]
+    return proj
+
+
 class SplitProjection:
     """A Projection whose weights are stored `in_out` and whose GEMM is split at `cols` output columns."""
 
     def __init__(self, proj: Projection):
-        self.proj = proj
-        proj.copies = [(w.t().contiguous().t(), a, b) for w, a, b in proj.copies]
+        self.proj = store_in_out(proj)
         self.y = torch.empty(proj.num_tokens, proj.target.out_dim, dtype=proj.x.dtype, device=proj.device)
 
     def columns(self, start: int, stop: int, i: int) -> None:

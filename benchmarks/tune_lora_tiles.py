@@ -64,7 +64,7 @@ from lorakernels.sgmv_decode import (
 )
 from lorakernels.sgmv_ref import SgmvMeta
 from lorakernels.silu_mul import FUSED_MAX_RANK
-from lorakernels.tuned import ExpandTile, SgmvTile, ShrinkTile
+from lorakernels.tuned import ExpandTile, SgmvTile, ShrinkTile, graph_median_us
 
 GRAPH_CALLS = 10  # projections a captured graph holds
 RETIMED = 4  # first-pass leaders timed again
@@ -221,22 +221,7 @@ def median_us(fn: Callable[[int], object], device: torch.device, reps: int) -> f
             fn(0)
             samples.append((time.perf_counter() - start) * 1e6)
         return statistics.median(samples)
-    fn(0)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(GRAPH_CALLS):
-            fn(i)
-    graph.replay()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
-    return statistics.median(samples)
+    return graph_median_us(fn, device, GRAPH_CALLS, reps)
 
 
 def choose(proj: Projection, candidates: list, step: Callable, result: Callable, reps: int) -> tuple[object, dict]:

@@ -97,6 +97,10 @@ class EngineConfig:
     # gate/up) made 8- and 32-adapter decode steps 0-8% slower, never faster beyond noise, and 32 or 64
     # SMs for all did no better than 48 (an H100, BENCHMARKS.md, 2026-12-05). None by default
     lora_sm_carveout_targets: tuple[tuple[str, int], ...] = ()
+    # On CUDA with CUDA graphs, time cuBLASLt's candidate algorithms for each fused target's decode GEMM
+    # under its carve-out at each captured batch size, and run the fastest where it beats torch.mm's own
+    # pick (engine/carved_gemms.py); off: torch.mm's pick
+    lora_tune_carved_gemms: bool = False
     # On CUDA with the Triton SGMV ops, the fused targets ("qkv", "gate_up") whose LoRA expand a decode
     # step runs in the kernel that reads the projection next (RoPE with the KV write, lorakernels/rope_kv.py;
     # SiLU-mul, lorakernels/silu_mul.py) instead of beside the base GEMM on the side stream: that kernel

@@ -45,14 +45,15 @@ class DecodeGraphs:
         fused_delta: frozenset[str] = frozenset(),  # LoraInputs.decode_fused_delta of the LoRA graphs
         norm_shrink: frozenset[str] = frozenset(),  # LoraInputs.decode_norm_shrink of the LoRA graphs
         shrink_counters: torch.Tensor | None = None,  # LoraInputs.shrink_counters of the LoRA graphs
+        carved_gemms=None,  # LoraInputs.carved_gemms of the LoRA graphs (engine/carved_gemms.py CarvedGemms)
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
         self.sm_carveout, self.fused_expand, self.fused_delta = sm_carveout, fused_expand, fused_delta
         self.sm_carveout_targets = dict(sm_carveout_targets or {})
-        self.norm_shrink, self.shrink_counters = norm_shrink, shrink_counters
+        self.norm_shrink, self.shrink_counters, self.carved_gemms = norm_shrink, shrink_counters, carved_gemms
         self.device = attention.req_to_token.device
-        self.buckets = sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
+        self.buckets = self.bucket_sizes(max_batch, buckets)
         n = max_batch
         # the int64 inputs, one row each, and seq_lens as int64; staged whole from one pinned host block
         self._inputs = torch.zeros(5, n, dtype=torch.int64, device=self.device)
@@ -77,6 +78,11 @@ class DecodeGraphs:
         self.steps: dict[tuple[int, frozenset[str] | None], Callable[[], torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
+
+    @staticmethod
+    def bucket_sizes(max_batch: int, buckets: tuple[int, ...] | None = None) -> list[int]:
+        """The padded batch sizes captured: the buckets below max_batch, and max_batch."""
+        return sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
 
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
@@ -138,7 +144,7 @@ class DecodeGraphs:
                 pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target, idle=skipped, sm_carveout=self.sm_carveout,
                 sm_carveout_targets=self.sm_carveout_targets,
                 decode_fused_expand=self.fused_expand, decode_fused_delta=self.fused_delta,
-                decode_norm_shrink=self.norm_shrink, shrink_counters=self.shrink_counters,
+                decode_norm_shrink=self.norm_shrink, shrink_counters=self.shrink_counters, carved_gemms=self.carved_gemms,
             )  # fmt: skip
 
         def step() -> torch.Tensor:

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -90,6 +90,12 @@ def lora_segments(lens: list[int], slots: list[int], max_len: int = 0) -> tuple[
     return seg_lens, seg_slots
 
 
+class CarvedProjection(Protocol):
+    """What runs a decode GEMM under the carve-out in place of linear(x) (engine/carved_gemms.py)."""
+
+    def project(self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, x: torch.Tensor, carveout: int) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class PendingExpand:
     """A projection's LoRA expand not yet run: the shrink's v, the slots' B and the step's segments, for
@@ -154,6 +160,9 @@ class LoraInputs:
     # Fused targets whose GEMMs take their own carve-out in place of sm_carveout (EngineConfig's
     # lora_sm_carveout_targets): where the LoRA kernels are short against the GEMM, the SMs cost more
     sm_carveout_targets: Mapping[str, int] = field(default_factory=dict)
+    # The decode GEMMs under the carve-out with a cuBLASLt algorithm timed fastest there (engine/carved_gemms.py
+    # CarvedGemms; EngineConfig's lora_tune_carved_gemms), None: torch.mm's own pick
+    carved_gemms: CarvedProjection | None = None
     # Fused targets whose decode-step expand (side stream) is left to the next kernel as a PendingExpand:
     # the side stream runs the shrink alone beside the GEMM, and the RoPE/KV-write (qkv) or SiLU-mul
     # (gate_up) kernel reads the slots' B as it loads the projection (EngineConfig's
@@ -240,8 +249,9 @@ class LoraInputs:
         # Memory the side stream allocates and frees here is reused by it only after this fork in a later
         # call, so after main's reader of the delta.
         x_ready = main.record_event()
-        with sm_carveout(self.sm_carveout_targets.get(target, self.sm_carveout)):
-            y = linear(x)
+        carveout = self.sm_carveout_targets.get(target, self.sm_carveout)
+        with sm_carveout(carveout):
+            y = linear(x) if self.carved_gemms is None else self.carved_gemms.project(linear, target, x, carveout)
         self.side.wait_event(x_ready)
         with torch.cuda.stream(self.side):
             if target in self.decode_fused_delta:

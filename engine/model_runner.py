@@ -57,6 +57,7 @@ class ModelRunner:
         lora_prefill_fused_expand: tuple[str, ...] = ("gate_up",),  # CUDA prefill-sized steps: targets whose expand the next kernel does
         lora_gemm_tail: GemmTail | None = None,  # prefill-sized steps: the LoRA in the base GEMMs (engine/lora_tail.py)
         lora_decode_norm_shrink: tuple[str, ...] = (),  # CUDA decode steps: targets shrunk by their input's norm
+        lora_tune_carved_gemms: bool = False,  # CUDA graphs: decode GEMMs under the carve-out tuned (engine/carved_gemms.py)
     ):
         self.model = model
         self.kv = kv
@@ -97,6 +98,9 @@ class ModelRunner:
             from lorakernels.norm_shrink import shrink_counters
 
             self._shrink_counters = shrink_counters(self.device)
+        # The decode GEMMs' cuBLASLt algorithms under the carve-out, tuned when the decode graphs are captured
+        self.carved_gemms = None
+        self._tune_carved_gemms = lora_tune_carved_gemms and self.lora_side is not None
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran
@@ -135,14 +139,28 @@ class ModelRunner:
         if max_batch > 0:
             c = self.model.config
             decode = DecodeKernelBackend(self.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
+            if self._tune_carved_gemms:
+                self._tune_carved(DecodeGraphs.bucket_sizes(max_batch, buckets))
             self.graphs = DecodeGraphs(
                 self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side, sm_carveout=self.lora_sm_carveout,
                 sm_carveout_targets=self.lora_sm_carveout_targets,
                 fused_expand=self._decode_fused_expand, fused_delta=self._decode_fused_delta,
-                norm_shrink=self._decode_norm_shrink, shrink_counters=self._shrink_counters,
+                norm_shrink=self._decode_norm_shrink, shrink_counters=self._shrink_counters, carved_gemms=self.carved_gemms,
             )  # fmt: skip
             self.graphs.pool = pool
             self.graphs.capture()
+
+    def _tune_carved(self, row_counts: list[int]) -> None:
+        """CarvedGemms for the decode GEMMs under their carve-outs at these row counts (the first layer's
+        projections stand for every layer's: they share their shapes)."""
+        from engine.carved_gemms import CarvedGemms  # loads cuBLASLt: CUDA only
+
+        layer = self.model.layers[0]
+        linears = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+        targets = self.lora_pool.targets
+        carveouts = {t: self.lora_sm_carveout_targets.get(t, self.lora_sm_carveout) for t in linears if t in targets}
+        self.carved_gemms = CarvedGemms(self.device)
+        self.carved_gemms.tune({t: linears[t] for t in carveouts}, row_counts, carveouts)
 
     @staticmethod
     def _usable_carveout(flag: str, asked: int, num_sms: int) -> int:
@@ -233,6 +251,7 @@ class ModelRunner:
             decode_fused_delta=self._decode_fused_delta if side is not None else frozenset(),
             decode_norm_shrink=self._decode_norm_shrink if side is not None else frozenset(),
             shrink_counters=self._shrink_counters, tail=self.gemm_tail, tail_blocks=tail_blocks,
+            carved_gemms=self.carved_gemms if side is not None else None,
         )  # fmt: skip
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

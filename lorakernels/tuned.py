@@ -35,6 +35,8 @@ import bisect
 import functools
 import json
 import re
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +107,28 @@ OPTIONAL: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
     "sgmv_shrink": {"split_k": (SPLIT_K_CHOICES, 1)},
     "sgmv_expand": {"split_k": ((1,), 1)},
 }
+
+
+def graph_median_us(fn: Callable[[int], object], device: torch.device, calls: int, replays: int) -> float:
+    """Median microseconds a call of fn(i) on a CUDA device: fn(0..calls-1) captured in one graph (after
+    one call outside it, which compiles and sets up cuBLAS), replayed `replays` times. What the tuners time
+    (benchmarks/tune_lora_tiles.py, engine/carved_gemms.py): the launches as a captured step makes them."""
+    fn(0)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
 
 
 class TunedTiles:

@@ -331,6 +331,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         f" (TARGET: {', '.join(LORA_FUSED_TARGETS)}; default: none)",
     )
     p.add_argument(
+        "--lora-tune-carved-gemms", action="store_true", default=env("--lora-tune-carved-gemms", "") not in ("", "0", "false"),
+        help="on cuda with cuda graphs, time cuBLASLt's algorithms for each decode GEMM under its SM carve-out at"
+        " each captured batch size when the engine starts, and run the fastest where it beats PyTorch's pick",
+    )
+    p.add_argument(
         "--lora-decode-fused-expand", nargs="+", metavar="TARGET", choices=DECODE_FUSED_TARGETS,
         default=env("--lora-decode-fused-expand", "").split(),
         help="on cuda with the triton or splitk LoRA backend, decode steps add these projections' LoRA expand"

@@ -85,6 +85,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         host_pinned_gb=args.host_pinned_gb,
         lora_sm_carveout=args.lora_sm_carveout,
         lora_sm_carveout_targets=tuple(args.lora_sm_carveout_target),
+        lora_tune_carved_gemms=args.lora_tune_carved_gemms,
         lora_decode_fused_expand=tuple(args.lora_decode_fused_expand),
         lora_decode_norm_shrink=tuple(args.lora_decode_norm_shrink),
         lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),

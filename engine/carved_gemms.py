@@ -1,0 +1,122 @@
+"""The decode GEMMs under the SM carve-out, each run with the cuBLASLt algorithm timed fastest there.
+
+On CUDA a decode step's base GEMM leaves SMs to the LoRA kernels beside it (engine/lora_inputs.py
+`sm_carveout`), and `torch.mm` then runs the first algorithm cuBLASLt's heuristic gives for the SMs left;
+that pick is not always the fastest there (the twenty-first session's H100 profile: gate/up 95.5 us a
+layer under a 48-SM carve-out against 85.4 us on every SM, with another tile). `CarvedGemms.tune` times,
+for each fused target and each row count the decode graphs capture, the heuristic's candidates for the
+carved SM count and for every SM, run with the carved SM-count target (lorakernels/cublaslt.py), against
+`torch.mm` under the carve-out, each call in a CUDA graph of GRAPH_CALLS; the fastest is kept where it
+beats `torch.mm` by MIN_GAIN. `project` then runs it in place of the projection's `linear(x)`.
+
+It covers what the decode GEMMs are in the engine's default layout: no bias, weights stored `in_out`
+(engine/weights.py `store_linears_in_out`), one rank (a row-parallel projection under tensor parallelism
+writes into the all-reduce's buffer and keeps `torch.mm`). Anything else, and a row count not tuned,
+keeps `linear(x)`. The tuning happens when the worker captures its decode graphs (EngineConfig's
+lora_tune_carved_gemms), with the device otherwise idle; the algorithms are those of the cuBLASLt that
+PyTorch loaded, so nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from engine.lora_inputs import sm_carveout
+from lorakernels.tuned import graph_median_us
+
+log = logging.getLogger(__name__)
+GRAPH_CALLS = 10  # calls a timed graph holds (the weights of one layer, read again each call)
+REPLAYS = 7  # replays a candidate's median is taken over
+CANDIDATES = 16  # algorithms asked of each heuristic
+MIN_GAIN = 0.01  # a candidate replaces torch.mm only where it is this much faster
+
+
+def in_out_weight(linear: nn.Module) -> torch.Tensor | None:
+    """linear's weight as the row-major [in, out] matrix cuBLASLt reads (the `in_out` storage), or None
+    where the projection is not a plain decode GEMM: a bias, the [out, in] storage, a rank's partial sum
+    under tensor parallelism, a dtype cuBLASLt is not asked for here."""
+    weight = getattr(linear, "weight", None)
+    if weight is None or getattr(linear, "bias", None) is not None or weight.dim() != 2:
+        return None
+    tp = getattr(linear, "tp", None)
+    if tp is not None and tp.size > 1 and not hasattr(linear, "out_parts"):  # RowParallelLinear under TP
+        return None
+    if weight.dtype not in (torch.float16, torch.bfloat16) or weight.stride() != (1, weight.shape[0]):
+        return None
+    return weight.t()
+
+
+class CarvedGemms:
+    """(fused target, rows, carve-out) -> the LtGemm and algorithm its decode GEMM runs."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._plans: dict[tuple[str, int, int], tuple[object, bytes]] = {}
+        self.report: list[dict] = []  # one row per tuned (target, rows): the times, for logs and benchmarks
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    @torch.inference_mode()
+    def tune(self, linears: Mapping[str, nn.Module], row_counts: Iterable[int], carveouts: Mapping[str, int]) -> None:
+        """Time each target's candidates at each row count (linears: one layer's projection per fused
+        target, the shape every layer shares; carveouts: the SMs each target's GEMM leaves, 0 for none)."""
+        from lorakernels import cublaslt
+
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        for target, linear in linears.items():
+            carveout = carveouts.get(target, 0)
+            weight = in_out_weight(linear)
+            if carveout <= 0 or weight is None:
+                continue
+            in_dim, out_dim = weight.shape
+            for rows in sorted(set(row_counts)):
+                x = torch.randn(rows, in_dim, generator=gen, device=self.device).to(weight.dtype)
+                y = torch.empty(rows, out_dim, dtype=weight.dtype, device=self.device)
+                runner = cublaslt.LtGemm(rows, in_dim, out_dim, weight.dtype, self.device, sm_count=self.num_sms - carveout)
+                every_sm = cublaslt.LtGemm(rows, in_dim, out_dim, weight.dtype, self.device)
+                algos = [c.algo for c in runner.candidates(CANDIDATES)]
+                algos += [c.algo for c in every_sm.candidates(CANDIDATES) if c.algo not in algos and runner.adopt(c.algo) is not None]
+
+                def carved_torch(x=x, linear=linear, carveout=carveout):
+                    with sm_carveout(carveout):
+                        linear(x)
+
+                torch_us = graph_median_us(lambda _: carved_torch(), self.device, GRAPH_CALLS, REPLAYS)
+                want = linear(x).float()
+                best_us, best = torch_us, None
+                for algo in algos:
+                    try:
+                        runner(x, weight, y, algo)
+                    except cublaslt.CublasLtError:
+                        continue
+                    if not torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                        continue
+                    us = graph_median_us(lambda _, algo=algo, runner=runner, x=x, y=y, weight=weight: runner(x, weight, y, algo), self.device, GRAPH_CALLS, REPLAYS)
+                    if us < best_us:
+                        best_us, best = us, algo
+                chosen = best is not None and best_us < torch_us * (1.0 - MIN_GAIN)
+                if chosen:
+                    self._plans[(target, rows, carveout)] = (runner, best)
+                self.report.append({"target": target, "rows": rows, "carveout": carveout, "candidates": len(algos), "torch_us": round(torch_us, 2), "best_us": round(best_us, 2), "chosen": chosen})
+        log.info(
+            "carved decode GEMMs: %d of %d (target, rows) take a cuBLASLt algorithm of their own",
+            len(self._plans), len(self.report),
+        )  # fmt: skip
+
+    def project(self, linear: nn.Module, target: str, x: torch.Tensor, carveout: int) -> torch.Tensor:
+        """linear(x) for a decode GEMM under `carveout` SMs: through the tuned algorithm where there is
+        one for this target, row count and carve-out and x and the weight are as it was tuned for."""
+        plan = self._plans.get((target, x.shape[0], carveout)) if x.dim() == 2 else None
+        if plan is None:
+            return linear(x)
+        weight = in_out_weight(linear)
+        runner, algo = plan
+        if weight is None or not x.is_contiguous() or x.dtype != weight.dtype or x.data_ptr() % 256 or tuple(weight.shape) != (runner.in_dim, runner.out_dim):
+            return linear(x)
+        return runner(x, weight, None, algo)
