@@ -20,7 +20,7 @@ PyTorch loaded, so nothing is written to disk.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -63,17 +63,20 @@ class CarvedGemms:
         return len(self._plans)
 
     @torch.inference_mode()
-    def tune(self, linears: Mapping[str, nn.Module], row_counts: Iterable[int], carveouts: Mapping[str, int]) -> None:
-        """Time each target's candidates at each row count (linears: one layer's projection per fused
-        target, the shape every layer shares; carveouts: the SMs each target's GEMM leaves, 0 for none)."""
+    def tune(self, linears: Mapping[str, Sequence[nn.Module]], row_counts: Iterable[int], carveouts: Mapping[str, int]) -> None:
+        """Time each target's candidates at each row count (linears: per fused target, its projections in
+        the first layers, which share one shape; a graph's calls read them in turn, as a step reads each
+        layer's weights once, not one weight from L2; carveouts: the SMs each target's GEMM leaves, 0 for
+        none)."""
         from lorakernels import cublaslt
 
         gen = torch.Generator(device=self.device).manual_seed(0)
-        for target, linear in linears.items():
+        for target, layers in linears.items():
             carveout = carveouts.get(target, 0)
-            weight = in_out_weight(linear)
-            if carveout <= 0 or weight is None:
+            weights = [in_out_weight(linear) for linear in layers]
+            if carveout <= 0 or not weights or any(w is None or w.shape != weights[0].shape for w in weights):
                 continue
+            linear, weight = layers[0], weights[0]
             in_dim, out_dim = weight.shape
             for rows in sorted(set(row_counts)):
                 x = torch.randn(rows, in_dim, generator=gen, device=self.device).to(weight.dtype)
@@ -83,13 +86,16 @@ class CarvedGemms:
                 algos = [c.algo for c in runner.candidates(CANDIDATES)]
                 algos += [c.algo for c in every_sm.candidates(CANDIDATES) if c.algo not in algos and runner.adopt(c.algo) is not None]
 
-                def carved_torch(x=x, linear=linear, carveout=carveout):
+                def carved_torch(i, x=x, layers=layers, carveout=carveout):
                     with sm_carveout(carveout):
-                        linear(x)
+                        layers[i % len(layers)](x)
 
-                torch_us = graph_median_us(lambda _: carved_torch(), self.device, GRAPH_CALLS, REPLAYS)
+                def tuned(i, algo, runner=runner, x=x, y=y, weights=weights):
+                    runner(x, weights[i % len(weights)], y, algo)
+
+                torch_us = graph_median_us(carved_torch, self.device, GRAPH_CALLS, REPLAYS)
                 want = linear(x).float()
-                best_us, best = torch_us, None
+                best_us, best = float("inf"), None
                 for algo in algos:
                     try:
                         runner(x, weight, y, algo)
@@ -97,13 +103,16 @@ class CarvedGemms:
                         continue
                     if not torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
                         continue
-                    us = graph_median_us(lambda _, algo=algo, runner=runner, x=x, y=y, weight=weight: runner(x, weight, y, algo), self.device, GRAPH_CALLS, REPLAYS)
+                    us = graph_median_us(lambda i, algo=algo: tuned(i, algo), self.device, GRAPH_CALLS, REPLAYS)
                     if us < best_us:
                         best_us, best = us, algo
                 chosen = best is not None and best_us < torch_us * (1.0 - MIN_GAIN)
                 if chosen:
                     self._plans[(target, rows, carveout)] = (runner, best)
-                self.report.append({"target": target, "rows": rows, "carveout": carveout, "candidates": len(algos), "torch_us": round(torch_us, 2), "best_us": round(best_us, 2), "chosen": chosen})
+                self.report.append({
+                    "target": target, "rows": rows, "carveout": carveout, "candidates": len(algos), "torch_us": round(torch_us, 2),
+                    "best_us": round(best_us, 2) if best is not None else None, "chosen": chosen,
+                })  # fmt: skip
         log.info(
             "carved decode GEMMs: %d of %d (target, rows) take a cuBLASLt algorithm of their own",
             len(self._plans), len(self.report),

@@ -151,14 +151,16 @@ class ModelRunner:
             self.graphs.capture()
 
     def _tune_carved(self, row_counts: list[int]) -> None:
-        """CarvedGemms for the decode GEMMs under their carve-outs at these row counts (the first layer's
+        """CarvedGemms for the decode GEMMs under their carve-outs at these row counts (the first layers'
         projections stand for every layer's: they share their shapes)."""
-        from engine.carved_gemms import CarvedGemms  # loads cuBLASLt: CUDA only
+        from engine.carved_gemms import GRAPH_CALLS, CarvedGemms  # loads cuBLASLt: CUDA only
 
-        layer = self.model.layers[0]
-        linears = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
-        targets = self.lora_pool.targets
-        carveouts = {t: self.lora_sm_carveout_targets.get(t, self.lora_sm_carveout) for t in linears if t in targets}
+        layers = self.model.layers[:GRAPH_CALLS]
+        linears = {
+            "qkv": [layer.self_attn.qkv_proj for layer in layers], "o": [layer.self_attn.o_proj for layer in layers],
+            "gate_up": [layer.mlp.gate_up_proj for layer in layers], "down": [layer.mlp.down_proj for layer in layers],
+        }  # fmt: skip
+        carveouts = {t: self.lora_sm_carveout_targets.get(t, self.lora_sm_carveout) for t in linears if t in self.lora_pool.targets}
         self.carved_gemms = CarvedGemms(self.device)
         self.carved_gemms.tune({t: linears[t] for t in carveouts}, row_counts, carveouts)
 

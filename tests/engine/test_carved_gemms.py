@@ -95,7 +95,7 @@ def test_tuned_plans_compute_the_projection_in_a_replayed_graph(monkeypatch, dty
     with torch.no_grad():
         linears["down"].weight.normal_(0.0, 1024**-0.5)
     carved = CarvedGemms(device)
-    carved.tune(linears, [4, 16], {"qkv": 24, "down": 24})
+    carved.tune({t: [linear] for t, linear in linears.items()}, [4, 16], {"qkv": 24, "down": 24})
     assert len(carved) == 4 and {(r["target"], r["rows"]) for r in carved.report} == {(t, n) for t in linears for n in (4, 16)}
     assert all(r["candidates"] >= 1 and r["chosen"] for r in carved.report)
     for target, linear in linears.items():
