@@ -6,7 +6,8 @@ that pick is not always the fastest there (the twenty-first session's H100 profi
 layer under a 48-SM carve-out against 85.4 us on every SM, with another tile). `CarvedGemms.tune` times,
 for each fused target and each row count the decode graphs capture, the heuristic's candidates for the
 carved SM count and for every SM, run with the carved SM-count target (lorakernels/cublaslt.py), against
-`torch.mm` under the carve-out, each call in a CUDA graph of GRAPH_CALLS; the fastest is kept where it
+`torch.mm` under the carve-out (each heuristic asked twice: with the workspace and with none, as
+cuBLASLt's choice with a large workspace is often a split-K slower than torch's), each call in a CUDA graph of GRAPH_CALLS; the fastest is kept where it
 beats `torch.mm` by MIN_GAIN. `project` then runs it in place of the projection's `linear(x)`.
 
 It covers what the decode GEMMs are in the engine's default layout: no bias, weights stored `in_out`
@@ -19,6 +20,7 @@ PyTorch loaded, so nothing is written to disk.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -83,8 +85,11 @@ class CarvedGemms:
                 y = torch.empty(rows, out_dim, dtype=weight.dtype, device=self.device)
                 runner = cublaslt.LtGemm(rows, in_dim, out_dim, weight.dtype, self.device, sm_count=self.num_sms - carveout)
                 every_sm = cublaslt.LtGemm(rows, in_dim, out_dim, weight.dtype, self.device)
-                algos = [c.algo for c in runner.candidates(CANDIDATES)]
-                algos += [c.algo for c in every_sm.candidates(CANDIDATES) if c.algo not in algos and runner.adopt(c.algo) is not None]
+                algos = []
+                for query, max_workspace in itertools.product((runner, every_sm), (None, 0)):
+                    for c in query.candidates(CANDIDATES, max_workspace):
+                        if c.algo not in algos and (query is runner or runner.adopt(c.algo) is not None):
+                            algos.append(c.algo)
 
                 def carved_torch(i, x=x, layers=layers, carveout=carveout):
                     with sm_carveout(carveout):

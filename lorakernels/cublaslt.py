@@ -172,14 +172,15 @@ class LtGemm:
         except Exception:  # a half-built LtGemm, or the interpreter shutting down
             pass
 
-    def candidates(self, count: int = 16) -> list[Candidate]:
+    def candidates(self, count: int = 16, max_workspace: int | None = None) -> list[Candidate]:
         """The heuristic's first `count` algorithms for this shape and SM-count target that fit the
-        workspace, in its order (the first is what `torch.mm` would run with the same target)."""
+        workspace (or max_workspace bytes of it: 0 rules out split-K with a reduction in workspace), in
+        its order."""
         lib = _lib()
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
         try:
-            limit = ctypes.c_uint64(self._workspace.numel())
+            limit = ctypes.c_uint64(self._workspace.numel() if max_workspace is None else min(max_workspace, self._workspace.numel()))
             _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), ctypes.sizeof(limit)), "cublasLtMatmulPreferenceSetAttribute")
             results, returned = (_Heuristic * count)(), ctypes.c_int(0)
             _check(
