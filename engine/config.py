@@ -99,7 +99,9 @@ class EngineConfig:
     lora_sm_carveout_targets: tuple[tuple[str, int], ...] = ()
     # On CUDA with CUDA graphs, time cuBLASLt's candidate algorithms for each fused target's decode GEMM
     # under its carve-out at each captured batch size, and run the fastest where it beats torch.mm's own
-    # pick (engine/carved_gemms.py); off: torch.mm's pick
+    # pick (engine/carved_gemms.py); off: torch.mm's pick. On an H100 it chose Llama-3-8B's gate/up GEMM at
+    # 32 rows (78 against 85 us alone) and made 8-adapter decode steps at batch 32 1.7% shorter, nothing
+    # at batch 64 (BENCHMARKS.md, 2026-12-07): off by default until more rounds confirm it
     lora_tune_carved_gemms: bool = False
     # On CUDA with the Triton SGMV ops, the fused targets ("qkv", "gate_up") whose LoRA expand a decode
     # step runs in the kernel that reads the projection next (RoPE with the KV write, lorakernels/rope_kv.py;
