@@ -7,8 +7,8 @@ The twenty-first session's profile put three quarters of the 8-adapter decode co
     python benchmarks/carve_algos.py --tokens 32 64 --adapters 8 32 --candidates 16 --query-sms 0 100
 
 Candidates are the heuristic's first `--candidates` algorithms for the carved SM-count target, and for
-each of `--query-sms` (0: every SM), all run with the carved target (lorakernels/cublaslt.py `LtGemm`,
-`adopt`: what cuBLASLt's check rejects is left out). Weights are stored as the engine stores them
+each of `--query-sms` (0: every SM), all run with the carved target (lorakernels/cublaslt.py
+`pooled_candidates`: what cuBLASLt's check rejects is left out). Weights are stored as the engine stores them
 (`in_out`). Each candidate's output is checked against `torch.mm`'s first, then timed alone in graphs of
 ten; the `--beside` fastest alone, and the heuristic's first, are timed with the chain beside them, as is
 `torch.mm` under the carve-out (the engine's projection). One JSON row per (target, tokens, candidate)
@@ -18,7 +18,6 @@ and a summary row per (target, tokens). CUDA only: cuBLASLt has no CPU.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -33,21 +32,6 @@ from benchmarks.tune_lora_tiles import median_us, resolve_device
 from engine.lora_inputs import sm_carveout, usable_sm_carveout
 from lorakernels import cublaslt, pdl
 from lorakernels.sgmv_decode import _num_sms
-
-
-def gather(runner: cublaslt.LtGemm, queries: list[cublaslt.LtGemm], count: int) -> list[tuple[int, cublaslt.Candidate]]:
-    """(the SM-count target whose heuristic returned it, candidate as the runner runs it), each algorithm
-    once, the runner's own heuristic first."""
-    seen, out = set(), []
-    for query in [runner, *queries]:
-        for found in query.candidates(count):
-            if found.algo in seen:
-                continue
-            seen.add(found.algo)
-            adopted = found if query is runner else runner.adopt(found.algo)
-            if adopted is not None:
-                out.append((query.sm_count, adopted if query is runner else dataclasses.replace(adopted, index=found.index)))
-    return out
 
 
 def measure(proj, metas: dict, args, carveout: int, num_sms: int) -> list[dict]:
@@ -76,7 +60,8 @@ def measure(proj, metas: dict, args, carveout: int, num_sms: int) -> list[dict]:
     for n, meta in metas.items():
         summary[f"torch_beside_{n}_us"] = round(median_us(lambda i, meta=meta: proj.beside_gemm(lambda: lora(meta, i), i), device, args.reps), 2)
     timed = []  # (row, algo)
-    for source, cand in gather(runner, queries, args.candidates):
+    for query, cand in cublaslt.pooled_candidates(runner, queries, args.candidates):
+        source = query.sm_count
         try:
             runner(x, weights[0], y, cand.algo)
             torch.cuda.synchronize(device)

@@ -5,10 +5,10 @@ On CUDA a decode step's base GEMM leaves SMs to the LoRA kernels beside it (engi
 that pick is not always the fastest there (the twenty-first session's H100 profile: gate/up 95.5 us a
 layer under a 48-SM carve-out against 85.4 us on every SM, with another tile). `CarvedGemms.tune` times,
 for each fused target and each row count the decode graphs capture, the heuristic's candidates for the
-carved SM count and for every SM, run with the carved SM-count target (lorakernels/cublaslt.py), against
-`torch.mm` under the carve-out (each heuristic asked twice: with the workspace and with none, as
-cuBLASLt's choice with a large workspace is often a split-K slower than torch's), each call in a CUDA graph of GRAPH_CALLS; the fastest is kept where it
-beats `torch.mm` by MIN_GAIN. `project` then runs it in place of the projection's `linear(x)`.
+carved SM count and for every SM, each asked with the workspace and with none (with a large workspace
+its picks are often split-Ks slower than torch's), run with the carved SM-count target
+(lorakernels/cublaslt.py `pooled_candidates`), against `torch.mm` under the carve-out, each call in a CUDA
+graph of GRAPH_CALLS; the fastest is kept where it beats `torch.mm` by MIN_GAIN. `project` then runs it in place of the projection's `linear(x)`.
 
 It covers what the decode GEMMs are in the engine's default layout: no bias, weights stored `in_out`
 (engine/weights.py `store_linears_in_out`), one rank (a row-parallel projection under tensor parallelism
@@ -20,7 +20,6 @@ PyTorch loaded, so nothing is written to disk.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -28,10 +27,11 @@ import torch
 from torch import nn
 
 from engine.lora_inputs import sm_carveout
+from lorakernels import cublaslt
 from lorakernels.tuned import graph_median_us
 
 log = logging.getLogger(__name__)
-GRAPH_CALLS = 10  # calls a timed graph holds (the weights of one layer, read again each call)
+GRAPH_CALLS = 10  # calls a timed graph holds, each on the next of the first layers' weights
 REPLAYS = 7  # replays a candidate's median is taken over
 CANDIDATES = 16  # algorithms asked of each heuristic
 MIN_GAIN = 0.01  # a candidate replaces torch.mm only where it is this much faster
@@ -70,8 +70,6 @@ class CarvedGemms:
         the first layers, which share one shape; a graph's calls read them in turn, as a step reads each
         layer's weights once, not one weight from L2; carveouts: the SMs each target's GEMM leaves, 0 for
         none)."""
-        from lorakernels import cublaslt
-
         gen = torch.Generator(device=self.device).manual_seed(0)
         for target, layers in linears.items():
             carveout = carveouts.get(target, 0)
@@ -85,11 +83,7 @@ class CarvedGemms:
                 y = torch.empty(rows, out_dim, dtype=weight.dtype, device=self.device)
                 runner = cublaslt.LtGemm(rows, in_dim, out_dim, weight.dtype, self.device, sm_count=self.num_sms - carveout)
                 every_sm = cublaslt.LtGemm(rows, in_dim, out_dim, weight.dtype, self.device)
-                algos = []
-                for query, max_workspace in itertools.product((runner, every_sm), (None, 0)):
-                    for c in query.candidates(CANDIDATES, max_workspace):
-                        if c.algo not in algos and (query is runner or runner.adopt(c.algo) is not None):
-                            algos.append(c.algo)
+                algos = [c.algo for _, c in cublaslt.pooled_candidates(runner, [every_sm], CANDIDATES, (None, 0))]
 
                 def carved_torch(i, x=x, layers=layers, carveout=carveout):
                     with sm_carveout(carveout):
@@ -131,6 +125,6 @@ class CarvedGemms:
             return linear(x)
         weight = in_out_weight(linear)
         runner, algo = plan
-        if weight is None or not x.is_contiguous() or x.dtype != weight.dtype or x.data_ptr() % 256 or tuple(weight.shape) != (runner.in_dim, runner.out_dim):
+        if weight is None or runner.refusal(x, weight) is not None:
             return linear(x)
         return runner(x, weight, None, algo)

@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import DecodeKernelBackend
 from engine.forward_inputs import AttentionInputs, KVBuffers, StagingFence, resolve_previous
-from engine.lora_inputs import DECODE_RUN, LoraInputs, SgmvMetaBuffers, lora_segments
+from engine.lora_inputs import DECODE_RUN, CarvedProjection, LoraInputs, SgmvMetaBuffers, lora_segments
 from engine.lora_pool import LoraSlotPool
 from engine.models.blocks import DecoderModel
 
@@ -45,7 +45,7 @@ class DecodeGraphs:
         fused_delta: frozenset[str] = frozenset(),  # LoraInputs.decode_fused_delta of the LoRA graphs
         norm_shrink: frozenset[str] = frozenset(),  # LoraInputs.decode_norm_shrink of the LoRA graphs
         shrink_counters: torch.Tensor | None = None,  # LoraInputs.shrink_counters of the LoRA graphs
-        carved_gemms=None,  # LoraInputs.carved_gemms of the LoRA graphs (engine/carved_gemms.py CarvedGemms)
+        carved_gemms: CarvedProjection | None = None,  # LoraInputs.carved_gemms of the LoRA graphs
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side

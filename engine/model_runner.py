@@ -153,7 +153,7 @@ class ModelRunner:
     def _tune_carved(self, row_counts: list[int]) -> None:
         """CarvedGemms for the decode GEMMs under their carve-outs at these row counts (the first layers'
         projections stand for every layer's: they share their shapes)."""
-        from engine.carved_gemms import GRAPH_CALLS, CarvedGemms  # loads cuBLASLt: CUDA only
+        from engine.carved_gemms import GRAPH_CALLS, CarvedGemms  # only where the option is on (CUDA)
 
         layers = self.model.layers[:GRAPH_CALLS]
         linears = {

@@ -17,9 +17,11 @@ pointers (its default), which `__call__` checks.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -72,7 +74,6 @@ def _lib() -> ctypes.CDLL:
     p, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     signatures = {
         "cublasLtCreate": [ctypes.POINTER(p)],
-        "cublasLtGetVersion": [],
         "cublasLtMatmulDescCreate": [ctypes.POINTER(p), i, i],
         "cublasLtMatmulDescSetAttribute": [p, i, p, sz],
         "cublasLtMatmulDescDestroy": [p],
@@ -89,18 +90,13 @@ def _lib() -> ctypes.CDLL:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = sz if name == "cublasLtGetVersion" else i
+        fn.restype = i
     return lib
 
 
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise CublasLtError(f"{what} failed: cublasStatus_t {status}")
-
-
-def version() -> int:
-    """cuBLASLt's version number (major * 10000 + minor * 100 + patch): algorithms are only valid for it."""
-    return int(_lib().cublasLtGetVersion())
 
 
 @cache
@@ -216,16 +212,27 @@ class LtGemm:
         self._algos[algo] = chosen
         return Candidate(-1, algo, int(result.workspace_size), float(result.waves_count), _config(chosen))
 
+    def refusal(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> str | None:
+        """Why this GEMM cannot take these operands (shape, dtype, device, layout or alignment), or None
+        where it can: `__call__` raises it, a caller with another way to compute falls back."""
+        operands = [("x", x, (self.rows, self.in_dim)), ("w", w, (self.in_dim, self.out_dim))]
+        if out is not None:
+            operands.append(("out", out, (self.rows, self.out_dim)))
+        for name, t, shape in operands:
+            if tuple(t.shape) != shape or t.dtype != self.dtype or t.device != self.device or not t.is_contiguous():
+                return f"LtGemm {name}: expected a contiguous {shape} {self.dtype} tensor on {self.device}, got {tuple(t.shape)} {t.dtype} on {t.device}"
+            if t.data_ptr() % ALIGNMENT:
+                return f"LtGemm {name}: its data must be {ALIGNMENT}-byte aligned"
+        return None
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, algo: bytes | None = None) -> torch.Tensor:
         """out = x @ w with `algo` (bytes of a Candidate of this LtGemm; None: the heuristic's first),
         enqueued on the current stream (captured by a CUDA graph like any kernel)."""
+        problem = self.refusal(x, w, out)
+        if problem is not None:
+            raise ValueError(problem)
         if out is None:
             out = torch.empty(self.rows, self.out_dim, dtype=self.dtype, device=self.device)
-        for name, t, shape in (("x", x, (self.rows, self.in_dim)), ("w", w, (self.in_dim, self.out_dim)), ("out", out, (self.rows, self.out_dim))):
-            if tuple(t.shape) != shape or t.dtype != self.dtype or t.device != self.device or not t.is_contiguous():
-                raise ValueError(f"LtGemm {name}: expected a contiguous {shape} {self.dtype} tensor on {self.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
-            if t.data_ptr() % ALIGNMENT:
-                raise ValueError(f"LtGemm {name}: its data must be {ALIGNMENT}-byte aligned")
         if algo is None:
             if self._default is None:
                 found = self.candidates(1)
@@ -247,6 +254,26 @@ class LtGemm:
             "cublasLtMatmul",
         )  # fmt: skip
         return out
+
+
+def pooled_candidates(
+    runner: LtGemm, others: Sequence[LtGemm], count: int, max_workspaces: Sequence[int | None] = (None,)
+) -> list[tuple[LtGemm, Candidate]]:
+    """(the LtGemm whose heuristic returned it, the candidate as `runner` runs it): each algorithm once,
+    runner's own heuristic first, then each of `others` (other SM-count targets of the same shape), each
+    asked for `count` at each of max_workspaces (see `candidates`); another heuristic's algorithm only
+    where runner's check adopts it, keeping its index in its own heuristic."""
+    seen, out = set(), []
+    for query in (runner, *others):
+        for max_workspace in max_workspaces:
+            for found in query.candidates(count, max_workspace):
+                if found.algo in seen:
+                    continue
+                seen.add(found.algo)
+                adopted = found if query is runner else runner.adopt(found.algo)
+                if adopted is not None:
+                    out.append((query, adopted if query is runner else dataclasses.replace(adopted, index=found.index)))
+    return out
 
 
 def _config(algo: _Algo) -> dict[str, int]:

@@ -7,12 +7,28 @@ import torch
 from engine import carved_gemms
 from engine.carved_gemms import CarvedGemms, in_out_weight
 from engine.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from lorakernels import cublaslt
 
 CUDA = torch.cuda.is_available()
 
 
+def _aligned(rows, cols, offset=0, dtype=torch.bfloat16, device="cpu"):
+    """A [rows, cols] tensor of random values whose data starts `offset` elements past a 256-byte
+    boundary (what cuBLASLt's heuristic assumed: 0)."""
+    buf = torch.empty(rows * cols + 256, dtype=dtype, device=device)
+    start = (-buf.data_ptr()) % 256 // buf.element_size() + offset
+    out = buf[start : start + rows * cols].view(rows, cols)
+    out.copy_(torch.randn(rows, cols))
+    return out
+
+
 def _in_out(module):
-    module.weight = torch.nn.Parameter(module.weight.detach().t().contiguous().t())
+    """module with its weight stored `in_out`, as engine/weights.py stores it, 256-byte aligned (CPU
+    tensors are only 64-byte aligned; CUDA ones always are)."""
+    weight = module.weight.detach()
+    stored = _aligned(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+    stored.copy_(weight.t())
+    module.weight = torch.nn.Parameter(stored.t())
     return module
 
 
@@ -38,24 +54,18 @@ def test_only_plain_decode_gemms_stored_in_out_expose_their_weight():
 
 
 class _Runner:
-    """Stands in for an LtGemm: records its calls, computes x @ w."""
+    """Stands in for an LtGemm on the CPU: LtGemm's own operand check, and calls recorded that compute
+    x @ w."""
 
-    def __init__(self, in_dim, out_dim):
-        self.in_dim, self.out_dim, self.calls = in_dim, out_dim, []
+    refusal = cublaslt.LtGemm.refusal
+
+    def __init__(self, rows, in_dim, out_dim):
+        self.rows, self.in_dim, self.out_dim, self.calls = rows, in_dim, out_dim, []
+        self.dtype, self.device = torch.bfloat16, torch.device("cpu")
 
     def __call__(self, x, w, out, algo):
         self.calls.append(algo)
         return x @ w
-
-
-def _aligned(rows, cols, offset=0):
-    """A [rows, cols] bf16 tensor of random values whose data starts `offset` elements past a 256-byte
-    boundary (what cuBLASLt's heuristic assumed: 0)."""
-    buf = torch.empty(rows * cols + 256, dtype=torch.bfloat16)
-    start = (-buf.data_ptr()) % 256 // 2 + offset
-    out = buf[start : start + rows * cols].view(rows, cols)
-    out.copy_(torch.randn(rows, cols))
-    return out
 
 
 def _carved(plans):
@@ -66,7 +76,7 @@ def _carved(plans):
 
 def test_project_runs_the_plan_of_its_target_rows_and_carveout_else_the_linear():
     linear = _linear()
-    runner = _Runner(64, 96)
+    runner = _Runner(8, 64, 96)
     carved = _carved({("qkv", 8, 48): (runner, b"algo")})
     x = _aligned(8, 64)
     want = linear(x)

@@ -22,6 +22,35 @@ def test_the_shape_dtype_and_device_are_checked_before_the_library_is_touched():
         cublaslt.LtGemm(4, 64, 64, torch.bfloat16, torch.device("cpu"))
 
 
+class _Query:
+    """Stands in for an LtGemm: its heuristic's candidates, and which foreign algorithms its check takes."""
+
+    def __init__(self, sm_count, algos, accepts=()):
+        self.sm_count, self.accepts, self.asked = sm_count, set(accepts), []
+        self.found = [cublaslt.Candidate(i, algo, 0, 1.0, {"tile": i}) for i, algo in enumerate(algos)]
+
+    def candidates(self, count, max_workspace=None):
+        self.asked.append(max_workspace)
+        return self.found[:count]
+
+    def adopt(self, algo):
+        return cublaslt.Candidate(-1, algo, 64, 0.5, {"tile": 99}) if algo in self.accepts else None
+
+
+def test_the_runners_candidates_come_first_then_each_other_algorithm_once_that_its_check_accepts():
+    runner = _Query(84, [b"a", b"b"], accepts=[b"c", b"d"])
+    every_sm = _Query(0, [b"b", b"c", b"e"])
+    more = _Query(100, [b"d", b"c"])
+    got = cublaslt.pooled_candidates(runner, [every_sm, more], 8)
+    assert [(q.sm_count, c.algo) for q, c in got] == [(84, b"a"), (84, b"b"), (0, b"c"), (100, b"d")]
+    adopted = dict((c.algo, c) for _, c in got)[b"c"]
+    assert adopted.index == 1 and adopted.workspace == 64  # its place in its own heuristic, the runner's check's workspace
+    assert [c.algo for _, c in cublaslt.pooled_candidates(runner, [every_sm], 1)] == [b"a"]  # `count` caps each heuristic
+    runner.asked.clear()
+    cublaslt.pooled_candidates(runner, [], 8, (None, 0))
+    assert runner.asked == [None, 0]  # each heuristic asked at each workspace limit
+
+
 def _operands(rows, in_dim, out_dim, dtype, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(rows, in_dim, generator=gen).to("cuda", dtype)
