@@ -48,7 +48,7 @@ class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
 
 
 class CublasLtError(RuntimeError):
-    pass
+    """A cuBLASLt call that returned an error status, or no cuBLASLt to load."""
 
 
 def _library_path() -> str:
@@ -59,7 +59,7 @@ def _library_path() -> str:
                 path = line.split()[-1]
                 if "libcublasLt.so" in os.path.basename(path):
                     return path
-    except OSError:
+    except OSError:  # no /proc (not Linux): look beside PyTorch's wheels
         pass
     for base in sys.path:
         found = sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcublasLt.so*")))
