@@ -39,7 +39,6 @@ from engine.config import (
     DEFAULT_LORA_SM_CARVEOUT,
     LINEAR_WEIGHT_LAYOUTS,
     LORA_FUSED_TARGETS,
-    LORA_SPLIT_SUMS,
     PREFILL_FUSED_TARGETS,
     EngineConfig,
     parse_target_sms,
@@ -99,7 +98,7 @@ def random_packed(
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "in_out", prefill_fused_expand: tuple[str, ...] = ("gate_up",), gemm_tail_blocks: int = 0, max_lora_rank: int = 16, decode_norm_shrink: tuple[str, ...] = (), kernel_pdl: bool = False, lora_pdl: bool = True, tune_carved_gemms: bool = False, split_sums: str = "kernel"):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "in_out", prefill_fused_expand: tuple[str, ...] = ("gate_up",), gemm_tail_blocks: int = 0, max_lora_rank: int = 16, decode_norm_shrink: tuple[str, ...] = (), kernel_pdl: bool = False, lora_pdl: bool = True, tune_carved_gemms: bool = False):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
@@ -111,7 +110,7 @@ def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int]
         lora_decode_fused_delta=decode_fused_delta, linear_weight_layout=linear_weight_layout,
         lora_prefill_fused_expand=prefill_fused_expand, lora_gemm_tail_blocks=gemm_tail_blocks,
         lora_decode_norm_shrink=decode_norm_shrink, kernel_pdl=kernel_pdl, lora_pdl=lora_pdl,
-        lora_tune_carved_gemms=tune_carved_gemms, lora_split_sums=split_sums,
+        lora_tune_carved_gemms=tune_carved_gemms,
     )  # fmt: skip
     spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=tuple(sorted(set(batches))))
     workers = start_workers(spec)
@@ -301,7 +300,6 @@ def main() -> None:
     parser.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
     parser.add_argument("--disable-lora-pdl", action="store_true", help="the engine's --disable-lora-pdl")
     parser.add_argument("--lora-tune-carved-gemms", action="store_true", help="the engine's --lora-tune-carved-gemms")
-    parser.add_argument("--lora-split-sums", default="kernel", choices=LORA_SPLIT_SUMS, help="the engine's --lora-split-sums")
     parser.add_argument(
         "--decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink"
     )
@@ -350,7 +348,6 @@ def main() -> None:
         args.kernel_configs, tuple(args.decode_fused_expand), tuple(args.lora_sm_carveout_target), tuple(args.decode_fused_delta),
         args.linear_weight_layout, tuple(args.prefill_fused_expand), args.gemm_tail_blocks, args.max_lora_rank,
         tuple(args.decode_norm_shrink), args.kernel_pdl, not args.disable_lora_pdl, args.lora_tune_carved_gemms,
-        args.lora_split_sums,
     )  # fmt: skip
     carved = getattr(getattr(getattr(loop.workers, "local", None), "runner", None), "carved_gemms", None)
     for tuned_row in carved.report if carved is not None else []:
@@ -385,7 +382,6 @@ def main() -> None:
                     prefill_fused_expand=args.prefill_fused_expand, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
                     decode_norm_shrink=args.decode_norm_shrink, kernel_pdl=args.kernel_pdl,
                     lora_pdl=not args.disable_lora_pdl, lora_tune_carved_gemms=args.lora_tune_carved_gemms,
-                    lora_split_sums=args.lora_split_sums,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)
                 for chunk in args.mixed_chunk:

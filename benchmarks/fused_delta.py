@@ -13,9 +13,7 @@ of the delta's bytes (x read, the used adapters' A and B at their rank read, the
 issue's SGMV target is half the copy rate at 32+ adapters and 128 tokens. The fused delta is checked
 against the unfused one first. `--lora-pdl off on` times every row both ways (lorakernels/pdl.py
 `set_lora_enabled`: the kernels after the split shrink launched with programmatic dependent launch), each
-delta first checked bit for bit against the same kernels' without it. `--split-sums kernel last-split`
-times the unfused chain both ways (the engine's --lora-split-sums: the split shrink's partials summed by
-a reduce kernel, or by each segment's last split in the shrink itself). On the CPU (the interpreter) it runs one call
+delta first checked bit for bit against the same kernels' without it. On the CPU (the interpreter) it runs one call
 each, for a smoke test only.
 """
 
@@ -33,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.copy_rate import resolve_copy_gbps
 from benchmarks.tune_lora_tiles import Projection, decode_grouping, median_us, resolve_device
-from engine.config import DEFAULT_LORA_SM_CARVEOUT, LORA_SPLIT_SUMS
+from engine.config import DEFAULT_LORA_SM_CARVEOUT
 from engine.lora_inputs import usable_sm_carveout
 from engine.lora_pool import fused_targets
 from engine.named_shapes import NAMED_SHAPES
 from engine.parallel import TensorParallel, local_config
-from lorakernels import pdl, sgmv_decode
+from lorakernels import pdl
 from lorakernels.sgmv_decode import _num_sms, sgmv_lora_delta_decode
 from lorakernels.sgmv_ref import SgmvMeta
 
@@ -62,7 +60,7 @@ def fused_step(proj: Projection, meta: SgmvMeta, i: int) -> None:
     proj.beside_gemm(lambda: fused_lora(proj, meta, i), i)
 
 
-def time_row(proj: Projection, meta: SgmvMeta, n: int, gemm_us: float, args, device, reps: int, copy_gbps: float, carveout: int, setting: str, split_sums: str = "kernel") -> dict:
+def time_row(proj: Projection, meta: SgmvMeta, n: int, gemm_us: float, args, device, reps: int, copy_gbps: float, carveout: int, setting: str) -> dict:
     """One row: the projection's decode step and its LoRA kernels alone, unfused and fused, timed."""
     unfused_us = median_us(lambda i: proj.decode_step(meta, None, None, i), device, reps)
     fused_us = median_us(lambda i: fused_step(proj, meta, i), device, reps)
@@ -70,7 +68,7 @@ def time_row(proj: Projection, meta: SgmvMeta, n: int, gemm_us: float, args, dev
     fused_lora_us = median_us(lambda i: fused_lora(proj, meta, i), device, reps)
     nbytes = delta_bytes(proj, n, args.rank)
     row = {
-        "target": proj.target.name, "tokens": proj.num_tokens, "adapters": n, "lora_pdl": setting, "split_sums": split_sums, "gemm_us": round(gemm_us, 2),
+        "target": proj.target.name, "tokens": proj.num_tokens, "adapters": n, "lora_pdl": setting, "gemm_us": round(gemm_us, 2),
         "unfused_us": round(unfused_us, 2), "fused_us": round(fused_us, 2),
         "fused_vs_unfused": round(fused_us / unfused_us, 4),
         "unfused_lora_us": round(unfused_lora_us, 2), "fused_lora_us": round(fused_lora_us, 2), "lora_bytes": nbytes,
@@ -87,10 +85,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_projection_arguments(parser, adapters=[1, 8, 32])
     parser.add_argument("--lora-pdl", nargs="+", choices=["off", "on"], default=["on"], help="the LoRA chain's PDL switch (the engine's default: on): rows for each")
     parser.add_argument("--copy-gbps", type=float, default=0.0, help="device copy bandwidth, GB/s (0: measured on the device first)")
-    parser.add_argument(
-        "--split-sums", nargs="+", choices=LORA_SPLIT_SUMS, default=["kernel"],
-        help="where the unfused chain's split shrink sums its partials (the engine's --lora-split-sums): rows for each",
-    )  # fmt: skip
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     copy_gbps = resolve_copy_gbps(args.copy_gbps, device)
@@ -104,19 +98,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         target, num_tokens = proj.target, proj.num_tokens
         gemm_us = median_us(proj.gemm, device, reps)
         for n, meta in metas.items():
-            for split_sums in args.split_sums:
-                sgmv_decode.set_last_split_sums(split_sums == "last-split")
-                pdl.set_lora_enabled(False)
-                unfused, fused = proj.decode_lora(meta, None, None).float(), fused_lora(proj, meta).float()
-                if not torch.allclose(fused, unfused, rtol=2e-2, atol=2e-2 * unfused.abs().max().item() + 1e-6):
-                    raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the fused delta differs from the unfused one ({split_sums} sums)")
-                for setting in args.lora_pdl:
-                    pdl.set_lora_enabled(setting == "on")
-                    if not (torch.equal(proj.decode_lora(meta, None, None).float(), unfused) and torch.equal(fused_lora(proj, meta).float(), fused)):
-                        raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the deltas with --lora-pdl {setting} differ ({split_sums} sums)")
-                    rows.append(time_row(proj, meta, n, gemm_us, args, device, reps, copy_gbps, carveout, setting, split_sums))
             pdl.set_lora_enabled(False)
-            sgmv_decode.set_last_split_sums(False)
+            unfused, fused = proj.decode_lora(meta, None, None).float(), fused_lora(proj, meta).float()
+            if not torch.allclose(fused, unfused, rtol=2e-2, atol=2e-2 * unfused.abs().max().item() + 1e-6):
+                raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the fused delta differs from the unfused one")
+            for setting in args.lora_pdl:
+                pdl.set_lora_enabled(setting == "on")
+                if not (torch.equal(proj.decode_lora(meta, None, None).float(), unfused) and torch.equal(fused_lora(proj, meta).float(), fused)):
+                    raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the deltas with --lora-pdl {setting} differ")
+                rows.append(time_row(proj, meta, n, gemm_us, args, device, reps, copy_gbps, carveout, setting))
+            pdl.set_lora_enabled(False)
     return rows
 
 

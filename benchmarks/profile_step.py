@@ -22,7 +22,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.engine_step import SHAPES, build, make_request, step, sync
-from engine.config import DECODE_FUSED_TARGETS, LORA_SPLIT_SUMS
+from engine.config import DECODE_FUSED_TARGETS
 
 
 def main() -> None:
@@ -42,7 +42,6 @@ def main() -> None:
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the engine's --max-lora-rank (adapters are rank 16)")
     parser.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
     parser.add_argument("--disable-lora-pdl", action="store_true", help="the engine's --disable-lora-pdl")
-    parser.add_argument("--lora-split-sums", default="kernel", choices=LORA_SPLIT_SUMS, help="the engine's --lora-split-sums")
     parser.add_argument("--decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,7 +83,7 @@ def build_loop(args, device: torch.device, graphs: bool, max_len: int):
         SHAPES[args.shape], device, args.tensor_parallel_size, [args.batch], max_len, args.attention, args.adapters,
         args.lora_backend, graphs, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
         decode_norm_shrink=tuple(args.decode_norm_shrink), kernel_pdl=args.kernel_pdl,
-        lora_pdl=not args.disable_lora_pdl, split_sums=args.lora_split_sums,
+        lora_pdl=not args.disable_lora_pdl,
     )  # fmt: skip
 
 

@@ -72,7 +72,6 @@ from engine.config import (
     DEFAULT_LORA_SM_CARVEOUT,
     LINEAR_WEIGHT_LAYOUTS,
     LORA_FUSED_TARGETS,
-    LORA_SPLIT_SUMS,
     EngineConfig,
     parse_target_sms,
 )
@@ -709,7 +708,6 @@ def engine_serve_args(config: EngineConfig) -> list[str]:
         args += ["--disable-lora-pdl"]
     if config.lora_tune_carved_gemms:
         args += ["--lora-tune-carved-gemms"]
-    args += ["--lora-split-sums", config.lora_split_sums]
     args += ["--linear-weight-layout", config.linear_weight_layout]
     args += ["--lora-gemm-tail-blocks", str(config.lora_gemm_tail_blocks)]
     if config.lora_backend:
@@ -885,7 +883,6 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         kernel_pdl=args.kernel_pdl,
         lora_pdl=not args.disable_lora_pdl,
         lora_tune_carved_gemms=args.lora_tune_carved_gemms,
-        lora_split_sums=args.lora_split_sums,
         linear_weight_layout=args.linear_weight_layout,
         lora_gemm_tail_blocks=args.lora_gemm_tail_blocks,
     )
@@ -953,7 +950,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
     p.add_argument("--disable-lora-pdl", action="store_true", help="the engine's --disable-lora-pdl")
     p.add_argument("--lora-tune-carved-gemms", action="store_true", help="the engine's --lora-tune-carved-gemms")
-    p.add_argument("--lora-split-sums", default="kernel", choices=LORA_SPLIT_SUMS, help="the engine's --lora-split-sums")
     p.add_argument(
         "--lora-decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink"
     )

@@ -41,7 +41,6 @@ DEFAULT_FETCH_PROCESSES = 1
 DEFAULT_LORA_SM_CARVEOUT = 48
 
 LINEAR_WEIGHT_LAYOUTS = ("out_in", "in_out")  # linear_weight_layout's choices
-LORA_SPLIT_SUMS = ("kernel", "last-split")  # lora_split_sums' choices
 DECODE_FUSED_TARGETS = ("qkv", "gate_up")  # lora_decode_fused_expand's and lora_decode_norm_shrink's choices
 PREFILL_FUSED_TARGETS = ("gate_up", "o", "down")  # lora_prefill_fused_expand's choices
 LORA_FUSED_TARGETS = ("qkv", "o", "gate_up", "down")  # engine/lora_pool.py FusedTarget.name: lora_sm_carveout_targets' keys
@@ -186,11 +185,6 @@ class EngineConfig:
     # alone 1-2.7 us shorter a projection in most shapes (an H100, Llama-3-8B; BENCHMARKS.md, 2026-12-07);
     # a process-wide setting each model worker makes when it builds
     lora_pdl: bool = True
-    # On CUDA, where the decode LoRA chain's split shrink sums its fp32 partials (lorakernels/sgmv_decode.py):
-    # "kernel", a reduce kernel after it; "last-split", the split that finishes each (segment, target) last,
-    # in the shrink itself (a ticket a split), one kernel less a chain; a process-wide setting each model
-    # worker makes when it builds
-    lora_split_sums: str = "kernel"
     # How the base model's linear weights lie in memory: "in_out" (the logical [out, in] tensors stored
     # transposed, so each GEMM reads W^T as a row-major [in, out] matrix) or "out_in" (nn.Linear's rows).
     # cuBLASLt reads the decode GEMMs' weights faster the first way: Llama-3-8B decode steps 3.5-3.9% shorter
@@ -241,10 +235,6 @@ class EngineConfig:
             )
         if not 0 <= self.lora_gemm_tail_blocks <= 64:
             raise ValueError(f"lora_gemm_tail_blocks must be 0-64, got {self.lora_gemm_tail_blocks}")
-        if self.lora_split_sums not in LORA_SPLIT_SUMS:
-            raise ValueError(
-                f"lora_split_sums must be one of {', '.join(LORA_SPLIT_SUMS)}, got {self.lora_split_sums!r}"
-            )
         if self.linear_weight_layout not in LINEAR_WEIGHT_LAYOUTS:
             raise ValueError(f"linear_weight_layout must be one of {', '.join(LINEAR_WEIGHT_LAYOUTS)}, got {self.linear_weight_layout!r}")
         if self.kernel_configs and not Path(self.kernel_configs).is_dir():

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from engine.forward_inputs import StagingFence
 from engine.lora_pool import LoraSlotPool
-from lorakernels.sgmv_ref import MAX_STACK, SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
+from lorakernels.sgmv_ref import SgmvMeta, sgmv_expand_ref, sgmv_shrink_ref
 
 if TYPE_CHECKING:
     from engine.lora_tail import GemmTail
@@ -378,9 +378,6 @@ class SgmvMetaBuffers:
         }
         self._host_target_ranks: dict[str, tuple[int, ...]] = {}
         self._fence = StagingFence(self.device)
-        # the decode shrink's split tickets (lorakernels/sgmv_decode.py, "last-split" sums): zeroed here,
-        # outside any graph's capture, and back at zero after every kernel that takes them
-        self.split_tickets = torch.zeros(max(max_segments, 1) * MAX_STACK, dtype=torch.int32, device=self.device)
 
     def fill(
         self, seg_lens: list[int], slots: list[int], ranks: list[int], scalings: list[float],
@@ -419,7 +416,6 @@ class SgmvMetaBuffers:
             host_seg_lens=tuple(seg_lens),
             host_slots=tuple(slots),
             host_ranks=tuple(ranks),
-            split_tickets=self.split_tickets,
         )
 
     def by_target(self, meta: SgmvMeta) -> dict[str, SgmvMeta]:

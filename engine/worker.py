@@ -104,9 +104,6 @@ class ModelWorker:
 
             pdl.set_enabled(config.kernel_pdl)
             pdl.set_lora_enabled(config.lora_pdl)
-            from lorakernels import sgmv_decode
-
-            sgmv_decode.set_last_split_sums(config.lora_split_sums == "last-split")
             if not config.disable_custom_all_reduce:
                 tp = tp.with_peer_all_reduce(device)
         # the LoRA kernels' tuned tiles (lorakernels/tuned.py): a file its parser refuses fails the start, not a step

@@ -41,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakernels.sgmv_ref import MAX_STACK, SgmvMeta
+from lorakernels.sgmv_ref import SgmvMeta
 from lorakernels.tuned import SgmvTile, device_sms, device_tiles
 
+MAX_STACK = 3  # q/k/v; the slice table below is passed as scalars so launching needs no device tensor
 # Segments a program scans at once when it looks up its row block: fixed, so steps with other segment
 # counts never compile another kernel variant (more segments take more passes).
 SEGMENT_CHUNK = 64

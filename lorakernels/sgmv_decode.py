@@ -73,8 +73,6 @@ BUILTIN_EXPAND = ExpandTile(128, 4)
 SPLIT_CHUNK = 8  # the fused delta's expand sums this many splits' partials a load
 PROGRAMS_PER_SM = 2  # measured on an H200: 2 beats 4, 8 and 16 in all but one case (BENCHMARKS.md)
 
-_last_split_sums = False  # set_last_split_sums
-
 
 @triton.jit
 def _num_live_segments(seg_indptr_ptr, num_segments, BLOCK_G: tl.constexpr):
@@ -103,8 +101,6 @@ def _shrink_split_kernel(
     seg_indptr_ptr,  # [num_segments + 1] int32
     weight_indices_ptr,  # [num_segments] int32
     lora_ranks_ptr,  # [num_slots] int32
-    v_ptr,  # LAST_SPLIT_SUMS: [T, num_stack * R], the shrink's output
-    tickets_ptr,  # LAST_SPLIT_SUMS: [>= num_segments, num_stack] int32, zero between launches
     # sizes
     K,
     max_rank,  # R
@@ -114,7 +110,6 @@ def _shrink_split_kernel(
     stride_xm, stride_xk,
     stride_aw, stride_an, stride_ak,
     stride_ps, stride_pm, stride_pn,
-    stride_vm, stride_vn,
     # meta-parameters
     ROWS: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -122,9 +117,6 @@ def _shrink_split_kernel(
     BLOCK_G: tl.constexpr,  # >= num_segments
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    LAST_SPLIT_SUMS: tl.constexpr = False,  # the split that finishes a segment's target last sums it into v
-    BLOCK_RR: tl.constexpr = 16,  # LAST_SPLIT_SUMS: >= R
-    SUM_CHUNK: tl.constexpr = 8,  # LAST_SPLIT_SUMS: splits summed a load
     RELEASE: tl.constexpr = False,  # lorakernels/pdl.py: let the next kernel's programs start now
 ):  # fmt: skip
     if RELEASE:
@@ -181,50 +173,6 @@ def _shrink_split_kernel(
                         + (pid_k * max_rank + cols)[None, :] * stride_pn
                     )
                     tl.store(p_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
-            if LAST_SPLIT_SUMS:  # noqa: SIM102 (a constexpr: the branch compiles away when off)
-                if rank > 0:
-                    # every thread's partials stored, then one ticket a (segment, target) split: the
-                    # release orders the stores before it, the acquire the last split's loads after
-                    tl.debug_barrier()
-                    ticket_ptr = tickets_ptr + seg * tl.num_programs(1) + pid_k
-                    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                        _sum_splits(
-                            partial_ptr, v_ptr, row_start, row_end, pid_k * max_rank, rank, num_splits,
-                            stride_ps, stride_pm, stride_pn, stride_vm, stride_vn, ROWS, BLOCK_RR, SUM_CHUNK,
-                        )  # fmt: skip
-                        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-
-
-@triton.jit
-def _sum_splits(
-    partial_ptr, v_ptr, row_start, row_end, col0, rank, num_splits,
-    stride_ps, stride_pm, stride_pn, stride_vm, stride_vn,
-    ROWS: tl.constexpr, BLOCK_RR: tl.constexpr, SUM_CHUNK: tl.constexpr,
-):  # fmt: skip
-    """v[rows, col0 : col0 + rank] = round(sum over the splits of the partials), in split order by
-    chunks; the partials are read from L2 (.cg), past any stale line of this SM's L1."""
-    offs_m = tl.arange(0, ROWS)
-    offs_r = tl.arange(0, BLOCK_RR)
-    offs_s = tl.arange(0, SUM_CHUNK)
-    mask_r = offs_r < rank
-    for m0 in range(row_start, row_end, ROWS):
-        rows = m0 + offs_m
-        mask_m = rows < row_end
-        acc = tl.zeros((ROWS, BLOCK_RR), dtype=tl.float32)
-        for s0 in range(0, num_splits, SUM_CHUNK):
-            splits = s0 + offs_s
-            p = tl.load(
-                partial_ptr
-                + splits[:, None, None] * stride_ps
-                + rows[None, :, None] * stride_pm
-                + (col0 + offs_r)[None, None, :] * stride_pn,
-                mask=(splits < num_splits)[:, None, None] & mask_m[None, :, None] & mask_r[None, None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )  # [SUM_CHUNK, ROWS, BLOCK_RR]
-            acc += tl.sum(p, axis=0)
-        v_ptrs = v_ptr + rows[:, None] * stride_vm + (col0 + offs_r)[None, :] * stride_vn
-        tl.store(v_ptrs, acc.to(v_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -325,9 +273,6 @@ def sgmv_shrink_decode(
     if meta.num_segments > MAX_DECODE_SEGMENTS:
         raise ValueError(f"{meta.num_segments} segments exceed the decode kernel's {MAX_DECODE_SEGMENTS}")
     config = decode_config(in_dim, num_stack, x.device, num_programs, max_rank=max_rank, num_tokens=num_tokens, tile=tile)
-    if _last_split_sums:
-        _split_partials(x, A, meta, num_stack, config, v=out)
-        return out
     partial = _split_partials(x, A, meta, num_stack, config)
     max_splits = config["max_splits"]
     _shrink_reduce_kernel[(num_tokens, num_stack)](
@@ -342,53 +287,20 @@ def sgmv_shrink_decode(
     return out
 
 
-def set_last_split_sums(on: bool) -> None:
-    """Where the split shrink's partials are summed in this process: off, by the reduce kernel (stage 2);
-    on, by the split that finishes each (segment, target) last, in the shrink kernel itself (EngineConfig
-    .lora_split_sums "last-split"): one kernel less in a decode step's LoRA chain."""
-    global _last_split_sums
-    _last_split_sums = bool(on)
-
-
-def last_split_sums() -> bool:
-    return _last_split_sums
-
-
-def split_tickets(meta: SgmvMeta, num_stack: int, device: torch.device) -> torch.Tensor:
-    """meta's ticket counters for the last-split sums, allocated (zeroed) on first use. Not inside a CUDA
-    graph's capture: its zero fill would be a node of the graph, not run before the kernels that read it,
-    so metadata meant for graphs allocates them up front (engine/lora_inputs.py SgmvMetaBuffers)."""
-    tickets = meta.split_tickets
-    if tickets is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the decode shrink's split tickets must be allocated before a graph is captured: run it once first")
-        tickets = meta.split_tickets = torch.zeros(max(meta.num_segments, 1) * MAX_STACK, dtype=torch.int32, device=device)
-    if tickets.dtype != torch.int32 or tickets.device != device or tickets.numel() < meta.num_segments * num_stack:
-        raise ValueError(f"split tickets: want >= {meta.num_segments * num_stack} int32 on {device}")
-    return tickets
-
-
-def _split_partials(
-    x: torch.Tensor, A: torch.Tensor, meta: SgmvMeta, num_stack: int, config: dict, v: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Stage 1 of the shrink: the fp32 partials [max_splits, T, num_stack * R] of each segment's splits;
-    with v, also their sums into v, each by the split that finished last (no stage 2)."""
+def _split_partials(x: torch.Tensor, A: torch.Tensor, meta: SgmvMeta, num_stack: int, config: dict) -> torch.Tensor:
+    """Stage 1 of the shrink: the fp32 partials [max_splits, T, num_stack * R] of each segment's splits."""
     num_tokens, in_dim, max_rank = x.shape[0], x.shape[1], A.shape[1] // num_stack
     partial = torch.empty(config["max_splits"], num_tokens, A.shape[1], dtype=torch.float32, device=x.device)
     block_g = triton.next_power_of_2(meta.num_segments)
-    tickets = split_tickets(meta, num_stack, x.device) if v is not None else partial
     _shrink_split_kernel[(config["num_programs"], num_stack)](
         x, A, partial, meta.seg_indptr, meta.weight_indices, meta.lora_ranks,
-        partial if v is None else v, tickets,
         in_dim, max_rank, meta.num_segments, config["num_programs"],
         x.stride(0), x.stride(1),
         A.stride(0), A.stride(1), A.stride(2),
         partial.stride(0), partial.stride(1), partial.stride(2),
-        *((0, 0) if v is None else v.stride()),
         ROWS=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=config["block_k"], BLOCK_G=block_g,
         INPUT_PRECISION="ieee",  # only fp32 operands look at it: exact fp32, no TF32
         UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,  # the interpreter's bf16 dot
-        LAST_SPLIT_SUMS=v is not None, BLOCK_RR=max(triton.next_power_of_2(max_rank), 16), SUM_CHUNK=SPLIT_CHUNK,
         num_warps=config["num_warps"], **pdl.lora_launch(x.device, first=True),
     )  # fmt: skip
     return partial

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-MAX_STACK = 3  # stacked targets a fused projection may have (q/k/v)
-
 
 @dataclass
 class SgmvMeta:
@@ -48,9 +46,6 @@ class SgmvMeta:
     host_seg_lens: tuple[int, ...] | None = None
     host_slots: tuple[int, ...] | None = None
     host_ranks: tuple[int, ...] | None = None
-    # the split decode shrink's tickets (lorakernels/sgmv_decode.py, "last-split" sums): [>= num_segments
-    # * MAX_STACK] int32, all zero between kernels; allocated with the metadata buffers, or on first use
-    split_tickets: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _chunked: dict[int, SgmvMeta] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod

@@ -233,24 +233,6 @@ def test_the_pdl_switches_reach_the_engine_config_from_their_flags_or_variables(
     assert switches([], {"LORAMUX_DISABLE_LORA_PDL": "false"}) == (False, True)
 
 
-def test_lora_split_sums_reach_the_engine_config_from_the_flag_or_its_variable():
-    from engine.config import EngineConfig
-    from loramux.shell.settings import engine_config
-
-    serve = ["engine", "serve", "--model", "m"]
-
-    def split_sums(argv: list[str], env: dict[str, str] | None = None) -> str:
-        return engine_config(cli.build_parser(env or {}).parse_args([*serve, *argv]), "m", 0).lora_split_sums
-
-    assert split_sums([]) == "kernel"
-    assert split_sums(["--lora-split-sums", "last-split"]) == "last-split"
-    assert split_sums([], {"LORAMUX_LORA_SPLIT_SUMS": "last-split"}) == "last-split"
-    with pytest.raises(SystemExit):
-        cli.build_parser({}).parse_args([*serve, "--lora-split-sums", "atomics"])
-    with pytest.raises(ValueError, match="lora_split_sums"):
-        EngineConfig(model_dir="m", lora_split_sums="atomics")
-
-
 def test_lora_prefill_fused_expand_reaches_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

@@ -20,7 +20,6 @@ from engine.config import (
     DEFAULT_LORA_SM_CARVEOUT,
     LINEAR_WEIGHT_LAYOUTS,
     LORA_FUSED_TARGETS,
-    LORA_SPLIT_SUMS,
     PREFILL_FUSED_TARGETS,
     parse_target_sms,
 )
@@ -297,11 +296,6 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         help="launch the decode LoRA kernels plainly; by default on cuda (compute capability 9+) the kernels after"
         " the split shrink (its reduce, the expand) take programmatic dependent launch and read the adapters'"
         " weights while the kernel before them runs",
-    )
-    p.add_argument(
-        "--lora-split-sums", choices=LORA_SPLIT_SUMS, default=env("--lora-split-sums", "kernel"),
-        help="on cuda, where the decode LoRA shrink's split sums are made: kernel (a reduce kernel after the"
-        " shrink; the default) or last-split (by the split that finishes each adapter's rows last, in the shrink)",
     )
     p.add_argument(
         "--linear-weight-layout", choices=LINEAR_WEIGHT_LAYOUTS, default=env("--linear-weight-layout", "in_out"),

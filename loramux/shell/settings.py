@@ -76,7 +76,6 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         kernel_pdl=args.kernel_pdl,
         lora_pdl=not args.disable_lora_pdl,
-        lora_split_sums=args.lora_split_sums,
         linear_weight_layout=args.linear_weight_layout,
         adapters=tuple(parse_adapter_spec(spec) for spec in getattr(args, "adapter", [])),
         max_loras_per_batch=args.max_loras_per_batch,

@@ -37,24 +37,3 @@ def test_a_fused_delta_that_differs_stops_the_run(monkeypatch):
     monkeypatch.setattr(fused_delta, "sgmv_lora_delta_decode", lambda *a, **k: real(*a, **k) * 1.5)
     with pytest.raises(SystemExit, match="differs from the unfused one"):
         fused_delta.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "2", "--targets", "o"])
-
-
-def test_rows_for_each_place_of_the_split_sums(monkeypatch):
-    """--split-sums kernel last-split: a row each, the second without the reduce kernel (its launches
-    counted), and the process's switch back off after the run."""
-    from lorakernels import sgmv_decode
-
-    reduces = []
-    real = sgmv_decode._shrink_reduce_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            reduces.append(sgmv_decode.last_split_sums())
-            return real[grid]
-
-    monkeypatch.setattr(sgmv_decode, "_shrink_reduce_kernel", Counting())
-    argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "2", "--targets", "o"]
-    rows = fused_delta.main([*argv, "--split-sums", "kernel", "last-split"])
-    assert [r["split_sums"] for r in rows] == ["kernel", "last-split"]
-    assert reduces and not any(reduces), "the reduce kernel ran with last-split sums"
-    assert not sgmv_decode.last_split_sums()

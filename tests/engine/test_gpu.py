@@ -235,38 +235,6 @@ def test_cuda_kernel_pdl_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, mon
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_cuda_last_split_sums_match_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
-    """--lora-split-sums last-split: the decode shrink's splits summed by the last split of each adapter's
-    rows (tickets), no reduce kernel, with the chain's PDL, in graphs or eagerly, three adapters: greedy
-    tokens equal the CPU reference's; the reduce kernel never ran and the split kernel did."""
-    from lorakernels import sgmv_decode
-
-    adapters = three_adapters(make_adapter, "last-split", seed=150)
-    calls = []
-    for name in ("_shrink_split_kernel", "_shrink_reduce_kernel"):
-        kernel = getattr(sgmv_decode, name)
-        monkeypatch.setattr(sgmv_decode, name, KernelSpy(kernel, name, calls))
-    try:
-        expected = greedy_three_adapters(tiny_llama_dir, adapters, "cpu", tmp_path / "cpu", graphs)
-        got = greedy_three_adapters(tiny_llama_dir, adapters, "cuda", tmp_path / "cuda", graphs, lora_split_sums="last-split")
-    finally:
-        sgmv_decode.set_last_split_sums(False)
-    assert got == expected
-    assert "_shrink_split_kernel" in calls and "_shrink_reduce_kernel" not in calls
-
-
-class KernelSpy:
-    """A Triton kernel whose launches (kernel[grid](...)) are recorded by name."""
-
-    def __init__(self, kernel, name: str, calls: list[str]):
-        self.kernel, self.name, self.calls = kernel, name, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(self.name)
-        return self.kernel[grid]
-
-
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_cuda_lora_pdl_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monkeypatch, graphs):
     """--lora-pdl: the decode LoRA chain on the side stream (split shrink, reduce, expand) with early
     release and programmatic dependent launch, in graphs or eagerly, with three adapters: greedy tokens

@@ -160,76 +160,6 @@ def test_auto_sends_decode_steps_to_the_split_kernel(monkeypatch):
     assert calls == ["decode", "decode", "sgmv", "decode", "sgmv"]
 
 
-# ---- the last-split sums: the split that finishes a segment's target last sums its partials -------
-
-
-@pytest.fixture
-def last_split_sums():
-    sgmv_decode.set_last_split_sums(True)
-    yield
-    sgmv_decode.set_last_split_sums(False)
-
-
-@pytest.mark.parametrize("popularity", POPULARITY)
-@pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str), ids=str)
-def test_last_split_sums_match_fp64(last_split_sums, monkeypatch, popularity, dtype):
-    """No reduce kernel runs; each (segment, target) is summed once its last split is in, over 2+ splits a
-    segment (48 programs), base-model rows and ranks below the capacity; the tickets end at zero."""
-    monkeypatch.setattr(sgmv_decode, "_shrink_reduce_kernel", None)  # launching it would raise
-    seg_lens, slots, ranks = decode_batch(popularity, batch=24, num_adapters=6, seed=len(popularity))
-    seg_lens, slots = merged(seg_lens, slots)
-    metas = []
-    real = SgmvMeta.from_lists
-
-    def spy(*args, **kwargs):
-        metas.append(real(*args, **kwargs))
-        return metas[-1]
-
-    monkeypatch.setattr(SgmvMeta, "from_lists", spy)
-    shrink = functools.partial(sgmv_shrink_decode, num_programs=48)
-    assert check_shrink(shrink, dtype, 200, 3, seg_lens, slots, ranks) > 0
-    (meta,) = metas
-    assert meta.split_tickets is not None and not meta.split_tickets.any(), "tickets must end at zero"
-
-
-@pytest.mark.parametrize("num_programs", [1, 5, 0])
-@pytest.mark.parametrize("batch", [1, 9, 64])
-def test_last_split_sums_over_program_counts(last_split_sums, batch, num_programs):
-    """One program taking every split of every segment, fewer programs than segments, the device's
-    count; a 64-row run over four 16-row tiles summed by one program."""
-    seg_lens, slots, ranks = decode_batch("uniform", batch, num_adapters=min(batch, 3), seed=batch)
-    shrink = functools.partial(sgmv_shrink_decode, num_programs=num_programs)
-    check_shrink(shrink, torch.bfloat16, 300, 3, *merged(seg_lens, slots), ranks, seed=batch)
-
-
-def test_last_split_sums_reuse_their_tickets_and_equal_the_reduce_kernel(last_split_sums):
-    """One metadata object over calls whose split counts differ (its tickets, zeroed by each call's last
-    splits, serve the next); v within fp32 summation order of the reduce kernel's."""
-    seg_lens, slots, ranks = decode_batch("zipf", 32, num_adapters=5, seed=3)
-    seg_lens, slots = merged(seg_lens, slots)
-    gen = torch.Generator().manual_seed(3)
-    A = (torch.randn(len(ranks), 2 * MAX_RANK, 640, generator=gen) / 640**0.5).to(DEVICE)
-    x = torch.randn(32, 640, generator=gen).to(DEVICE)
-    meta = SgmvMeta.from_lists(seg_lens, slots, ranks, [1.0] * len(ranks), DEVICE)
-    for num_programs in (40, 7, 64, 1):
-        got = torch.zeros(32, 2 * MAX_RANK, device=DEVICE)
-        sgmv_shrink_decode(x, A, meta, num_stack=2, num_programs=num_programs, out=got)
-        sgmv_decode.set_last_split_sums(False)
-        want = sgmv_shrink_decode(x, A, meta, num_stack=2, num_programs=num_programs, out=torch.zeros_like(got))
-        sgmv_decode.set_last_split_sums(True)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), num_programs
-        assert not meta.split_tickets.any()
-    assert want.abs().max().item() > 0.5
-
-
-def test_last_split_sums_refuse_tickets_too_few():
-    meta = SgmvMeta.from_lists([1, 1, 1], [1, 1, 1], [0, 4], [0.0, 1.0], DEVICE)
-    meta.split_tickets = torch.zeros(5, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="split tickets"):
-        sgmv_decode.split_tickets(meta, 2, torch.device(DEVICE))
-    assert sgmv_decode.split_tickets(meta, 1, torch.device(DEVICE)) is meta.split_tickets
-
-
 def test_decode_shrink_with_expand_is_the_lora_delta():
     """The pair the engine's backend runs: decode shrink then the usual expand, against fp64."""
     seg_lens, slots, ranks = decode_batch("zipf", 16, 4, seed=5)
@@ -451,7 +381,7 @@ def test_cuda_graph_replay_follows_refilled_slots_and_ranks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("fused", [False, True, "last-split"], ids=["shrink-delta", "fused-delta", "last-split-sums"])
+@pytest.mark.parametrize("fused", [False, True], ids=["shrink-delta", "fused-delta"])
 def test_cuda_graph_replay_follows_regrouped_segments(fused):
     """The engine's decode graph: captured with one segment per row, replayed after SgmvMetaBuffers was
     refilled with each adapter's rows merged (fewer, longer segments, empty ones trailing) or one row
@@ -470,20 +400,17 @@ def test_cuda_graph_replay_follows_regrouped_segments(fused):
     out = {}
 
     def step():
-        if fused is True:
+        if fused:
             out["delta"] = sgmv_lora_delta_decode(x, A, B, meta, num_stack=3, output_slices=output_slices)
             return
         v = sgmv_shrink_decode(x, A, meta, num_stack=3)
         out["delta"] = sgmv_delta_auto(v, B, meta, output_slices=output_slices)
 
-    sgmv_decode.set_last_split_sums(fused == "last-split")
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # no eager call first: the buffers' tickets were zeroed when they were made
-            step()
-    finally:
-        sgmv_decode.set_last_split_sums(False)
-    assert meta.split_tickets is buffers.split_tickets
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
     for slots in ([1] * batch, [1] * 20 + [2] * 3 + [0] * 5 + [3] * 20, [(i % 4) for i in range(batch)], [4] * 47 + [0]):
         seg_lens, seg_slots = lora_segments([1] * batch, slots, 16)
         buffers.fill(seg_lens, seg_slots, ranks, scalings)
@@ -497,43 +424,6 @@ def test_cuda_graph_replay_follows_regrouped_segments(fused):
         got = out["delta"].double().cpu()
         assert (got - expected).abs().max().item() <= 4e-2 * max(1.0, expected.abs().max().item()), slots[:24]
         assert expected.abs().max().item() > 0.5
-    assert not buffers.split_tickets.any()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
-def test_last_split_sums_refuse_to_allocate_tickets_inside_a_capture(last_split_sums):
-    """Metadata without tickets, first used inside a capture: a clear error rather than a zero fill that
-    the graph would hold but not have run."""
-    meta = SgmvMeta.from_lists([1, 1], [1, 1], [0, 16], [0.0, 1.0], DEVICE)
-    x, A = torch.randn(2, 256, device=DEVICE), torch.randn(2, 16, 256, device=DEVICE)
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="before a graph is captured"), torch.cuda.graph(graph):
-        sgmv_shrink_decode(x, A, meta, num_stack=1)
-    assert meta.split_tickets is None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("batch, num_adapters", [(32, 32), (64, 8), (64, 1), (128, 32)])
-def test_last_split_sums_on_the_device_equal_the_reduce_kernel(last_split_sums, batch, num_adapters):
-    """Llama-shaped q/k/v and down shrinks (bf16) with the device's program count, many programs racing
-    for each segment's tickets, fifty calls in a row on one metadata: v equals the reduce kernel's within
-    fp32 summation order, every call, and the tickets end at zero."""
-    gen = torch.Generator().manual_seed(batch + num_adapters)
-    for in_dim, num_stack in ((4096, 3), (14336, 1)):
-        A = (torch.randn(num_adapters + 1, num_stack * 16, in_dim, generator=gen) / in_dim**0.5).to(DEVICE, torch.bfloat16)
-        x = torch.randn(batch, in_dim, generator=gen).to(DEVICE, torch.bfloat16)
-        slots = [1 + i * num_adapters // batch for i in range(batch)]
-        meta = SgmvMeta.from_lists(*lora_segments([1] * batch, slots, 64), [0] + [16] * num_adapters, [0.0] + [1.0] * num_adapters, DEVICE)
-        sgmv_decode.set_last_split_sums(False)
-        want = sgmv_shrink_decode(x, A, meta, num_stack=num_stack).float()
-        sgmv_decode.set_last_split_sums(True)
-        for _ in range(50):
-            got = sgmv_shrink_decode(x, A, meta, num_stack=num_stack, out=torch.full_like(x[:, : num_stack * 16], float("nan")))
-            assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2), (in_dim, batch, num_adapters)
-        assert not meta.split_tickets.any()
-        assert want.abs().max().item() > 0.5
 
 
 # ---- the fused delta: split partials summed in the expand ------------------------------------------
