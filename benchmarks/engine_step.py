@@ -98,7 +98,7 @@ def random_packed(
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "in_out", prefill_fused_expand: tuple[str, ...] = ("gate_up",), gemm_tail_blocks: int = 0, max_lora_rank: int = 16, decode_norm_shrink: tuple[str, ...] = (), kernel_pdl: bool = False, lora_pdl: bool = True, tune_carved_gemms: bool = False):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "in_out", prefill_fused_expand: tuple[str, ...] = ("gate_up",), gemm_tail_blocks: int = 0, max_lora_rank: int = 16, decode_norm_shrink: tuple[str, ...] = (), kernel_pdl: bool = False, lora_pdl: bool = True, tune_decode_gemms: bool = True):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
@@ -110,7 +110,7 @@ def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int]
         lora_decode_fused_delta=decode_fused_delta, linear_weight_layout=linear_weight_layout,
         lora_prefill_fused_expand=prefill_fused_expand, lora_gemm_tail_blocks=gemm_tail_blocks,
         lora_decode_norm_shrink=decode_norm_shrink, kernel_pdl=kernel_pdl, lora_pdl=lora_pdl,
-        lora_tune_carved_gemms=tune_carved_gemms,
+        tune_decode_gemms=tune_decode_gemms,
     )  # fmt: skip
     spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=tuple(sorted(set(batches))))
     workers = start_workers(spec)
@@ -299,7 +299,7 @@ def main() -> None:
     )
     parser.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
     parser.add_argument("--disable-lora-pdl", action="store_true", help="the engine's --disable-lora-pdl")
-    parser.add_argument("--lora-tune-carved-gemms", action="store_true", help="the engine's --lora-tune-carved-gemms")
+    parser.add_argument("--disable-decode-gemm-tuning", action="store_true", help="the engine's --disable-decode-gemm-tuning")
     parser.add_argument(
         "--decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink"
     )
@@ -347,7 +347,7 @@ def main() -> None:
         args.disable_custom_all_reduce, tuple(args.adapter_targets), args.graph_max_tokens, kv_tokens, args.lora_sm_carveout,
         args.kernel_configs, tuple(args.decode_fused_expand), tuple(args.lora_sm_carveout_target), tuple(args.decode_fused_delta),
         args.linear_weight_layout, tuple(args.prefill_fused_expand), args.gemm_tail_blocks, args.max_lora_rank,
-        tuple(args.decode_norm_shrink), args.kernel_pdl, not args.disable_lora_pdl, args.lora_tune_carved_gemms,
+        tuple(args.decode_norm_shrink), args.kernel_pdl, not args.disable_lora_pdl, not args.disable_decode_gemm_tuning,
     )  # fmt: skip
     carved = getattr(getattr(getattr(loop.workers, "local", None), "runner", None), "carved_gemms", None)
     for tuned_row in carved.report if carved is not None else []:
@@ -381,7 +381,7 @@ def main() -> None:
                     decode_fused_delta=args.decode_fused_delta, linear_weight_layout=args.linear_weight_layout,
                     prefill_fused_expand=args.prefill_fused_expand, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
                     decode_norm_shrink=args.decode_norm_shrink, kernel_pdl=args.kernel_pdl,
-                    lora_pdl=not args.disable_lora_pdl, lora_tune_carved_gemms=args.lora_tune_carved_gemms,
+                    lora_pdl=not args.disable_lora_pdl, tune_decode_gemms=not args.disable_decode_gemm_tuning,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)
                 for chunk in args.mixed_chunk:

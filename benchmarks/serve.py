@@ -706,8 +706,8 @@ def engine_serve_args(config: EngineConfig) -> list[str]:
         args += ["--kernel-pdl"]
     if not config.lora_pdl:
         args += ["--disable-lora-pdl"]
-    if config.lora_tune_carved_gemms:
-        args += ["--lora-tune-carved-gemms"]
+    if not config.tune_decode_gemms:
+        args += ["--disable-decode-gemm-tuning"]
     args += ["--linear-weight-layout", config.linear_weight_layout]
     args += ["--lora-gemm-tail-blocks", str(config.lora_gemm_tail_blocks)]
     if config.lora_backend:
@@ -882,7 +882,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         lora_decode_norm_shrink=tuple(args.lora_decode_norm_shrink),
         kernel_pdl=args.kernel_pdl,
         lora_pdl=not args.disable_lora_pdl,
-        lora_tune_carved_gemms=args.lora_tune_carved_gemms,
+        tune_decode_gemms=not args.disable_decode_gemm_tuning,
         linear_weight_layout=args.linear_weight_layout,
         lora_gemm_tail_blocks=args.lora_gemm_tail_blocks,
     )
@@ -949,7 +949,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kernel-pdl", action="store_true", help="the engine's --kernel-pdl")
     p.add_argument("--disable-lora-pdl", action="store_true", help="the engine's --disable-lora-pdl")
-    p.add_argument("--lora-tune-carved-gemms", action="store_true", help="the engine's --lora-tune-carved-gemms")
+    p.add_argument("--disable-decode-gemm-tuning", action="store_true", help="the engine's --disable-decode-gemm-tuning")
     p.add_argument(
         "--lora-decode-norm-shrink", nargs="*", default=[], choices=DECODE_FUSED_TARGETS, help="the engine's --lora-decode-norm-shrink"
     )

@@ -1,4 +1,5 @@
-"""The decode GEMMs under the SM carve-out, each run with the cuBLASLt algorithm timed fastest there.
+"""The decode GEMMs, under the SM carve-out and on every SM, each run with the cuBLASLt algorithm timed
+fastest there.
 
 On CUDA a decode step's base GEMM leaves SMs to the LoRA kernels beside it (engine/lora_inputs.py
 `sm_carveout`), and `torch.mm` then runs the first algorithm cuBLASLt's heuristic gives for the SMs left;
@@ -9,13 +10,19 @@ carved SM count and for every SM, each asked with the workspace and with none (w
 its picks are often split-Ks slower than torch's), run with the carved SM-count target
 (lorakernels/cublaslt.py `pooled_candidates`), against `torch.mm` under the carve-out, each call in a CUDA
 graph of GRAPH_CALLS; the fastest is kept where it beats `torch.mm` by MIN_GAIN. `project` then runs it in place of the projection's `linear(x)`.
+The projections without LoRA work (base steps, targets no adapter of the step has) run on every SM, and
+there too the heuristic's first pick is not always the fastest (an H100: decode steps with adapters at
+batch 1, tuned under the carve-out, ran shorter than base steps on torch.mm's pick): each target is tuned
+with a carve-out of 0 as well, and every layer's projection takes the plans (`tuned_gemms`, read by
+engine/lora_inputs.py `plain_gemm`).
 
 It covers what the decode GEMMs are in the engine's default layout: no bias, weights stored `in_out`
 (engine/weights.py `store_linears_in_out`), one rank (a row-parallel projection under tensor parallelism
 writes into the all-reduce's buffer and keeps `torch.mm`). Anything else, and a row count not tuned,
 keeps `linear(x)`. The tuning happens when the worker captures its decode graphs (EngineConfig's
-lora_tune_carved_gemms), with the device otherwise idle; the algorithms are those of the cuBLASLt that
-PyTorch loaded, so nothing is written to disk.
+tune_decode_gemms, on by default), with the device otherwise idle; the algorithms are those of the cuBLASLt
+that PyTorch loaded, so nothing is written to disk. The pick goes by timing, so two starts of one engine
+may run different algorithms, whose bf16 rounding differs.
 """
 
 from __future__ import annotations
@@ -69,21 +76,22 @@ class CarvedGemms:
         """Time each target's candidates at each row count (linears: per fused target, its projections in
         the first layers, which share one shape; a graph's calls read them in turn, as a step reads each
         layer's weights once, not one weight from L2; carveouts: the SMs each target's GEMM leaves, 0 for
-        none)."""
+        none: the GEMMs of projections without LoRA work, on every SM); a (target, rows, carve-out) tuned
+        before is not timed again."""
         gen = torch.Generator(device=self.device).manual_seed(0)
         for target, layers in linears.items():
             carveout = carveouts.get(target, 0)
             weights = [in_out_weight(linear) for linear in layers]
-            if carveout <= 0 or not weights or any(w is None or w.shape != weights[0].shape for w in weights):
+            if carveout < 0 or not weights or any(w is None or w.shape != weights[0].shape for w in weights):
                 continue
             linear, weight = layers[0], weights[0]
             in_dim, out_dim = weight.shape
-            for rows in sorted(set(row_counts)):
+            for rows in sorted(set(row_counts) - {r["rows"] for r in self.report if (r["target"], r["carveout"]) == (target, carveout)}):
                 x = torch.randn(rows, in_dim, generator=gen, device=self.device).to(weight.dtype)
                 y = torch.empty(rows, out_dim, dtype=weight.dtype, device=self.device)
                 runner = cublaslt.LtGemm(rows, in_dim, out_dim, weight.dtype, self.device, sm_count=self.num_sms - carveout)
-                every_sm = cublaslt.LtGemm(rows, in_dim, out_dim, weight.dtype, self.device)
-                algos = [c.algo for _, c in cublaslt.pooled_candidates(runner, [every_sm], CANDIDATES, (None, 0))]
+                others = [cublaslt.LtGemm(rows, in_dim, out_dim, weight.dtype, self.device)] if carveout else []
+                algos = [c.algo for _, c in cublaslt.pooled_candidates(runner, others, CANDIDATES, (None, 0))]
 
                 def carved_torch(i, x=x, layers=layers, carveout=carveout):
                     with sm_carveout(carveout):
@@ -118,8 +126,8 @@ class CarvedGemms:
         )  # fmt: skip
 
     def project(self, linear: nn.Module, target: str, x: torch.Tensor, carveout: int) -> torch.Tensor:
-        """linear(x) for a decode GEMM under `carveout` SMs: through the tuned algorithm where there is
-        one for this target, row count and carve-out and x and the weight are as it was tuned for."""
+        """linear(x) for a decode GEMM under `carveout` SMs (0: every SM): through the tuned algorithm where
+        there is one for this target, row count and carve-out and x and the weight are as it was tuned for."""
         plan = self._plans.get((target, x.shape[0], carveout)) if x.dim() == 2 else None
         if plan is None:
             return linear(x)

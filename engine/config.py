@@ -97,12 +97,12 @@ class EngineConfig:
     # gate/up) made 8- and 32-adapter decode steps 0-8% slower, never faster beyond noise, and 32 or 64
     # SMs for all did no better than 48 (an H100, BENCHMARKS.md, 2026-12-05). None by default
     lora_sm_carveout_targets: tuple[tuple[str, int], ...] = ()
-    # On CUDA with CUDA graphs, time cuBLASLt's candidate algorithms for each fused target's decode GEMM
-    # under its carve-out at each captured batch size, and run the fastest where it beats torch.mm's own
-    # pick (engine/carved_gemms.py); off: torch.mm's pick. On an H100 it chose Llama-3-8B's gate/up GEMM at
-    # 32 rows (78 against 85 us alone) and made 8-adapter decode steps at batch 32 1.7% shorter, nothing
-    # at batch 64 (BENCHMARKS.md, 2026-12-07): off by default until more rounds confirm it
-    lora_tune_carved_gemms: bool = False
+    # On CUDA with CUDA graphs, time cuBLASLt's candidate algorithms for each fused target's decode GEMM at
+    # each captured batch size, under its carve-out beside LoRA kernels and on every SM without them, and
+    # run the fastest where it beats torch.mm's own pick (engine/carved_gemms.py); False: torch.mm's pick.
+    # Under the carve-out, on an H100 (Llama-3-8B, three rounds): decode steps with adapters 5.7% shorter at
+    # batch 1, 1.4% at batch 32 with 8 adapters, level at 64 (BENCHMARKS.md, 2026-12-07)
+    tune_decode_gemms: bool = True
     # On CUDA with the Triton SGMV ops, the fused targets ("qkv", "gate_up") whose LoRA expand a decode
     # step runs in the kernel that reads the projection next (RoPE with the KV write, lorakernels/rope_kv.py;
     # SiLU-mul, lorakernels/silu_mul.py) instead of beside the base GEMM on the side stream: that kernel

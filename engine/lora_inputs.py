@@ -161,7 +161,7 @@ class LoraInputs:
     # lora_sm_carveout_targets): where the LoRA kernels are short against the GEMM, the SMs cost more
     sm_carveout_targets: Mapping[str, int] = field(default_factory=dict)
     # The decode GEMMs under the carve-out with a cuBLASLt algorithm timed fastest there (engine/carved_gemms.py
-    # CarvedGemms; EngineConfig's lora_tune_carved_gemms), None: torch.mm's own pick
+    # CarvedGemms; EngineConfig's tune_decode_gemms), None: torch.mm's own pick
     carved_gemms: CarvedProjection | None = None
     # Fused targets whose decode-step expand (side stream) is left to the next kernel as a PendingExpand:
     # the side stream runs the shrink alone beside the GEMM, and the RoPE/KV-write (qkv) or SiLU-mul
@@ -222,7 +222,7 @@ class LoraInputs:
         (lorakernels/rope_kv.py, silu_mul.py, rmsnorm.py take a `delta`), one kernel launch less per
         projection than `y.add_(delta)` and the same rounding."""
         if target in self.idle or target not in self.pool.targets:  # not adapted here, or no buffers for it
-            return linear(x), None
+            return plain_gemm(linear, target, x), None
         x_aug = self._tail_x.pop(target, None)
         if x_aug is not None:
             return self._project_tail(linear, target, layer, x, x_aug), None
@@ -232,7 +232,7 @@ class LoraInputs:
         if ns is not None:  # x's norm shrank it: the GEMM alone, on every SM; the next kernel expands
             if ns.v is None or ns.v.shape[0] != x.shape[0]:
                 raise RuntimeError(f"{target}'s input norm in layer {layer} was asked for its shrink and did not compute it")
-            return linear(x), PendingExpand(ns.v, b, ns.meta, t.output_slices, self.expand)
+            return plain_gemm(linear, target, x), PendingExpand(ns.v, b, ns.meta, t.output_slices, self.expand)
         meta = self.by_target.get(target, self.meta)
         if self.side is None:
             y = linear(x)
@@ -295,6 +295,14 @@ def sm_carveout(num_sms: int) -> Iterator[None]:
         yield
     finally:
         torch._C._set_sm_carveout_experimental(before)
+
+
+def plain_gemm(linear: Callable[[torch.Tensor], torch.Tensor], target: str, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) on every SM, for a projection (fused target `target`) without LoRA work this step: through
+    the cuBLASLt algorithm tuned for its rows there (engine/carved_gemms.py; the linear's `tuned_gemms`,
+    set by the model runner) where one was chosen, else linear(x)."""
+    tuned = getattr(linear, "tuned_gemms", None)
+    return linear(x) if tuned is None else tuned.project(linear, target, x, 0)
 
 
 def usable_sm_carveout(requested: int, num_sms: int) -> int:

@@ -57,7 +57,7 @@ class ModelRunner:
         lora_prefill_fused_expand: tuple[str, ...] = ("gate_up",),  # CUDA prefill-sized steps: targets whose expand the next kernel does
         lora_gemm_tail: GemmTail | None = None,  # prefill-sized steps: the LoRA in the base GEMMs (engine/lora_tail.py)
         lora_decode_norm_shrink: tuple[str, ...] = (),  # CUDA decode steps: targets shrunk by their input's norm
-        lora_tune_carved_gemms: bool = False,  # CUDA graphs: decode GEMMs under the carve-out tuned (engine/carved_gemms.py)
+        tune_decode_gemms: bool = False,  # CUDA graphs: the decode GEMMs' cuBLASLt algorithms tuned (engine/carved_gemms.py)
     ):
         self.model = model
         self.kv = kv
@@ -98,9 +98,10 @@ class ModelRunner:
             from lorakernels.norm_shrink import shrink_counters
 
             self._shrink_counters = shrink_counters(self.device)
-        # The decode GEMMs' cuBLASLt algorithms under the carve-out, tuned when the decode graphs are captured
+        # The decode GEMMs' cuBLASLt algorithms, under the carve-out and on every SM, tuned when the decode
+        # graphs are captured
         self.carved_gemms = None
-        self._tune_carved_gemms = lora_tune_carved_gemms and self.lora_side is not None
+        self._tune_decode_gemms = tune_decode_gemms
         self.samples = samples
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran
@@ -139,7 +140,7 @@ class ModelRunner:
         if max_batch > 0:
             c = self.model.config
             decode = DecodeKernelBackend(self.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
-            if self._tune_carved_gemms:
+            if self._tune_decode_gemms and self.device.type == "cuda":
                 self._tune_carved(DecodeGraphs.bucket_sizes(max_batch, buckets))
             self.graphs = DecodeGraphs(
                 self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side, sm_carveout=self.lora_sm_carveout,
@@ -151,18 +152,26 @@ class ModelRunner:
             self.graphs.capture()
 
     def _tune_carved(self, row_counts: list[int]) -> None:
-        """CarvedGemms for the decode GEMMs under their carve-outs at these row counts (the first layers'
-        projections stand for every layer's: they share their shapes)."""
+        """CarvedGemms for the decode GEMMs at these row counts: under their carve-outs (LoRA steps, where
+        there is a side stream) and on every SM (the projections without LoRA work), which each layer's
+        projections then take (`tuned_gemms`); the first layers' projections stand for every layer's: they
+        share their shapes."""
         from engine.carved_gemms import GRAPH_CALLS, CarvedGemms  # only where the option is on (CUDA)
 
-        layers = self.model.layers[:GRAPH_CALLS]
-        linears = {
-            "qkv": [layer.self_attn.qkv_proj for layer in layers], "o": [layer.self_attn.o_proj for layer in layers],
-            "gate_up": [layer.mlp.gate_up_proj for layer in layers], "down": [layer.mlp.down_proj for layer in layers],
-        }  # fmt: skip
-        carveouts = {t: self.lora_sm_carveout_targets.get(t, self.lora_sm_carveout) for t in linears if t in self.lora_pool.targets}
+        def projections(layer) -> dict:
+            attn, mlp = layer.self_attn, layer.mlp
+            return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+
+        linears = {t: [projections(layer)[t] for layer in self.model.layers[:GRAPH_CALLS]] for t in ("qkv", "o", "gate_up", "down")}
         self.carved_gemms = CarvedGemms(self.device)
-        self.carved_gemms.tune({t: linears[t] for t in carveouts}, row_counts, carveouts)
+        if self.lora_side is not None:
+            targets = [t for t in linears if t in self.lora_pool.targets]
+            carveouts = {t: self.lora_sm_carveout_targets.get(t, self.lora_sm_carveout) for t in targets}
+            self.carved_gemms.tune({t: linears[t] for t in targets}, row_counts, carveouts)
+        self.carved_gemms.tune(linears, row_counts, dict.fromkeys(linears, 0))
+        for layer in self.model.layers:
+            for linear in projections(layer).values():
+                linear.tuned_gemms = self.carved_gemms
 
     @staticmethod
     def _usable_carveout(flag: str, asked: int, num_sms: int) -> int:

@@ -151,6 +151,8 @@ class ColumnParallelLinear(nn.Module):
     """y[T, sum(out_i) / N] = x[T, in] @ W_rank^T + b_rank: each fused part's output features split
     across ranks, this rank's slices of every part stacked (e.g. q_r, k_r, v_r)."""
 
+    tuned_gemms = None  # engine/carved_gemms.py CarvedGemms, where the model runner tuned the decode GEMMs
+
     def __init__(self, in_features: int, out_parts: tuple[int, ...], bias: bool, tp: TensorParallel = SINGLE, **factory):
         super().__init__()
         self.tp, self.out_parts = tp, out_parts
@@ -170,6 +172,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Partial y[T, out] = x[T, in / N] @ W_rank^T (+ b on rank 0 only, so the sum holds it once);
     the caller all-reduces after adding any LoRA delta."""
+
+    tuned_gemms = None  # engine/carved_gemms.py CarvedGemms, where the model runner tuned the decode GEMMs
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE, **factory):
         super().__init__()

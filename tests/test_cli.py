@@ -233,6 +233,20 @@ def test_the_pdl_switches_reach_the_engine_config_from_their_flags_or_variables(
     assert switches([], {"LORAMUX_DISABLE_LORA_PDL": "false"}) == (False, True)
 
 
+def test_decode_gemm_tuning_is_on_unless_disabled_by_flag_or_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+
+    def tuned(argv: list[str], env: dict[str, str] | None = None) -> bool:
+        return engine_config(cli.build_parser(env or {}).parse_args([*serve, *argv]), "m", 0).tune_decode_gemms
+
+    assert tuned([])
+    assert not tuned(["--disable-decode-gemm-tuning"])
+    assert not tuned([], {"LORAMUX_DISABLE_DECODE_GEMM_TUNING": "1"})
+    assert tuned([], {"LORAMUX_DISABLE_DECODE_GEMM_TUNING": "0"})
+
+
 def test_lora_prefill_fused_expand_reaches_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

@@ -331,9 +331,11 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         f" (TARGET: {', '.join(LORA_FUSED_TARGETS)}; default: none)",
     )
     p.add_argument(
-        "--lora-tune-carved-gemms", action="store_true", default=env("--lora-tune-carved-gemms", "") not in ("", "0", "false"),
-        help="on cuda with cuda graphs, time cuBLASLt's algorithms for each decode GEMM under its SM carve-out at"
-        " each captured batch size when the engine starts, and run the fastest where it beats PyTorch's pick",
+        "--disable-decode-gemm-tuning", action="store_true",
+        default=env("--disable-decode-gemm-tuning", "") not in ("", "0", "false"),
+        help="run PyTorch's own cuBLAS pick for every decode GEMM; by default on cuda with cuda graphs the engine"
+        " times cuBLASLt's algorithms for each decode GEMM at each captured batch size when it starts (under the"
+        " LoRA SM carve-out and on every SM) and runs the fastest where it beats PyTorch's pick",
     )
     p.add_argument(
         "--lora-decode-fused-expand", nargs="+", metavar="TARGET", choices=DECODE_FUSED_TARGETS,

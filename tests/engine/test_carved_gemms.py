@@ -93,6 +93,41 @@ def test_project_runs_the_plan_of_its_target_rows_and_carveout_else_the_linear()
     assert runner.calls == [b"algo"]  # a weight of another shape than the plan's
 
 
+def test_projections_without_lora_work_take_the_plans_on_every_sm():
+    """plain_gemm (base steps, targets idle in a LoRA step) runs the linear's plan for its rows with no
+    carve-out, never a carved one; a linear the runner gave no plans runs linear(x)."""
+    from engine.lora_inputs import plain_gemm
+
+    linear, runner, carved_runner = _linear(), _Runner(8, 64, 96), _Runner(8, 64, 96)
+    x = _aligned(8, 64)
+    assert torch.equal(plain_gemm(linear, "qkv", x), linear(x)) and linear.tuned_gemms is None
+    linear.tuned_gemms = _carved({("qkv", 8, 48): (carved_runner, b"carved")})
+    plain_gemm(linear, "qkv", x)
+    assert carved_runner.calls == []
+    linear.tuned_gemms = _carved({("qkv", 8, 0): (runner, b"every-sm"), ("qkv", 8, 48): (carved_runner, b"carved")})
+    assert torch.equal(plain_gemm(linear, "qkv", x), linear(x))
+    plain_gemm(linear, "gate_up", x)
+    assert runner.calls == [b"every-sm"] and carved_runner.calls == []
+
+
+def test_base_projections_of_the_blocks_go_through_plain_gemm(monkeypatch):
+    """Without LoRA inputs each of the four fused projections of a layer is run by plain_gemm, so the
+    plans reach base steps."""
+    from engine.models import blocks
+    from engine.named_shapes import NAMED_SHAPES
+
+    config = NAMED_SHAPES["tiny"]
+    attn, mlp = blocks.Attention(config, 0), blocks.MLP(config, 0)
+    seen = []
+    monkeypatch.setattr(blocks, "plain_gemm", lambda linear, target, x: seen.append(target) or linear(x))
+    hidden = torch.zeros(3, config.hidden_size)
+    attn.project_qkv(hidden, None)
+    attn.project_o(torch.zeros(3, config.q_size), None)
+    mlp.project_gate_up(hidden, None)
+    mlp.project_down(torch.zeros(3, config.intermediate_size), None)
+    assert seen == ["qkv", "o", "gate_up", "down"]
+
+
 needs_cuda = pytest.mark.skipif(not CUDA, reason="cuBLASLt runs on CUDA devices")
 
 
@@ -138,7 +173,7 @@ def test_the_engine_with_tuned_decode_gemms_gives_the_tokens_of_torch_mm(tiny_ll
 
     adapters = three_adapters(make_adapter, "carved-gemms", seed=150)
     calls, real = [], cublaslt.LtGemm.__call__
-    monkeypatch.setattr(cublaslt.LtGemm, "__call__", lambda self, *a, **k: calls.append(self.rows) or real(self, *a, **k))
+    monkeypatch.setattr(cublaslt.LtGemm, "__call__", lambda self, *a, **k: calls.append((self.rows, self.sm_count)) or real(self, *a, **k))
     monkeypatch.setattr(carved_gemms, "MIN_GAIN", -1e9)
     real_tune = CarvedGemms.tune
     monkeypatch.setattr(CarvedGemms, "tune", lambda self, *a: (real_tune(self, *a), calls.clear()))  # keep the calls after tuning
@@ -147,15 +182,20 @@ def test_the_engine_with_tuned_decode_gemms_gives_the_tokens_of_torch_mm(tiny_ll
         config = EngineConfig(
             model_dir=str(tiny_llama_dir), device="cuda", dtype="bfloat16", num_kv_slots=4096, adapters=adapters,
             work_dir=str(tmp_path / str(tune)), max_loras_per_batch=3, lora_backend="splitk", cuda_graph_max_batch=16,
-            cuda_graph_max_tokens=1024, lora_tune_carved_gemms=tune,
+            cuda_graph_max_tokens=1024, tune_decode_gemms=tune,
         )  # fmt: skip
         core = EngineCore.build(config)
         try:
             runner = core.loop.workers.local.runner
             assert (runner.carved_gemms is not None) == tune
             if tune:
-                assert len(runner.carved_gemms) == 4 * len(runner.graphs.buckets)
-                assert set(calls) == set(runner.graphs.buckets)  # every decode graph captured the tuned algorithms
+                assert len(runner.carved_gemms) == 8 * len(runner.graphs.buckets)  # with and without the carve-out
+                num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+                carved = num_sms - runner.lora_sm_carveout
+                # every decode graph captured the tuned algorithms, the LoRA graphs' and the base graphs'
+                assert {(rows, sms) for rows, sms in calls if rows in runner.graphs.buckets} == {
+                    (rows, sms) for rows in runner.graphs.buckets for sms in (carved, num_sms)
+                }
             prompts = [core.prompt_ids(prompt, None) for prompt in PROMPTS]
             return prompts, generate_all(core, 8, [None, *(core.resolve_adapter(name) for name, _ in adapters)])
         finally:
