@@ -28,6 +28,7 @@ may run different algorithms, whose bf16 rounding differs.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -66,7 +67,8 @@ class CarvedGemms:
         self.device = device
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._plans: dict[tuple[str, int, int], tuple[object, bytes]] = {}
-        self.report: list[dict] = []  # one row per tuned (target, rows): the times, for logs and benchmarks
+        self.report: list[dict] = []  # one row per tuned (target, rows, carve-out): the times, for logs and benchmarks
+        self.tune_seconds = 0.0  # spent in tune, all calls
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -79,6 +81,7 @@ class CarvedGemms:
         none: the GEMMs of projections without LoRA work, on every SM); a (target, rows, carve-out) tuned
         before is not timed again."""
         gen = torch.Generator(device=self.device).manual_seed(0)
+        started = time.perf_counter()
         for target, layers in linears.items():
             carveout = carveouts.get(target, 0)
             weights = [in_out_weight(linear) for linear in layers]
@@ -120,9 +123,10 @@ class CarvedGemms:
                     "target": target, "rows": rows, "carveout": carveout, "candidates": len(algos), "torch_us": round(torch_us, 2),
                     "best_us": round(best_us, 2) if best is not None else None, "chosen": chosen,
                 })  # fmt: skip
+        self.tune_seconds += time.perf_counter() - started
         log.info(
-            "carved decode GEMMs: %d of %d (target, rows) take a cuBLASLt algorithm of their own",
-            len(self._plans), len(self.report),
+            "tuned decode GEMMs: %d of %d (target, rows, carve-out) take a cuBLASLt algorithm of their own (%.1f s of timing)",
+            len(self._plans), len(self.report), self.tune_seconds,
         )  # fmt: skip
 
     def project(self, linear: nn.Module, target: str, x: torch.Tensor, carveout: int) -> torch.Tensor:
