@@ -382,6 +382,7 @@ def main() -> None:
                     prefill_fused_expand=args.prefill_fused_expand, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
                     decode_norm_shrink=args.decode_norm_shrink, kernel_pdl=args.kernel_pdl,
                     lora_pdl=not args.disable_lora_pdl, tune_decode_gemms=not args.disable_decode_gemm_tuning,
+                    decode_gemm_tune_s=round(carved.tune_seconds, 2) if carved is not None else 0.0,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)
                 for chunk in args.mixed_chunk:
