@@ -100,8 +100,10 @@ class EngineConfig:
     # On CUDA with CUDA graphs, time cuBLASLt's candidate algorithms for each fused target's decode GEMM at
     # each captured batch size, under its carve-out beside LoRA kernels and on every SM without them, and
     # run the fastest where it beats torch.mm's own pick (engine/carved_gemms.py); False: torch.mm's pick.
-    # Under the carve-out, on an H100 (Llama-3-8B, three rounds): decode steps with adapters 5.7% shorter at
-    # batch 1, 1.4% at batch 32 with 8 adapters, level at 64 (BENCHMARKS.md, 2026-12-07)
+    # On an H100 (Llama-3-8B, BENCHMARKS.md, 2026-12-07): under the carve-out alone, decode steps with
+    # adapters 5.7% shorter at batch 1, 1.4% at batch 32 with 8 adapters, level at 64 (three rounds); with
+    # every SM tuned too, base and 8-adapter steps at batch 1, 8 and 32 2.9-5.6% shorter (two rounds), for
+    # about 0.1 s of timing a (target, batch size, carve-out) when the engine starts
     tune_decode_gemms: bool = True
     # On CUDA with the Triton SGMV ops, the fused targets ("qkv", "gate_up") whose LoRA expand a decode
     # step runs in the kernel that reads the projection next (RoPE with the KV write, lorakernels/rope_kv.py;
