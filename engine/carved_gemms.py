@@ -14,7 +14,7 @@ The projections without LoRA work (base steps, targets no adapter of the step ha
 there too the heuristic's first pick is not always the fastest (an H100: decode steps with adapters at
 batch 1, tuned under the carve-out, ran shorter than base steps on torch.mm's pick): each target is tuned
 with a carve-out of 0 as well, and every layer's projection takes the plans (`tuned_gemms`, read by
-engine/lora_inputs.py `plain_gemm`).
+engine/lora_inputs.py `tuned_gemm`).
 
 It covers what the decode GEMMs are in the engine's default layout: no bias, weights stored `in_out`
 (engine/weights.py `store_linears_in_out`), one rank (a row-parallel projection under tensor parallelism

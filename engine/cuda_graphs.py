@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import DecodeKernelBackend
 from engine.forward_inputs import AttentionInputs, KVBuffers, StagingFence, resolve_previous
-from engine.lora_inputs import DECODE_RUN, CarvedProjection, LoraInputs, SgmvMetaBuffers, lora_segments
+from engine.lora_inputs import DECODE_RUN, LoraInputs, SgmvMetaBuffers, lora_segments
 from engine.lora_pool import LoraSlotPool
 from engine.models.blocks import DecoderModel
 
@@ -45,13 +45,12 @@ class DecodeGraphs:
         fused_delta: frozenset[str] = frozenset(),  # LoraInputs.decode_fused_delta of the LoRA graphs
         norm_shrink: frozenset[str] = frozenset(),  # LoraInputs.decode_norm_shrink of the LoRA graphs
         shrink_counters: torch.Tensor | None = None,  # LoraInputs.shrink_counters of the LoRA graphs
-        carved_gemms: CarvedProjection | None = None,  # LoraInputs.carved_gemms of the LoRA graphs
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
         self.sm_carveout, self.fused_expand, self.fused_delta = sm_carveout, fused_expand, fused_delta
         self.sm_carveout_targets = dict(sm_carveout_targets or {})
-        self.norm_shrink, self.shrink_counters, self.carved_gemms = norm_shrink, shrink_counters, carved_gemms
+        self.norm_shrink, self.shrink_counters = norm_shrink, shrink_counters
         self.device = attention.req_to_token.device
         self.buckets = self.bucket_sizes(max_batch, buckets)
         n = max_batch
@@ -144,7 +143,7 @@ class DecodeGraphs:
                 pool, meta, *self.lora_ops, side=self.lora_side, by_target=by_target, idle=skipped, sm_carveout=self.sm_carveout,
                 sm_carveout_targets=self.sm_carveout_targets,
                 decode_fused_expand=self.fused_expand, decode_fused_delta=self.fused_delta,
-                decode_norm_shrink=self.norm_shrink, shrink_counters=self.shrink_counters, carved_gemms=self.carved_gemms,
+                decode_norm_shrink=self.norm_shrink, shrink_counters=self.shrink_counters,
             )  # fmt: skip
 
         def step() -> torch.Tensor:

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -90,12 +90,6 @@ def lora_segments(lens: list[int], slots: list[int], max_len: int = 0) -> tuple[
     return seg_lens, seg_slots
 
 
-class CarvedProjection(Protocol):
-    """What runs a decode GEMM under the carve-out in place of linear(x) (engine/carved_gemms.py)."""
-
-    def project(self, linear: Callable[[torch.Tensor], torch.Tensor], target: str, x: torch.Tensor, carveout: int) -> torch.Tensor: ...
-
-
 @dataclass(frozen=True)
 class PendingExpand:
     """A projection's LoRA expand not yet run: the shrink's v, the slots' B and the step's segments, for
@@ -160,9 +154,6 @@ class LoraInputs:
     # Fused targets whose GEMMs take their own carve-out in place of sm_carveout (EngineConfig's
     # lora_sm_carveout_targets): where the LoRA kernels are short against the GEMM, the SMs cost more
     sm_carveout_targets: Mapping[str, int] = field(default_factory=dict)
-    # The decode GEMMs under the carve-out with a cuBLASLt algorithm timed fastest there (engine/carved_gemms.py
-    # CarvedGemms; EngineConfig's tune_decode_gemms), None: torch.mm's own pick
-    carved_gemms: CarvedProjection | None = None
     # Fused targets whose decode-step expand (side stream) is left to the next kernel as a PendingExpand:
     # the side stream runs the shrink alone beside the GEMM, and the RoPE/KV-write (qkv) or SiLU-mul
     # (gate_up) kernel reads the slots' B as it loads the projection (EngineConfig's
@@ -222,7 +213,7 @@ class LoraInputs:
         (lorakernels/rope_kv.py, silu_mul.py, rmsnorm.py take a `delta`), one kernel launch less per
         projection than `y.add_(delta)` and the same rounding."""
         if target in self.idle or target not in self.pool.targets:  # not adapted here, or no buffers for it
-            return plain_gemm(linear, target, x), None
+            return tuned_gemm(linear, target, x), None
         x_aug = self._tail_x.pop(target, None)
         if x_aug is not None:
             return self._project_tail(linear, target, layer, x, x_aug), None
@@ -232,7 +223,7 @@ class LoraInputs:
         if ns is not None:  # x's norm shrank it: the GEMM alone, on every SM; the next kernel expands
             if ns.v is None or ns.v.shape[0] != x.shape[0]:
                 raise RuntimeError(f"{target}'s input norm in layer {layer} was asked for its shrink and did not compute it")
-            return plain_gemm(linear, target, x), PendingExpand(ns.v, b, ns.meta, t.output_slices, self.expand)
+            return tuned_gemm(linear, target, x), PendingExpand(ns.v, b, ns.meta, t.output_slices, self.expand)
         meta = self.by_target.get(target, self.meta)
         if self.side is None:
             y = linear(x)
@@ -251,7 +242,7 @@ class LoraInputs:
         x_ready = main.record_event()
         carveout = self.sm_carveout_targets.get(target, self.sm_carveout)
         with sm_carveout(carveout):
-            y = linear(x) if self.carved_gemms is None else self.carved_gemms.project(linear, target, x, carveout)
+            y = tuned_gemm(linear, target, x, carveout)
         self.side.wait_event(x_ready)
         with torch.cuda.stream(self.side):
             if target in self.decode_fused_delta:
@@ -297,12 +288,13 @@ def sm_carveout(num_sms: int) -> Iterator[None]:
         torch._C._set_sm_carveout_experimental(before)
 
 
-def plain_gemm(linear: Callable[[torch.Tensor], torch.Tensor], target: str, x: torch.Tensor) -> torch.Tensor:
-    """linear(x) on every SM, for a projection (fused target `target`) without LoRA work this step: through
-    the cuBLASLt algorithm tuned for its rows there (engine/carved_gemms.py; the linear's `tuned_gemms`,
-    set by the model runner) where one was chosen, else linear(x)."""
+def tuned_gemm(linear: Callable[[torch.Tensor], torch.Tensor], target: str, x: torch.Tensor, carveout: int = 0) -> torch.Tensor:
+    """linear(x) for a projection of fused target `target` with `carveout` SMs left to the LoRA kernels
+    (0, every SM: a projection without LoRA work this step): through the cuBLASLt algorithm tuned for its
+    rows and carve-out (engine/carved_gemms.py; the linear's `tuned_gemms`, set by the model runner) where
+    one was chosen, else linear(x)."""
     tuned = getattr(linear, "tuned_gemms", None)
-    return linear(x) if tuned is None else tuned.project(linear, target, x, 0)
+    return linear(x) if tuned is None else tuned.project(linear, target, x, carveout)
 
 
 def usable_sm_carveout(requested: int, num_sms: int) -> int:

@@ -146,7 +146,7 @@ class ModelRunner:
                 self.model, self.kv, decode, max_batch, self.lora_pool, ops, buckets, self.lora_side, sm_carveout=self.lora_sm_carveout,
                 sm_carveout_targets=self.lora_sm_carveout_targets,
                 fused_expand=self._decode_fused_expand, fused_delta=self._decode_fused_delta,
-                norm_shrink=self._decode_norm_shrink, shrink_counters=self._shrink_counters, carved_gemms=self.carved_gemms,
+                norm_shrink=self._decode_norm_shrink, shrink_counters=self._shrink_counters,
             )  # fmt: skip
             self.graphs.pool = pool
             self.graphs.capture()
@@ -262,7 +262,6 @@ class ModelRunner:
             decode_fused_delta=self._decode_fused_delta if side is not None else frozenset(),
             decode_norm_shrink=self._decode_norm_shrink if side is not None else frozenset(),
             shrink_counters=self._shrink_counters, tail=self.gemm_tail, tail_blocks=tail_blocks,
-            carved_gemms=self.carved_gemms if side is not None else None,
         )  # fmt: skip
 
     def _slots(self, lora_slots: tuple[int, ...]) -> list[int]:

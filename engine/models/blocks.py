@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_inputs import AttentionInputs, KVBuffers
-from engine.lora_inputs import LoraInputs, NormShrink, PendingExpand, plain_gemm
+from engine.lora_inputs import LoraInputs, NormShrink, PendingExpand, tuned_gemm
 from engine.model_config import ModelConfig
 from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, local_config
 from engine.rope import apply_rope, cos_sin_cache
@@ -107,7 +107,7 @@ class Attention(nn.Module):
 
     def project_qkv(self, x: torch.Tensor, lora: LoraInputs | None) -> tuple[torch.Tensor, Pending]:
         # x: [T, hidden] -> [T, q_size + 2 * kv_size]
-        return (plain_gemm(self.qkv_proj, "qkv", x), None) if lora is None else lora.project_deferred(self.qkv_proj, "qkv", self.layer_id, x)
+        return (tuned_gemm(self.qkv_proj, "qkv", x), None) if lora is None else lora.project_deferred(self.qkv_proj, "qkv", self.layer_id, x)
 
     def project_o(self, x: torch.Tensor, lora: LoraInputs | None) -> tuple[torch.Tensor, Pending]:
         # x: [T, q_size] -> y: [T, hidden], summed over the ranks
@@ -175,7 +175,7 @@ class MLP(nn.Module):
     def project_gate_up(self, x: torch.Tensor, lora: LoraInputs | None) -> tuple[torch.Tensor, Pending]:
         # x: [T, hidden] -> [T, 2 * inter]
         if lora is None:
-            return plain_gemm(self.gate_up_proj, "gate_up", x), None
+            return tuned_gemm(self.gate_up_proj, "gate_up", x), None
         return lora.project_deferred(self.gate_up_proj, "gate_up", self.layer_id, x)
 
     def project_down(self, x: torch.Tensor, lora: LoraInputs | None) -> tuple[torch.Tensor, Pending]:
@@ -205,7 +205,7 @@ def _row_parallel(
     """A row-parallel projection summed over the ranks; each rank's LoRA delta is a partial sum too, so
     under tensor parallelism it is added before the all-reduce."""
     if lora is None:
-        return tp.all_reduce(plain_gemm(linear, target, x)), None
+        return tp.all_reduce(tuned_gemm(linear, target, x)), None
     y, delta = lora.project_deferred(linear, target, layer, x)
     if tp.size > 1:
         y, delta = _plus(y, delta), None

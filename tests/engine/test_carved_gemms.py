@@ -94,24 +94,24 @@ def test_project_runs_the_plan_of_its_target_rows_and_carveout_else_the_linear()
 
 
 def test_projections_without_lora_work_take_the_plans_on_every_sm():
-    """plain_gemm (base steps, targets idle in a LoRA step) runs the linear's plan for its rows with no
+    """tuned_gemm (base steps, targets idle in a LoRA step) runs the linear's plan for its rows with no
     carve-out, never a carved one; a linear the runner gave no plans runs linear(x)."""
-    from engine.lora_inputs import plain_gemm
+    from engine.lora_inputs import tuned_gemm
 
     linear, runner, carved_runner = _linear(), _Runner(8, 64, 96), _Runner(8, 64, 96)
     x = _aligned(8, 64)
-    assert torch.equal(plain_gemm(linear, "qkv", x), linear(x)) and linear.tuned_gemms is None
+    assert torch.equal(tuned_gemm(linear, "qkv", x), linear(x)) and linear.tuned_gemms is None
     linear.tuned_gemms = _carved({("qkv", 8, 48): (carved_runner, b"carved")})
-    plain_gemm(linear, "qkv", x)
+    tuned_gemm(linear, "qkv", x)
     assert carved_runner.calls == []
     linear.tuned_gemms = _carved({("qkv", 8, 0): (runner, b"every-sm"), ("qkv", 8, 48): (carved_runner, b"carved")})
-    assert torch.equal(plain_gemm(linear, "qkv", x), linear(x))
-    plain_gemm(linear, "gate_up", x)
+    assert torch.equal(tuned_gemm(linear, "qkv", x), linear(x))
+    tuned_gemm(linear, "gate_up", x)
     assert runner.calls == [b"every-sm"] and carved_runner.calls == []
 
 
-def test_base_projections_of_the_blocks_go_through_plain_gemm(monkeypatch):
-    """Without LoRA inputs each of the four fused projections of a layer is run by plain_gemm, so the
+def test_base_projections_of_the_blocks_go_through_tuned_gemm(monkeypatch):
+    """Without LoRA inputs each of the four fused projections of a layer is run by tuned_gemm, so the
     plans reach base steps."""
     from engine.models import blocks
     from engine.named_shapes import NAMED_SHAPES
@@ -119,7 +119,7 @@ def test_base_projections_of_the_blocks_go_through_plain_gemm(monkeypatch):
     config = NAMED_SHAPES["tiny"]
     attn, mlp = blocks.Attention(config, 0), blocks.MLP(config, 0)
     seen = []
-    monkeypatch.setattr(blocks, "plain_gemm", lambda linear, target, x: seen.append(target) or linear(x))
+    monkeypatch.setattr(blocks, "tuned_gemm", lambda linear, target, x: seen.append(target) or linear(x))
     hidden = torch.zeros(3, config.hidden_size)
     attn.project_qkv(hidden, None)
     attn.project_o(torch.zeros(3, config.q_size), None)
