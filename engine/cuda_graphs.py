@@ -61,7 +61,9 @@ class DecodeGraphs:
         self._host = torch.zeros(5, n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._host_rows = self._host.numpy()  # the same bytes: filled in numpy, no torch call a row
         self._fence = StagingFence(self.device)
-        self.lora_meta = SgmvMetaBuffers(n, lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets)) if lora_pool else None
+        self.lora_meta = SgmvMetaBuffers(
+            n, lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets), pad_slot=lora_pool.base_slot
+        ) if lora_pool else None  # fmt: skip
         self.capture_graphs = capture
         # The LoRA graphs of a batch size: one whose projections all run their LoRA kernels, and one whose
         # o, gate_up and down skip them, for steps whose adapters adapt only q/k/v (PEFT's default q/v);

@@ -355,9 +355,19 @@ class SgmvMetaBuffers:
     Refilling copies from Python lists through one pinned (on CUDA) host staging buffer: no GPU sync.
     """
 
-    def __init__(self, max_segments: int, num_slots: int, device: torch.device | str, targets: tuple[str, ...] = ()):
+    def __init__(
+        self, max_segments: int, num_slots: int, device: torch.device | str, targets: tuple[str, ...] = (),
+        pad_slot: int | None = None,
+    ):  # fmt: skip
+        """pad_slot: the slot the unused segments' weight indices name after each fill (a rank-0 slot: the
+        pool's base slot; None: the last slot, where the engine keeps it). A kernel launched for more
+        segments than the step has (a graph captured for one segment a row) then finds rank 0 there, not
+        the adapter an earlier step with more segments left, and reads none of its weights."""
         self.device = torch.device(device)
         self.max_segments = max_segments
+        self.pad_slot = num_slots - 1 if pad_slot is None else pad_slot
+        if not 0 <= self.pad_slot < num_slots:
+            raise ValueError(f"pad_slot {pad_slot} is not one of the {num_slots} slots")
         self.targets = targets
         pin = self.device.type == "cuda"
         # staging layout: [seg_indptr (max_segments + 1) | weight_indices (max_segments) | ranks (num_slots)
@@ -396,6 +406,7 @@ class SgmvMetaBuffers:
         np.cumsum(seg_lens, dtype=np.int32, out=host[1 : num_segments + 1])
         host[num_segments + 1 : self.max_segments + 1] = host[num_segments]  # unused segments are empty
         host[self.max_segments + 1 : self.max_segments + 1 + num_segments] = slots
+        host[self.max_segments + 1 + num_segments : 2 * self.max_segments + 1] = self.pad_slot
         ranks_at, num_slots = 2 * self.max_segments + 1, len(ranks)
         host[ranks_at : ranks_at + num_slots] = ranks
         self._host_target_ranks = {name: tuple(ranks if target_ranks is None else target_ranks[name]) for name in self.targets}

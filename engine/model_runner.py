@@ -107,7 +107,9 @@ class ModelRunner:
         self.step_graphs = None  # engine.step_graphs.StepGraphs: the other steps, once enable_cuda_graphs ran
         self.lora_meta = None
         if lora_pool is not None:  # one segment per request at most (lora_segments merges, never splits)
-            self.lora_meta = SgmvMetaBuffers(req_to_token.shape[0], lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets))
+            self.lora_meta = SgmvMetaBuffers(
+                req_to_token.shape[0], lora_pool.num_slots + 1, self.device, tuple(lora_pool.targets), pad_slot=lora_pool.base_slot
+            )
         self.generators: dict[int, torch.Generator] = {}  # request uid -> its sampling generator
         # The latest step's sampled tokens, by sampling row (rank 0 fills it; a chained plan reads it).
         self.last_tokens = torch.zeros(req_to_token.shape[0], dtype=torch.int64, device=self.device)

@@ -89,7 +89,9 @@ class StepGraphs:
         c = model.config
         self.plans = ExtendPlanBuffers(n, self.max_reqs, c.num_heads // c.num_kv_heads, self.device)
         slots = lora_pool.num_slots + 1 if lora_pool else 0
-        self.lora_meta = SgmvMetaBuffers(self.max_reqs, slots, self.device, tuple(lora_pool.targets)) if lora_pool else None
+        self.lora_meta = SgmvMetaBuffers(
+            self.max_reqs, slots, self.device, tuple(lora_pool.targets), pad_slot=lora_pool.base_slot
+        ) if lora_pool else None  # fmt: skip
         self.capture_graphs = capture
         # (bucket, with_lora, tail blocks) -> what runs the step: its graph's replay, or the step function
         # uncaptured; a bucket whose LoRA steps add their LoRA in the GEMMs' tail has a LoRA graph per

@@ -383,7 +383,8 @@ def _expand_decode_kernel(
     mask_n = offs_n < size
     scaling = tl.load(scalings_ptr + slot)
     offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank
+    # an empty segment (a graph's padding) reads no B, whatever slot its weight index names
+    mask_r = offs_r < tl.where(row_end > row_start, rank, 0)
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_bw + (offset + offs_n)[None, :] * stride_bn + offs_r[:, None] * stride_br
     b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]: B^T
     if UPCAST_DOT:

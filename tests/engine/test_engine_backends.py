@@ -117,6 +117,8 @@ def run_batch(
         assert any(chained)  # some replays read the previous step's tokens on the device
     if static_decode:
         assert core.workers.local.runner.graphs.num_replays >= NUM_TOKENS - 1 and not any(decode_eager)
+        pool = core.workers.local.runner.lora_pool  # a replay's unused segments name the base slot (rank 0)
+        assert core.workers.local.runner.graphs.lora_meta.pad_slot == pool.base_slot and pool.ranks[pool.base_slot] == 0
         assert any(decode_chained)  # some replays read the previous step's tokens on the device
     return [tokens for tokens, _, _ in streams]
 

@@ -25,6 +25,26 @@ def test_refill_keeps_addresses_and_matches_from_lists():
         buffers.fill([1] * 7, [0] * 7, ranks, scalings)
 
 
+def test_unused_segments_name_the_pad_slot_after_a_step_with_more_segments():
+    """A graph's kernels run for all max_segments: after a step of 5 segments and one of 2, the 3 segments
+    the second leaves unused name the rank-0 pad slot, not the adapters the first put there (the decode
+    expand would read their B for nothing)."""
+    ranks, scalings = [16, 16, 16, 16, 0], [1.0, 1.0, 1.0, 1.0, 0.0]
+    buffers = SgmvMetaBuffers(max_segments=6, num_slots=5, device="cpu")  # pad_slot: the last slot
+    buffers.fill([1] * 5, [0, 1, 2, 3, 0], ranks, scalings)
+    assert buffers.weight_indices.tolist() == [0, 1, 2, 3, 0, 4]
+    meta = buffers.fill([3, 1], [2, 1], ranks, scalings)
+    assert meta.weight_indices.tolist() == [2, 1]
+    assert buffers.weight_indices.tolist() == [2, 1, 4, 4, 4, 4]
+    assert buffers.lora_ranks[buffers.weight_indices[2:]].eq(0).all()
+    buffers = SgmvMetaBuffers(max_segments=3, num_slots=5, device="cpu", pad_slot=1)
+    buffers.fill([2], [3], [16, 0, 16, 16, 16], [1.0] * 5)
+    assert buffers.weight_indices.tolist() == [3, 1, 1]
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match="pad_slot"):
+            SgmvMetaBuffers(max_segments=3, num_slots=5, device="cpu", pad_slot=bad)
+
+
 def test_each_target_gets_its_own_ranks_in_place():
     """by_target: the fill's metadata with each target's ranks (device views refilled in place, the host
     copy for the chunked backend, a chunk cache of its own); lora_ranks stays the slots' ranks."""
