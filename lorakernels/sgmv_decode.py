@@ -370,69 +370,71 @@ def _expand_decode_kernel(
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)  # stacked target
-    slot = tl.load(weight_indices_ptr + seg)
-    rank = tl.load(lora_ranks_ptr + slot)
     offset = tl.where(pid_k == 0, off0, tl.where(pid_k == 1, off1, off2))
     size = tl.where(pid_k == 0, size0, tl.where(pid_k == 1, size1, size2))
-    # -- what no kernel of the step writes (metadata, this slot's B tile) before any wait: a program past
-    # -- its slice's columns or of a rank-0 segment reads no B
     row_start = tl.load(seg_indptr_ptr + seg)
     row_end = tl.load(seg_indptr_ptr + seg + 1)
+    # an empty segment (a graph's padding: most of the grid where a step has fewer segments than rows) or a
+    # block past its slice's columns: nothing to read or write, so no wait either
+    if (row_end <= row_start) | (pid_n * BLOCK_N >= size):
+        return
+    slot = tl.load(weight_indices_ptr + seg)
+    rank = tl.load(lora_ranks_ptr + slot)
+    # -- what no kernel of the step writes (metadata, this slot's B tile) before any wait: a program of a
+    # -- rank-0 segment reads no B
     offs_m = tl.arange(0, ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < size
     scaling = tl.load(scalings_ptr + slot)
     offs_r = tl.arange(0, BLOCK_R)
-    # an empty segment (a graph's padding) reads no B, whatever slot its weight index names
-    mask_r = offs_r < tl.where(row_end > row_start, rank, 0)
+    mask_r = offs_r < rank
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_bw + (offset + offs_n)[None, :] * stride_bn + offs_r[:, None] * stride_br
     b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]: B^T
     if UPCAST_DOT:
         b = b.to(tl.float32)
     if USE_PDL:
         wait_for_producer()  # v (or the partials) and y come from the kernels before
-    if pid_n * BLOCK_N < size:
-        if rank > 0:
+    if rank > 0:
+        if FROM_PARTIALS:
+            n = _num_live_segments(seg_indptr_ptr, num_segments, BLOCK_G)
+            _, _, num_splits = _splits(n, num_programs, K, SHRINK_BLOCK_K)
+            offs_s = tl.arange(0, SPLIT_CHUNK)
+        for m0 in range(row_start, row_end, ROWS):
+            rows = m0 + offs_m
+            mask_m = rows < row_end
             if FROM_PARTIALS:
-                n = _num_live_segments(seg_indptr_ptr, num_segments, BLOCK_G)
-                _, _, num_splits = _splits(n, num_programs, K, SHRINK_BLOCK_K)
-                offs_s = tl.arange(0, SPLIT_CHUNK)
-            for m0 in range(row_start, row_end, ROWS):
-                rows = m0 + offs_m
-                mask_m = rows < row_end
-                if FROM_PARTIALS:
-                    # v[rows] = round(sum over splits): what the reduce kernel stores, summed in chunks
-                    acc = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
-                    cols = (pid_k * max_rank + offs_r)[None, :] * stride_vn
-                    for s0 in range(0, num_splits, SPLIT_CHUNK):
-                        splits = s0 + offs_s
-                        p = tl.load(
-                            v_ptr + splits[:, None, None] * stride_vs + rows[None, :, None] * stride_vm + cols[None, :, :],
-                            mask=(splits < num_splits)[:, None, None] & mask_m[None, :, None] & mask_r[None, None, :],
-                            other=0.0,
-                        )  # [SPLIT_CHUNK, ROWS, BLOCK_R]
-                        acc += tl.sum(p, axis=0)
-                    vv = acc.to(y_ptr.dtype.element_ty)
-                else:
-                    vv = tl.load(
-                        v_ptr + rows[:, None] * stride_vm + (pid_k * max_rank + offs_r)[None, :] * stride_vn,
-                        mask=mask_m[:, None] & mask_r[None, :],
+                # v[rows] = round(sum over splits): what the reduce kernel stores, summed in chunks
+                acc = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
+                cols = (pid_k * max_rank + offs_r)[None, :] * stride_vn
+                for s0 in range(0, num_splits, SPLIT_CHUNK):
+                    splits = s0 + offs_s
+                    p = tl.load(
+                        v_ptr + splits[:, None, None] * stride_vs + rows[None, :, None] * stride_vm + cols[None, :, :],
+                        mask=(splits < num_splits)[:, None, None] & mask_m[None, :, None] & mask_r[None, None, :],
                         other=0.0,
-                    )  # [ROWS, BLOCK_R]
-                if UPCAST_DOT:
-                    vv = vv.to(tl.float32)
-                delta = tl.dot(vv, b, input_precision=INPUT_PRECISION) * scaling  # [ROWS, BLOCK_N] fp32
-                y_ptrs = y_ptr + rows[:, None] * stride_ym + (offset + offs_n)[None, :] * stride_yn
-                mask = mask_m[:, None] & mask_n[None, :]
-                if not OVERWRITE:
-                    delta += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
-        elif OVERWRITE:
-            zeros = tl.zeros((ROWS, BLOCK_N), dtype=y_ptr.dtype.element_ty)
-            for m0 in range(row_start, row_end, ROWS):
-                rows = m0 + offs_m
-                y_ptrs = y_ptr + rows[:, None] * stride_ym + (offset + offs_n)[None, :] * stride_yn
-                tl.store(y_ptrs, zeros, mask=(rows < row_end)[:, None] & mask_n[None, :])
+                    )  # [SPLIT_CHUNK, ROWS, BLOCK_R]
+                    acc += tl.sum(p, axis=0)
+                vv = acc.to(y_ptr.dtype.element_ty)
+            else:
+                vv = tl.load(
+                    v_ptr + rows[:, None] * stride_vm + (pid_k * max_rank + offs_r)[None, :] * stride_vn,
+                    mask=mask_m[:, None] & mask_r[None, :],
+                    other=0.0,
+                )  # [ROWS, BLOCK_R]
+            if UPCAST_DOT:
+                vv = vv.to(tl.float32)
+            delta = tl.dot(vv, b, input_precision=INPUT_PRECISION) * scaling  # [ROWS, BLOCK_N] fp32
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + (offset + offs_n)[None, :] * stride_yn
+            mask = mask_m[:, None] & mask_n[None, :]
+            if not OVERWRITE:
+                delta += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
+    elif OVERWRITE:
+        zeros = tl.zeros((ROWS, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+        for m0 in range(row_start, row_end, ROWS):
+            rows = m0 + offs_m
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + (offset + offs_n)[None, :] * stride_yn
+            tl.store(y_ptrs, zeros, mask=(rows < row_end)[:, None] & mask_n[None, :])
 
 
 def sgmv_expand_decode(
