@@ -6,6 +6,7 @@ each over its own copy of the weights, as `tune_lora_tiles.py` times them (its `
 
     python benchmarks/fused_delta.py --shape llama3-8b --tokens 32 64 --adapters 1 8 32
     python benchmarks/fused_delta.py --tokens 128 --adapters 32 --lora-pdl off on
+    python benchmarks/fused_delta.py --tokens 32 128 --adapters 8 32 --segments graph exact
 
 One JSON row per (target, tokens, adapters): gemm_us, unfused_us, fused_us and fused_vs_unfused; the
 LoRA kernels alone with every SM (unfused_lora_us, fused_lora_us) and the share of --copy-gbps they move
@@ -13,13 +14,17 @@ of the delta's bytes (x read, the used adapters' A and B at their rank read, the
 issue's SGMV target is half the copy rate at 32+ adapters and 128 tokens. The fused delta is checked
 against the unfused one first. `--lora-pdl off on` times every row both ways (lorakernels/pdl.py
 `set_lora_enabled`: the kernels after the split shrink launched with programmatic dependent launch), each
-delta first checked bit for bit against the same kernels' without it. On the CPU (the interpreter) it runs one call
+delta first checked bit for bit against the same kernels' without it. `--segments graph exact` times every
+row with a decode graph's metadata (one segment a row, those the step leaves unused empty: the default, what
+the engine replays) and with the step's own segments alone (what an eager step launches), the two deltas
+first checked equal: what the graph's padding programs cost. On the CPU (the interpreter) it runs one call
 each, for a smoke test only.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Iterator
@@ -60,7 +65,10 @@ def fused_step(proj: Projection, meta: SgmvMeta, i: int) -> None:
     proj.beside_gemm(lambda: fused_lora(proj, meta, i), i)
 
 
-def time_row(proj: Projection, meta: SgmvMeta, n: int, gemm_us: float, args, device, reps: int, copy_gbps: float, carveout: int, setting: str) -> dict:
+def time_row(
+    proj: Projection, meta: SgmvMeta, n: int, gemm_us: float, args, device, reps: int, copy_gbps: float, carveout: int, setting: str,
+    segments: str = "graph",
+) -> dict:  # fmt: skip
     """One row: the projection's decode step and its LoRA kernels alone, unfused and fused, timed."""
     unfused_us = median_us(lambda i: proj.decode_step(meta, None, None, i), device, reps)
     fused_us = median_us(lambda i: fused_step(proj, meta, i), device, reps)
@@ -68,7 +76,8 @@ def time_row(proj: Projection, meta: SgmvMeta, n: int, gemm_us: float, args, dev
     fused_lora_us = median_us(lambda i: fused_lora(proj, meta, i), device, reps)
     nbytes = delta_bytes(proj, n, args.rank)
     row = {
-        "target": proj.target.name, "tokens": proj.num_tokens, "adapters": n, "lora_pdl": setting, "gemm_us": round(gemm_us, 2),
+        "target": proj.target.name, "tokens": proj.num_tokens, "adapters": n, "lora_pdl": setting, "segments": segments,
+        "num_segments": meta.num_segments, "gemm_us": round(gemm_us, 2),
         "unfused_us": round(unfused_us, 2), "fused_us": round(fused_us, 2),
         "fused_vs_unfused": round(fused_us / unfused_us, 4),
         "unfused_lora_us": round(unfused_lora_us, 2), "fused_lora_us": round(fused_lora_us, 2), "lora_bytes": nbytes,
@@ -85,6 +94,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_projection_arguments(parser, adapters=[1, 8, 32])
     parser.add_argument("--lora-pdl", nargs="+", choices=["off", "on"], default=["on"], help="the LoRA chain's PDL switch (the engine's default: on): rows for each")
     parser.add_argument("--copy-gbps", type=float, default=0.0, help="device copy bandwidth, GB/s (0: measured on the device first)")
+    parser.add_argument(
+        "--segments", nargs="+", choices=["graph", "exact"], default=["graph"],
+        help="the metadata: a decode graph's (one segment a row, the unused ones empty) or the step's own segments alone: rows for each",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     copy_gbps = resolve_copy_gbps(args.copy_gbps, device)
@@ -97,18 +110,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for proj, metas in decode_projections(args, device, carveout):
         target, num_tokens = proj.target, proj.num_tokens
         gemm_us = median_us(proj.gemm, device, reps)
-        for n, meta in metas.items():
+        for (n, graph_meta), layout in itertools.product(metas.items(), args.segments):
+            meta = graph_meta if layout == "graph" else live_segments(graph_meta, device)
             pdl.set_lora_enabled(False)
             unfused, fused = proj.decode_lora(meta, None, None).float(), fused_lora(proj, meta).float()
             if not torch.allclose(fused, unfused, rtol=2e-2, atol=2e-2 * unfused.abs().max().item() + 1e-6):
                 raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the fused delta differs from the unfused one")
+            if layout == "exact" and not torch.equal(unfused, proj.decode_lora(graph_meta, None, None).float()):
+                raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the graph's padding segments change the delta")
             for setting in args.lora_pdl:
                 pdl.set_lora_enabled(setting == "on")
                 if not (torch.equal(proj.decode_lora(meta, None, None).float(), unfused) and torch.equal(fused_lora(proj, meta).float(), fused)):
                     raise SystemExit(f"{target.name} T={num_tokens} {n} adapters: the deltas with --lora-pdl {setting} differ")
-                rows.append(time_row(proj, meta, n, gemm_us, args, device, reps, copy_gbps, carveout, setting))
+                row = time_row(proj, meta, n, gemm_us, args, device, reps, copy_gbps, carveout, setting, layout)
+                rows.append(row)
             pdl.set_lora_enabled(False)
     return rows
+
+
+def live_segments(meta: SgmvMeta, device: torch.device) -> SgmvMeta:
+    """A decode graph's metadata without its padding: the step's own (non-empty) segments, as an eager
+    step gives them."""
+    live = [(n, slot) for n, slot in zip(meta.host_seg_lens, meta.host_slots, strict=True) if n > 0]
+    return SgmvMeta.from_lists([n for n, _ in live], [slot for _, slot in live], list(meta.host_ranks), meta.scalings.tolist(), device)
 
 
 def add_projection_arguments(parser: argparse.ArgumentParser, adapters: list[int]) -> None:

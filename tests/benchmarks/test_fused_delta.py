@@ -37,3 +37,29 @@ def test_a_fused_delta_that_differs_stops_the_run(monkeypatch):
     monkeypatch.setattr(fused_delta, "sgmv_lora_delta_decode", lambda *a, **k: real(*a, **k) * 1.5)
     with pytest.raises(SystemExit, match="differs from the unfused one"):
         fused_delta.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "2", "--targets", "o"])
+
+
+def test_graph_and_exact_segments_give_a_row_each():
+    """--segments graph exact: 4 tokens over 2 adapters are 2 segments, padded to 4 in the graph's layout."""
+    rows = fused_delta.main(
+        ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "2", "4", "--targets", "o",
+         "--segments", "graph", "exact"]
+    )  # fmt: skip
+    assert [(r["adapters"], r["segments"], r["num_segments"]) for r in rows] == [(2, "graph", 4), (2, "exact", 2), (4, "graph", 4), (4, "exact", 4)]
+    assert all(r["unfused_lora_us"] > 0 and r["lora_bytes"] > 0 for r in rows)
+    assert rows[0]["lora_bytes"] == rows[1]["lora_bytes"]  # the same work either way
+
+
+def test_padding_that_changes_the_delta_stops_the_run(monkeypatch):
+    real = fused_delta.live_segments
+
+    def wrong(meta, device):  # the live segments, every one on adapter 1: another delta
+        live = real(meta, device)
+        ranks = list(live.host_ranks)
+        return fused_delta.SgmvMeta.from_lists(list(live.host_seg_lens), [1] * live.num_segments, ranks, [2.0] * len(ranks), device)
+
+    monkeypatch.setattr(fused_delta, "live_segments", wrong)
+    with pytest.raises(SystemExit, match="padding segments change the delta"):
+        fused_delta.main(
+            ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "2", "--targets", "o", "--segments", "exact"]
+        )  # fmt: skip
