@@ -33,7 +33,9 @@ merges them into one segment per run (engine/lora_inputs.py, `lora_segments`), s
         and, per 16-row tile of the segment, adds scaling * v[rows] @ B_tile^T (a tensor-core dot, fp32)
         into y's BLOCK_N columns; every (row, column) of y has one writer. With `overwrite` it stores the
         delta instead of adding it and writes zeros for rank-0 (base-model) segments: y need not be
-        zeroed first when the segments cover every row and the slices every column.
+        zeroed first when the segments cover every row and the slices every column. A program of an empty
+        segment (a decode graph's padding) or of a block past its target's slice returns after reading
+        the segment's bounds: no B, no wait.
 
     fused delta (`sgmv_lora_delta_decode`): stage 1, then the expand with FROM_PARTIALS: each program
         sums its rows' splits from the partials (SPLIT_CHUNK splits a load) and rounds them as stage 2
