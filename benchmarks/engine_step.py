@@ -98,7 +98,7 @@ def random_packed(
     return PackedAdapter(digest, rank, 2.0, a, b)
 
 
-def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "in_out", prefill_fused_expand: tuple[str, ...] = ("gate_up",), gemm_tail_blocks: int = 0, max_lora_rank: int = 16, decode_norm_shrink: tuple[str, ...] = (), kernel_pdl: bool = False, lora_pdl: bool = True, tune_decode_gemms: bool = True):
+def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int], max_context: int, attention: str, num_adapters: int, lora_backend: str, graphs: bool, nccl_only: bool = False, fused: tuple[str, ...] = (), graph_max_tokens: int = 2048, kv_tokens: int = 0, lora_sm_carveout: int = DEFAULT_LORA_SM_CARVEOUT, kernel_configs: str = "", decode_fused_expand: tuple[str, ...] = (), lora_sm_carveout_targets: tuple[tuple[str, int], ...] = (), decode_fused_delta: tuple[str, ...] = (), linear_weight_layout: str = "in_out", prefill_fused_expand: tuple[str, ...] = ("gate_up",), gemm_tail_blocks: int = 0, max_lora_rank: int = 16, decode_norm_shrink: tuple[str, ...] = (), kernel_pdl: bool = False, lora_pdl: bool = True, tune_decode_gemms: bool = True, graph_segments: tuple[int, ...] = ()):
     max_reqs = max(batches)
     engine = EngineConfig(
         model_dir="", device=device.type, max_running_requests=max_reqs, max_batch_tokens=max(8192, max_reqs),
@@ -109,7 +109,7 @@ def build(config: ModelConfig, device: torch.device, tp: int, batches: list[int]
         lora_decode_fused_expand=decode_fused_expand, lora_sm_carveout_targets=lora_sm_carveout_targets,
         lora_decode_fused_delta=decode_fused_delta, linear_weight_layout=linear_weight_layout,
         lora_prefill_fused_expand=prefill_fused_expand, lora_gemm_tail_blocks=gemm_tail_blocks,
-        lora_decode_norm_shrink=decode_norm_shrink, kernel_pdl=kernel_pdl, lora_pdl=lora_pdl,
+        lora_decode_norm_shrink=decode_norm_shrink, kernel_pdl=kernel_pdl, lora_pdl=lora_pdl, lora_graph_segments=graph_segments,
         tune_decode_gemms=tune_decode_gemms,
     )  # fmt: skip
     spec = WorkerSpec(engine, max_context, TensorParallel(0, tp), random_config=config, graph_buckets=tuple(sorted(set(batches))))
@@ -311,6 +311,7 @@ def main() -> None:
         help="the engine's --lora-prefill-fused-expand",
     )
     parser.add_argument("--gemm-tail-blocks", type=int, default=4, help="the engine's --lora-gemm-tail-blocks (0: off)")
+    parser.add_argument("--graph-segments", type=int, nargs="*", default=[], help="the engine's --lora-graph-segments")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the engine's --max-lora-rank (the slots' rank capacity; adapters are rank 16)")
     parser.add_argument(
         "--linear-weight-layout", default="in_out", choices=LINEAR_WEIGHT_LAYOUTS, help="the engine's --linear-weight-layout"
@@ -348,6 +349,7 @@ def main() -> None:
         args.kernel_configs, tuple(args.decode_fused_expand), tuple(args.lora_sm_carveout_target), tuple(args.decode_fused_delta),
         args.linear_weight_layout, tuple(args.prefill_fused_expand), args.gemm_tail_blocks, args.max_lora_rank,
         tuple(args.decode_norm_shrink), args.kernel_pdl, not args.disable_lora_pdl, not args.disable_decode_gemm_tuning,
+        tuple(args.graph_segments),
     )  # fmt: skip
     carved = getattr(getattr(getattr(loop.workers, "local", None), "runner", None), "carved_gemms", None)
     for tuned_row in carved.report if carved is not None else []:
@@ -382,6 +384,7 @@ def main() -> None:
                     prefill_fused_expand=args.prefill_fused_expand, gemm_tail_blocks=args.gemm_tail_blocks, max_lora_rank=args.max_lora_rank,
                     decode_norm_shrink=args.decode_norm_shrink, kernel_pdl=args.kernel_pdl,
                     lora_pdl=not args.disable_lora_pdl, tune_decode_gemms=not args.disable_decode_gemm_tuning,
+                    graph_segments=args.graph_segments,
                     decode_gemm_tune_s=round(carved.tune_seconds, 2) if carved is not None else 0.0,
                 )  # fmt: skip
                 print(json.dumps(row), flush=True)

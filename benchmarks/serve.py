@@ -710,6 +710,8 @@ def engine_serve_args(config: EngineConfig) -> list[str]:
         args += ["--disable-decode-gemm-tuning"]
     args += ["--linear-weight-layout", config.linear_weight_layout]
     args += ["--lora-gemm-tail-blocks", str(config.lora_gemm_tail_blocks)]
+    if config.lora_graph_segments:
+        args += ["--lora-graph-segments", *map(str, config.lora_graph_segments)]
     if config.lora_backend:
         args += ["--lora-backend", config.lora_backend]
     return args
@@ -885,6 +887,7 @@ def engine_config(args, model_dir: Path, registry: str) -> EngineConfig:
         tune_decode_gemms=not args.disable_decode_gemm_tuning,
         linear_weight_layout=args.linear_weight_layout,
         lora_gemm_tail_blocks=args.lora_gemm_tail_blocks,
+        lora_graph_segments=tuple(args.lora_graph_segments),
     )
 
 
@@ -955,6 +958,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--linear-weight-layout", default="in_out", choices=LINEAR_WEIGHT_LAYOUTS, help="the engine's --linear-weight-layout"
+    )
+    p.add_argument(
+        "--lora-graph-segments", nargs="*", type=int, default=[], help="the engine's --lora-graph-segments"
     )
     p.add_argument(
         "--lora-gemm-tail-blocks", type=int, default=EngineConfig.lora_gemm_tail_blocks,

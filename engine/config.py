@@ -124,6 +124,13 @@ class EngineConfig:
     # blocks x (A and B^T of one slot) of device memory (~2 GB at 4 blocks, rank 64, Llama-3-8B).
     # Unused under tensor parallelism (a row-parallel delta would be summed over the ranks). 0: off
     lora_gemm_tail_blocks: int = 4
+    # CUDA decode graphs with LoRA are also captured for steps of at most these many LoRA segments (a
+    # segment: one adapter's neighbouring rows, up to 16), and a step replays the graph of the fewest that
+    # hold its own. A graph captured for one segment a row launches its LoRA kernels' programs for every
+    # row, and with few adapters most are padding: up to 27 us a projection at 128 rows on an H100
+    # (BENCHMARKS.md, 2026-12-07). Each count adds a LoRA graph per batch size and variant (capture time,
+    # a logits buffer each). None by default: not yet measured in the engine
+    lora_graph_segments: tuple[int, ...] = ()
     # On CUDA with the splitk LoRA backend and a max LoRA rank up to 64, the fused targets (LORA_FUSED_TARGETS) whose LoRA delta a decode
     # step computes beside the base GEMM in one pass from x (lorakernels/sgmv_decode.py
     # `sgmv_lora_delta_decode`: the expand sums the split shrink's partials itself, so no reduce kernel
@@ -235,6 +242,8 @@ class EngineConfig:
                 f"{', '.join(both)} cannot be in both lora_decode_fused_delta (the delta beside the GEMM) and"
                 " lora_decode_norm_shrink (the shrink in the norm, the expand in the next kernel)"
             )
+        if any(n < 1 for n in self.lora_graph_segments):
+            raise ValueError(f"lora_graph_segments must be positive, got {self.lora_graph_segments}")
         if not 0 <= self.lora_gemm_tail_blocks <= 64:
             raise ValueError(f"lora_gemm_tail_blocks must be 0-64, got {self.lora_gemm_tail_blocks}")
         if self.linear_weight_layout not in LINEAR_WEIGHT_LAYOUTS:

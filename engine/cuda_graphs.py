@@ -1,4 +1,5 @@
-"""CUDA-graph replay of decode steps: one captured graph per padded batch size (and per LoRA on/off).
+"""CUDA-graph replay of decode steps: one captured graph per padded batch size (and per LoRA on/off; with
+LoRA, per variant of skipped targets and, with EngineConfig.lora_graph_segments, per segment count).
 
 Every input the graph reads lives in a static buffer allocated here once: token ids, positions, the
 KV slot of each new token, each request's table row and length, and the LoRA segment metadata; the
@@ -45,6 +46,7 @@ class DecodeGraphs:
         fused_delta: frozenset[str] = frozenset(),  # LoraInputs.decode_fused_delta of the LoRA graphs
         norm_shrink: frozenset[str] = frozenset(),  # LoraInputs.decode_norm_shrink of the LoRA graphs
         shrink_counters: torch.Tensor | None = None,  # LoraInputs.shrink_counters of the LoRA graphs
+        segment_buckets: tuple[int, ...] = (),  # LoRA graphs also for steps of at most these many segments
     ):
         self.model, self.kv, self.attention = model, kv, attention
         self.lora_pool, self.lora_ops, self.lora_side = lora_pool, lora_ops, lora_side
@@ -53,6 +55,9 @@ class DecodeGraphs:
         self.norm_shrink, self.shrink_counters = norm_shrink, shrink_counters
         self.device = attention.req_to_token.device
         self.buckets = self.bucket_sizes(max_batch, buckets)
+        if any(n < 1 for n in segment_buckets):
+            raise ValueError(f"segment buckets must be positive, got {segment_buckets}")
+        self.segment_buckets = tuple(sorted(set(segment_buckets)))
         n = max_batch
         # the int64 inputs, one row each, and seq_lens as int64; staged whole from one pinned host block
         self._inputs = torch.zeros(5, n, dtype=torch.int64, device=self.device)
@@ -74,9 +79,9 @@ class DecodeGraphs:
         self.lora_variants: tuple[frozenset[str], ...] = (
             (skip_beyond_qkv, frozenset()) if "qkv" in targets and skip_beyond_qkv else (frozenset(),)
         ) if lora_pool else ()  # fmt: skip
-        # (batch, skipped targets or None without LoRA) -> what runs the step: its graph's replay, or the
-        # step function uncaptured
-        self.steps: dict[tuple[int, frozenset[str] | None], Callable[[], torch.Tensor]] = {}
+        # (batch, skipped targets or None without LoRA, LoRA segments) -> what runs the step: its graph's
+        # replay, or the step function uncaptured
+        self.steps: dict[tuple[int, frozenset[str] | None, int], Callable[[], torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
 
@@ -85,9 +90,23 @@ class DecodeGraphs:
         """The padded batch sizes captured: the buckets below max_batch, and max_batch."""
         return sorted({b for b in (buckets or BATCH_BUCKETS) if b < max_batch} | {max_batch})
 
+    def segment_counts(self, batch: int) -> list[int]:
+        """The segment counts a batch size's LoRA graphs are captured for: `batch` (one segment a row, every
+        step fits), and each segment bucket below it that a step can fit (a padded batch of `batch` rows
+        is at least cdiv(batch, DECODE_RUN) runs). A graph's LoRA kernels launch programs for its count:
+        a step of few adapters replayed in the graph of the fewest segments that hold its own skips the
+        programs of the padding segments."""
+        least = -(-batch // DECODE_RUN)
+        return sorted({n for n in self.segment_buckets if least <= n < batch} | {batch})
+
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
-        keys = [(batch, skipped) for batch in reversed(self.buckets) for skipped in (None, *self.lora_variants)]
+        keys = [
+            key for batch in reversed(self.buckets)
+            for key in [(batch, None, batch)] + [
+                (batch, skipped, n) for skipped in self.lora_variants for n in reversed(self.segment_counts(batch))
+            ]
+        ]  # fmt: skip
         self.steps, self.pool = capture_steps(keys, self._step, self.device, self.pool, self.capture_graphs)
         if self.capture_graphs:
             log.info("captured %d decode graphs for batch sizes %s", len(self.steps), self.buckets)
@@ -116,7 +135,7 @@ class DecodeGraphs:
         self.seq_lens[:batch].copy_(self._inputs[4, :batch])  # to int32, on the device
         if previous is not None:
             self.input_ids[:batch].copy_(resolve_previous(self.input_ids[:batch], previous))
-        skipped = None
+        skipped, num_segments = None, batch
         if lora_slots is not None:
             pool = self.lora_pool
             pool.wait_for_loads(lora_slots)  # loads ahead into other slots keep running beside the replay
@@ -125,19 +144,23 @@ class DecodeGraphs:
             self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
             idle = pool.idle_targets(lora_slots)
             skipped = next(v for v in self.lora_variants if v <= idle)  # the most skipped first
-        logits = self.steps[(batch, skipped)]()
+            counts = self.segment_counts(batch)
+            num_segments = counts[bisect.bisect_left(counts, len(seg_lens))]
+        logits = self.steps[(batch, skipped, num_segments)]()
         self.num_replays += 1
         return logits[:n]
 
-    def _step(self, batch: int, skipped: frozenset[str] | None) -> Callable[[], torch.Tensor]:
+    def _step(self, batch: int, skipped: frozenset[str] | None, num_segments: int) -> Callable[[], torch.Tensor]:
         """The decode step of `batch` padded rows over the static buffers, returning [batch, vocab] logits;
-        skipped: the fused targets whose LoRA kernels it leaves out (None: no LoRA at all)."""
+        skipped: the fused targets whose LoRA kernels it leaves out (None: no LoRA at all); num_segments:
+        the LoRA segments its kernels are launched for (the step's own and empty ones after them)."""
         metadata = self.attention.capture_metadata(self.req_rows[:batch], self.seq_lens[:batch])
         attn = AttentionInputs(out_cache_loc=self.out_cache_loc[:batch], metadata=metadata)
         lora = None
         if skipped is not None:
             pool = self.lora_pool
-            meta = self.lora_meta.fill([1] * batch, [pool.base_slot] * batch, pool.ranks, pool.scalings, pool.target_ranks)
+            seg_lens = [batch // num_segments + (i < batch % num_segments) for i in range(num_segments)]
+            meta = self.lora_meta.fill(seg_lens, [pool.base_slot] * num_segments, pool.ranks, pool.scalings, pool.target_ranks)
             # replays merge each adapter's rows into one segment (`lora_segments`): size the grids for that
             meta = dataclasses.replace(meta, max_seg_len=min(batch, DECODE_RUN))
             by_target = self.lora_meta.by_target(meta)  # views of the buffers: replays see each refill

@@ -58,6 +58,7 @@ class ModelRunner:
         lora_gemm_tail: GemmTail | None = None,  # prefill-sized steps: the LoRA in the base GEMMs (engine/lora_tail.py)
         lora_decode_norm_shrink: tuple[str, ...] = (),  # CUDA decode steps: targets shrunk by their input's norm
         tune_decode_gemms: bool = False,  # CUDA graphs: the decode GEMMs' cuBLASLt algorithms tuned (engine/carved_gemms.py)
+        lora_graph_segments: tuple[int, ...] = (),  # CUDA graphs: LoRA decode graphs also for these segment counts
     ):
         self.model = model
         self.kv = kv
@@ -66,6 +67,7 @@ class ModelRunner:
         self.attention = attention
         self.lora_pool = lora_pool
         self.lora_ops = sgmv_ops(lora_backend)
+        self._lora_graph_segments = tuple(lora_graph_segments)
         # Prefill-sized steps leave these targets' expand to the kernel that reads the projection next
         # (gate/up: SiLU-mul; o, down: the residual add + RMSNorm): the Triton ops on CUDA
         self._fused_expand = prefill_fused_targets(lora_prefill_fused_expand, self.device, lora_backend)
@@ -149,6 +151,7 @@ class ModelRunner:
                 sm_carveout_targets=self.lora_sm_carveout_targets,
                 fused_expand=self._decode_fused_expand, fused_delta=self._decode_fused_delta,
                 norm_shrink=self._decode_norm_shrink, shrink_counters=self._shrink_counters,
+                segment_buckets=self._lora_graph_segments,
             )  # fmt: skip
             self.graphs.pool = pool
             self.graphs.capture()

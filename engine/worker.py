@@ -147,7 +147,7 @@ class ModelWorker:
             lora_sm_carveout_targets=dict(config.lora_sm_carveout_targets), lora_decode_fused_expand=config.lora_decode_fused_expand,
             lora_decode_fused_delta=config.lora_decode_fused_delta, lora_prefill_fused_expand=config.lora_prefill_fused_expand,
             lora_gemm_tail=gemm_tail, lora_decode_norm_shrink=config.lora_decode_norm_shrink,
-            tune_decode_gemms=config.tune_decode_gemms,
+            tune_decode_gemms=config.tune_decode_gemms, lora_graph_segments=config.lora_graph_segments,
         )  # fmt: skip
         if device.type == "cuda" and (config.cuda_graph_max_batch > 0 or config.cuda_graph_max_tokens > 0):
             runner.enable_cuda_graphs(

@@ -264,6 +264,19 @@ def test_lora_prefill_fused_expand_reaches_the_engine_config_from_the_flag_or_it
         EngineConfig(model_dir="m", lora_prefill_fused_expand=("qkv",))
 
 
+def test_lora_graph_segments_reach_the_engine_config_from_the_flag_or_its_variable():
+    from loramux.shell.settings import engine_config
+
+    serve = ["engine", "serve", "--model", "m"]
+    assert engine_config(cli.build_parser({}).parse_args(serve), "m", 0).lora_graph_segments == ()
+    args = cli.build_parser({}).parse_args([*serve, "--lora-graph-segments", "4", "16"])
+    assert engine_config(args, "m", 0).lora_graph_segments == (4, 16)
+    args = cli.build_parser({"LORAMUX_LORA_GRAPH_SEGMENTS": "8 32"}).parse_args(serve)
+    assert engine_config(args, "m", 0).lora_graph_segments == (8, 32)
+    with pytest.raises(ValueError, match="lora_graph_segments must be positive"):
+        EngineConfig(model_dir="m", lora_graph_segments=(4, 0))
+
+
 def test_lora_gemm_tail_blocks_reaches_the_engine_config_from_the_flag_or_its_variable():
     from loramux.shell.settings import engine_config
 

@@ -361,6 +361,14 @@ def _engine_tuning_flags(p: argparse.ArgumentParser, env: _EnvDefaults) -> None:
         " none: every expand in line)",
     )
     p.add_argument(
+        "--lora-graph-segments", nargs="+", type=int, metavar="N",
+        default=[int(n) for n in env("--lora-graph-segments", "").split()],
+        help="on cuda with cuda graphs, decode graphs with LoRA are also captured for steps of at most N LoRA"
+        " segments (one adapter's neighbouring requests, up to 16 a segment), and a step replays the graph of"
+        " the fewest that hold its own, so its LoRA kernels launch no programs for padding segments; each N"
+        " adds a graph per batch size (default: none)",
+    )
+    p.add_argument(
         "--lora-gemm-tail-blocks", type=int, metavar="N", default=int(env("--lora-gemm-tail-blocks", "4")),
         help="on one GPU with the triton or splitk LoRA backend, prefill-sized steps (256+ tokens) of at most N"
         " adapters add their LoRA in the base GEMMs: each adapter's shrink as extra input columns and its B"

@@ -91,6 +91,7 @@ def engine_config(args, model_dir: str, port: int, registry: str = "") -> Engine
         lora_decode_fused_delta=tuple(args.lora_decode_fused_delta),
         lora_prefill_fused_expand=tuple(args.lora_prefill_fused_expand),
         lora_gemm_tail_blocks=args.lora_gemm_tail_blocks,
+        lora_graph_segments=tuple(args.lora_graph_segments),
         kernel_configs=args.kernel_configs,
         lora_eviction_policy=args.lora_eviction_policy,
         lora_load_ahead=args.lora_load_ahead,

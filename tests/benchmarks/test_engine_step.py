@@ -114,11 +114,14 @@ def run_engine_step(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_repeats_measure_each_batch_s_adapter_counts_in_turn_with_their_own_ratio():
-    # --decode-fused-delta reaches the engine's config (a no-op off CUDA) and each row names it
-    done = run_engine_step("--num-decode", "6", "--adapters", "0", "1", "--lora-backend", "ref", "--repeats", "2", "--decode-fused-delta", "o", "down")
+    # --decode-fused-delta and --graph-segments reach the engine's config (no-ops off CUDA) and each row names them
+    done = run_engine_step(
+        "--num-decode", "6", "--adapters", "0", "1", "--lora-backend", "ref", "--repeats", "2", "--decode-fused-delta", "o", "down",
+        "--graph-segments", "2", "4",
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert all(row["decode_fused_delta"] == ["o", "down"] for row in rows)
+    assert all(row["decode_fused_delta"] == ["o", "down"] and row["graph_segments"] == [2, 4] for row in rows)
     assert [(r["repeat"], r["num_adapters"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for base, lora in (rows[0:2], rows[2:4]):
         assert lora["throughput_vs_base"] == pytest.approx(base["decode_step_ms"] / lora["decode_step_ms"])

@@ -147,16 +147,16 @@ def test_the_grpc_engine_gets_the_benchmarks_engine_config(tmp_path):
 
     argv = ["--lora-sm-carveout", "40", "--lora-sm-carveout-target", "gate_up=0", "o=16", "--lora-decode-fused-expand", "qkv",
             "--lora-decode-fused-delta", "o", "down", "--lora-gemm-tail-blocks", "9", "--lora-decode-norm-shrink", "gate_up",
-            "--kernel-pdl", "--disable-lora-pdl", "--disable-decode-gemm-tuning"]
+            "--kernel-pdl", "--disable-lora-pdl", "--disable-decode-gemm-tuning", "--lora-graph-segments", "4", "16"]
     config = serve.engine_config(serve.parse_args(argv), tmp_path, "127.0.0.1:1")
     assert config.lora_sm_carveout_targets == (("gate_up", 0), ("o", 16))
-    assert config.lora_gemm_tail_blocks == 9
+    assert config.lora_gemm_tail_blocks == 9 and config.lora_graph_segments == (4, 16)
     args = cli.build_parser({}).parse_args(serve.engine_serve_args(config))
     rebuilt = engine_config(args, config.registry, 0)
     assert config.lora_decode_fused_delta == ("o", "down") and config.lora_decode_norm_shrink == ("gate_up",)
     assert config.kernel_pdl and not config.lora_pdl and not config.tune_decode_gemms
     for name in ("tune_decode_gemms", "lora_sm_carveout", "lora_sm_carveout_targets", "lora_decode_fused_expand", "lora_decode_fused_delta", "lora_decode_norm_shrink", "kernel_pdl", "lora_pdl", "max_loras_per_batch",
-                 "max_running_requests", "lora_load_ahead", "max_concurrent_fetches", "lora_gemm_tail_blocks"):  # fmt: skip
+                 "max_running_requests", "lora_load_ahead", "max_concurrent_fetches", "lora_gemm_tail_blocks", "lora_graph_segments"):  # fmt: skip
         assert getattr(rebuilt, name) == getattr(config, name), name
 
 

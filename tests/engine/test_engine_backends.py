@@ -47,14 +47,16 @@ def adapter_dirs(make_adapter):
 
 def run_batch(
     model_dir, adapter_dirs, tmp_path, static_steps: tuple[int, ...] = (), static_decode: tuple[int, ...] = (), jobs=JOBS,
-    replayed: list | None = None, step_fused_expand: frozenset[str] = frozenset({"gate_up"}), **config,
+    replayed: list | None = None, step_fused_expand: frozenset[str] = frozenset({"gate_up"}), graph_segments: tuple[int, ...] = (),
+    replayed_keys: list | None = None, **config,
 ) -> list[list[int]]:
     """JOBS submitted together before the loop starts (one batch); each job's greedy tokens.
     static_steps: token buckets of CUDA-graph steps (engine/step_graphs.py) run uncaptured on the CPU,
     which then serve every step, under the overlapped schedule (chained plans). static_decode: batch
     buckets of the decode graphs (engine/cuda_graphs.py) run uncaptured, which then serve every decode
     step, the paged decode-attention kernel included; replayed gets the LoRA variant (the targets it
-    skips) of each decode step."""
+    skips) of each decode step; graph_segments: the decode graphs' segment buckets; replayed_keys gets
+    each decode replay's key (batch, skipped targets, segments) and the segments its step filled."""
     adapters = tuple((name, str(path)) for name, path in adapter_dirs.items())
     core = EngineCore.build(EngineConfig(model_dir=str(model_dir), adapters=adapters, work_dir=str(tmp_path / "work"), **config))
     if static_decode:
@@ -65,7 +67,8 @@ def run_batch(
         c = runner.model.config
         decode = DecodeKernelBackend(runner.req_to_token, c.num_heads, c.num_kv_heads, c.head_dim)
         runner.graphs = DecodeGraphs(
-            runner.model, runner.kv, decode, max(static_decode), runner.lora_pool, runner.lora_ops, static_decode, capture=False
+            runner.model, runner.kv, decode, max(static_decode), runner.lora_pool, runner.lora_ops, static_decode, capture=False,
+            segment_buckets=graph_segments,
         )  # fmt: skip
         runner.graphs.capture()
         core.loop.overlap = True
@@ -75,6 +78,13 @@ def run_batch(
         runner.graphs.run = lambda *args: decode_chained.append(args[-1] is not None) or real_decode(*args)
         if replayed is not None:
             runner.graphs.steps = {key: _counted(key, step, replayed) for key, step in runner.graphs.steps.items()}
+        if replayed_keys is not None:  # each replay with the segment count of the fill before it
+            fills, real_fill = [], runner.graphs.lora_meta.fill
+            runner.graphs.lora_meta.fill = lambda seg_lens, *args: fills.append(len(seg_lens)) or real_fill(seg_lens, *args)
+            runner.graphs.steps = {
+                key: (lambda key=key, step=step: replayed_keys.append((key, fills[-1] if key[1] is not None else 0)) or step())
+                for key, step in runner.graphs.steps.items()
+            }
     if static_steps:
         from engine.step_graphs import StepGraphs
 
@@ -220,6 +230,38 @@ def test_decode_steps_of_qv_adapters_take_the_graph_that_skips_the_other_targets
     replayed.clear()
     run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "all", static_decode=(4,), replayed=replayed, attention_backend="ref", lora_backend="splitk")
     assert replayed and set(replayed) == {frozenset()}
+
+
+def test_decode_steps_replay_the_graph_of_the_fewest_segments_that_hold_theirs(tiny_llama_dir, adapter_dirs, tmp_path):
+    """--lora-graph-segments 1 2 3: batch 4's LoRA graphs are also captured for 1, 2 and 3 segments, and each
+    decode step replays the one of the fewest that hold its own segments: two requests on the all-projection
+    adapter and one on q/v (their rows, then the padding row's), with the tokens of the graphs of one
+    segment a row; with no bucket that holds a step, the graph of one segment a row."""
+    jobs = [("Hello world, this is", "all"), ("The quick brown fox", "all"), ("1 2 3 4 5", "qv")]
+    kwargs = dict(static_decode=(4,), jobs=jobs, attention_backend="ref", lora_backend="splitk")
+    replayed_keys: list = []
+    plain = run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "plain", replayed_keys=replayed_keys, **kwargs)
+    assert {key[2] for key, _ in replayed_keys} == {4}
+    replayed_keys.clear()
+    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path, graph_segments=(1, 2, 3), replayed_keys=replayed_keys, **kwargs)
+    assert tokens == plain
+    assert replayed_keys and all(key[2] == filled for key, filled in replayed_keys)  # the step's own count, captured
+    assert {key[2] for key, _ in replayed_keys} == {3}  # all, q/v, the padding row on the base slot
+    replayed_keys.clear()
+    tokens = run_batch(tiny_llama_dir, adapter_dirs, tmp_path / "one", graph_segments=(1, 2), replayed_keys=replayed_keys, **kwargs)
+    assert tokens == plain
+    assert {key[2] for key, _ in replayed_keys} == {4}  # three segments fit neither 1 nor 2
+
+
+def test_segment_counts_start_where_a_batch_fits_and_end_at_one_a_row():
+    from engine.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.segment_buckets = (2, 4, 8, 16, 64)
+    assert graphs.segment_counts(1) == [1]
+    assert graphs.segment_counts(8) == [2, 4, 8]
+    assert graphs.segment_counts(64) == [4, 8, 16, 64]  # 64 rows are at least 4 runs of 16
+    assert graphs.segment_counts(128) == [8, 16, 64, 128]
 
 
 def test_bfloat16_default_path_picks_float32_top_tokens(tiny_llama_dir, adapter_dirs, tmp_path):

@@ -359,6 +359,26 @@ def test_cuda_gemm_tail_matches_cpu(tiny_llama_dir, make_adapter, tmp_path, monk
             assert calls and min(calls) >= 16
 
 
+def test_cuda_lora_graph_segments_match_cpu(tiny_llama_dir, make_adapter, tmp_path):
+    """--lora-graph-segments 2 4 8: decode graphs also captured for 2, 4 and 8 LoRA segments; steps of the
+    base model and three adapters over the prompts replay the graph of the fewest segments that hold their
+    own (fewer than their rows at some steps): greedy tokens equal the CPU reference's."""
+    adapters = three_adapters(make_adapter, "graph-segments", seed=150)
+    expected = greedy_three_adapters(tiny_llama_dir, adapters, "cpu", tmp_path / "cpu", False)
+    config = EngineConfig(
+        model_dir=str(tiny_llama_dir), device="cuda", dtype="float32", num_kv_slots=4096, adapters=adapters,
+        work_dir=str(tmp_path / "cuda"), max_loras_per_batch=3, lora_backend="splitk", cuda_graph_max_batch=16,
+        cuda_graph_max_tokens=1024, lora_graph_segments=(2, 4, 8),
+    )  # fmt: skip
+    core = EngineCore.build(config)
+    graphs = core.workers.local.runner.graphs
+    replayed = []
+    graphs.steps = {key: (lambda key=key, step=step: replayed.append(key) or step()) for key, step in graphs.steps.items()}
+    got = generate_all(core, 8, [None, *(core.resolve_adapter(name) for name, _ in adapters)])
+    assert got == expected
+    assert any(skipped is not None and segments < batch for batch, skipped, segments in replayed)
+
+
 def greedy_three_adapters(model_dir, adapters, device: str, work_dir, graphs: bool, **options) -> list[list[int]]:
     """Greedy tokens of 8 prompts over the base model and `adapters` (three_adapters) in fp32: the CPU
     reference engine, or CUDA with the splitk ops, decode graphs and step graphs (graphs) or neither, and
