@@ -67,8 +67,14 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_request(front, tin
 
 async def test_a_non_streaming_client_that_gives_up_frees_its_request(front):
     server, session = front
-    with pytest.raises(asyncio.TimeoutError):
-        await session.post("/v1/completions", json={**LONG, "model": "qv", "max_tokens": 480}, timeout=aiohttp.ClientTimeout(total=0.5))
+    try:
+        response = await session.post(
+            "/v1/completions", json={**LONG, "model": "qv", "max_tokens": 480}, timeout=aiohttp.ClientTimeout(total=0.5)
+        )
+    except TimeoutError:
+        pass
+    else:  # once seen in CI (no timeout): say what came back
+        pytest.fail(f"the request ended before the client gave up: {response.status} {(await response.text())[:300]}")
     await _until(lambda: 'outcome="CANCELLED"' in _exposition(server))  # cancelled, not run to its end
     await _until(lambda: server.core.loop.num_active == 0 and _held_pages(server) == 0)
 
