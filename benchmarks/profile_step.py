@@ -224,7 +224,7 @@ def timeline(loop, steps: int) -> None:
     """Median host milliseconds of each stage of a decode step, and the replayed graph's device time."""
     times: dict[str, list[float]] = defaultdict(list)
     graphs = loop.workers.local.runner.graphs
-    replay_of = dict(graphs.steps)  # (batch, with_lora) -> the captured graph's replay
+    replay_of = dict(graphs.steps)  # (batch, skipped targets, segments) -> the captured graph's replay
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def timed(name, fn):
