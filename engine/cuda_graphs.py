@@ -58,6 +58,7 @@ class DecodeGraphs:
         if any(n < 1 for n in segment_buckets):
             raise ValueError(f"segment buckets must be positive, got {segment_buckets}")
         self.segment_buckets = tuple(sorted(set(segment_buckets)))
+        self._segment_counts = {batch: self.segment_counts(batch) for batch in self.buckets}  # run() reads them each step
         n = max_batch
         # the int64 inputs, one row each, and seq_lens as int64; staged whole from one pinned host block
         self._inputs = torch.zeros(5, n, dtype=torch.int64, device=self.device)
@@ -104,7 +105,7 @@ class DecodeGraphs:
         keys = [
             key for batch in reversed(self.buckets)
             for key in [(batch, None, batch)] + [
-                (batch, skipped, n) for skipped in self.lora_variants for n in reversed(self.segment_counts(batch))
+                (batch, skipped, n) for skipped in self.lora_variants for n in reversed(self._segment_counts[batch])
             ]
         ]  # fmt: skip
         self.steps, self.pool = capture_steps(keys, self._step, self.device, self.pool, self.capture_graphs)
@@ -144,7 +145,7 @@ class DecodeGraphs:
             self.lora_meta.fill(seg_lens, seg_slots, pool.ranks, pool.scalings, pool.target_ranks)
             idle = pool.idle_targets(lora_slots)
             skipped = next(v for v in self.lora_variants if v <= idle)  # the most skipped first
-            counts = self.segment_counts(batch)
+            counts = self._segment_counts[batch]
             num_segments = counts[bisect.bisect_left(counts, len(seg_lens))]
         logits = self.steps[(batch, skipped, num_segments)]()
         self.num_replays += 1
