@@ -28,14 +28,15 @@ merges them into one segment per run (engine/lora_inputs.py, `lora_segments`), s
     shrink stage 2, grid (T, num_stack): each row finds its segment (one vector load of seg_indptr) and
         sums its segment's splits in one [splits, R] load and a tree sum (deterministic; no atomics):
             v[row, k*R + n] = round(sum_s partial[s, row, k*R + n])
-    expand, grid (num_segments, cdiv(max n_k, BLOCK_N), num_stack): program (g, j, k) loads its
+    expand, grid (num_segments, sum_k cdiv(n_k, BLOCK_N)): program (g, j) takes column block j of the
+        targets' blocks end to end (target 0's, then 1's, then 2's: q/k/v launches 48 blocks a segment at
+        Llama-3-8B's 4096/1024/1024 columns, not 3 x 32), loads its
         segment's [BLOCK_N, r] tile of B once (columns past the slot's rank are masked, so never read)
         and, per 16-row tile of the segment, adds scaling * v[rows] @ B_tile^T (a tensor-core dot, fp32)
         into y's BLOCK_N columns; every (row, column) of y has one writer. With `overwrite` it stores the
         delta instead of adding it and writes zeros for rank-0 (base-model) segments: y need not be
         zeroed first when the segments cover every row and the slices every column. A program of an empty
-        segment (a decode graph's padding) or of a block past its target's slice returns after reading
-        the segment's bounds: no B, no wait.
+        segment (a decode graph's padding) returns after reading the segment's bounds: no B, no wait.
 
     fused delta (`sgmv_lora_delta_decode`): stage 1, then the expand with FROM_PARTIALS: each program
         sums its rows' splits from the partials (SPLIT_CHUNK splits a load) and rounds them as stage 2
@@ -345,6 +346,7 @@ def _expand_decode_kernel(
     # sizes
     max_rank,
     off0, size0, off1, size1, off2, size2,  # output slices (offset, size) of up to MAX_STACK targets
+    nb0, nb1,  # column blocks of targets 0 and 1: grid axis 1 runs over target 0's blocks, then 1's, then 2's
     K,  # FROM_PARTIALS: the shrink's in_dim, num_programs and segment count (its split count follows them)
     num_programs,
     num_segments,
@@ -370,14 +372,15 @@ def _expand_decode_kernel(
     if RELEASE:
         release_dependents()
     seg = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)  # stacked target
+    block = tl.program_id(1)  # (target, column block) flattened: each target launches its own blocks only
+    pid_k = tl.where(block < nb0, 0, tl.where(block < nb0 + nb1, 1, 2))  # stacked target
+    pid_n = block - tl.where(pid_k == 0, 0, tl.where(pid_k == 1, nb0, nb0 + nb1))
     offset = tl.where(pid_k == 0, off0, tl.where(pid_k == 1, off1, off2))
     size = tl.where(pid_k == 0, size0, tl.where(pid_k == 1, size1, size2))
     row_start = tl.load(seg_indptr_ptr + seg)
     row_end = tl.load(seg_indptr_ptr + seg + 1)
-    # an empty segment (a graph's padding: most of the grid where a step has fewer segments than rows) or a
-    # block past its slice's columns: nothing to read or write, so no wait either
+    # an empty segment (a graph's padding: most of the grid where a step has fewer segments than rows):
+    # nothing to read or write, so no wait either (a block past its slice's columns cannot occur; guarded)
     if (row_end <= row_start) | (pid_n * BLOCK_N >= size):
         return
     slot = tl.load(weight_indices_ptr + seg)
@@ -474,10 +477,11 @@ def _launch_expand(
     num_stack = len(output_slices)
     tile = tile or device_tiles(y.device).lookup("expand", widest, num_stack, max_rank, num_tokens) or BUILTIN_EXPAND
     slices = [x for pair in output_slices for x in pair] + [0, 0] * (MAX_STACK - len(output_slices))
+    blocks = [triton.cdiv(size, tile.block_n) for _, size in output_slices] + [0] * (MAX_STACK - len(output_slices))
     split_stride, rows_stride, cols_stride = (v.stride(0), v.stride(1), v.stride(2)) if partials else (0, v.stride(0), v.stride(1))
-    _expand_decode_kernel[(meta.num_segments, triton.cdiv(widest, tile.block_n), num_stack)](
+    _expand_decode_kernel[(meta.num_segments, sum(blocks))](
         v, B, y, meta.seg_indptr, meta.weight_indices, meta.lora_ranks, meta.scalings,
-        max_rank, *slices,
+        max_rank, *slices, blocks[0], blocks[1],
         partials["in_dim"] if partials else 0, partials["num_programs"] if partials else 0, meta.num_segments,
         split_stride, rows_stride, cols_stride,
         B.stride(0), B.stride(1), B.stride(2),

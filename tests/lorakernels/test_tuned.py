@@ -216,8 +216,8 @@ def test_the_expand_and_the_delta_launch_with_the_tuned_tile_and_match_fp64(tune
     )
     [(grid, kwargs)] = spy.launches
     assert (
-        grid == (meta.num_segments, 5, 2) and kwargs["BLOCK_N"] == 16 and kwargs["num_warps"] == 1
-    )  # cdiv(70, 16)
+        grid == (meta.num_segments, 10) and kwargs["BLOCK_N"] == 16 and kwargs["num_warps"] == 1
+    )  # two targets of cdiv(70, 16) blocks
     # the decode delta (what a decode step's side stream runs) takes the same tile
     v = torch.randn(20, 2 * 64, device=DEVICE)
     B = torch.randn(len(ranks), 140, 64, device=DEVICE)
@@ -228,6 +228,21 @@ def test_the_expand_and_the_delta_launch_with_the_tuned_tile_and_match_fp64(tune
         v, B, meta, want, output_slices=((0, 70), (70, 70)), tile=ExpandTile(128, 4)
     )
     torch.testing.assert_close(delta, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_expand_launches_each_target_s_own_column_blocks(tuned_dir, monkeypatch):
+    """q/k/v-like slices of unequal widths: the grid's second axis is the targets' blocks end to end
+    (5 + 2 + 2 of 16 columns), not the widest target's blocks for each, and every column is written."""
+    write_tiles(tuned_dir, [expand_entry(16, 16, num_warps=1, num_stack=3, out_dim=70)])
+    tuned.use_dir(tuned_dir)
+    spy = Spy(sgmv_decode._expand_decode_kernel)
+    monkeypatch.setattr(sgmv_decode, "_expand_decode_kernel", spy)
+    seg_lens, slots, ranks = decode_batch("zipf", 24, num_adapters=4, seed=2)
+    meta = check_expand(
+        sgmv_decode.sgmv_expand_decode, torch.float32, seg_lens, slots, ranks, ((0, 70), (70, 30), (100, 30)), 130
+    )
+    [(grid, kwargs)] = spy.launches
+    assert grid == (meta.num_segments, 9) and kwargs["BLOCK_N"] == 16
 
 
 @pytest.mark.parametrize("shrink_block_m, launched_m", [(32, 32), (128, 64)], ids=["tile_rows", "segments_shorter"])
