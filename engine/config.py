@@ -129,7 +129,8 @@ class EngineConfig:
     # hold its own. A graph captured for one segment a row launches its LoRA kernels' programs for every
     # row, and with few adapters most are padding: up to 27 us a projection at 128 rows on an H100
     # (BENCHMARKS.md, 2026-12-07). Each count adds a LoRA graph per batch size and variant (capture time,
-    # a logits buffer each). None by default: not yet measured in the engine
+    # a logits buffer each). None by default: on an H100 the decode step was level with it (the chain runs
+    # beside its GEMM, which hides the padding)
     lora_graph_segments: tuple[int, ...] = ()
     # On CUDA with the splitk LoRA backend and a max LoRA rank up to 64, the fused targets (LORA_FUSED_TARGETS) whose LoRA delta a decode
     # step computes beside the base GEMM in one pass from x (lorakernels/sgmv_decode.py
