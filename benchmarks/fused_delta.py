@@ -7,6 +7,7 @@ each over its own copy of the weights, as `tune_lora_tiles.py` times them (its `
     python benchmarks/fused_delta.py --shape llama3-8b --tokens 32 64 --adapters 1 8 32
     python benchmarks/fused_delta.py --tokens 128 --adapters 32 --lora-pdl off on
     python benchmarks/fused_delta.py --tokens 32 128 --adapters 8 32 --segments graph exact
+    python benchmarks/fused_delta.py --tokens 128 --adapters 32 --segments exact --per-kernel
 
 One JSON row per (target, tokens, adapters): gemm_us, unfused_us, fused_us and fused_vs_unfused; the
 LoRA kernels alone with every SM (unfused_lora_us, fused_lora_us) and the share of --copy-gbps they move
@@ -17,7 +18,10 @@ against the unfused one first. `--lora-pdl off on` times every row both ways (lo
 delta first checked bit for bit against the same kernels' without it. `--segments graph exact` times every
 row with a decode graph's metadata (one segment a row, those the step leaves unused empty: the default, what
 the engine replays) and with the step's own segments alone (what an eager step launches), the two deltas
-first checked equal: what the graph's padding programs cost. On the CPU (the interpreter) it runs one call
+first checked equal: what the graph's padding programs cost. `--per-kernel` also times each kernel of the
+unfused chain alone (the split shrink, the reduce, the expand: graphs of ten launches of one kernel, PDL off,
+the reduce and the expand over the inputs the kernel before wrote), with the bytes each must move and their
+share of the copy rate: where the chain's time goes. On the CPU (the interpreter) it runs one call
 each, for a smoke test only.
 """
 
@@ -42,7 +46,15 @@ from engine.lora_pool import fused_targets
 from engine.named_shapes import NAMED_SHAPES
 from engine.parallel import TensorParallel, local_config
 from lorakernels import pdl
-from lorakernels.sgmv_decode import _num_sms, sgmv_lora_delta_decode
+from lorakernels.sgmv_decode import (
+    _num_sms,
+    _reduce_partials,
+    _split_partials,
+    decode_config,
+    sgmv_expand_decode,
+    sgmv_lora_delta_decode,
+    sgmv_shrink_decode,
+)
 from lorakernels.sgmv_ref import SgmvMeta
 
 
@@ -65,11 +77,51 @@ def fused_step(proj: Projection, meta: SgmvMeta, i: int) -> None:
     proj.beside_gemm(lambda: fused_lora(proj, meta, i), i)
 
 
+def per_kernel(proj: Projection, meta: SgmvMeta, n: int, rank: int, device, reps: int, copy_gbps: float) -> dict:
+    """Each kernel of the unfused chain alone, PDL off (lorakernels/pdl.py's switch restored after): the split
+    shrink, the reduce (over partials the split wrote first) and the expand (over v the shrink wrote first),
+    us a launch and the share of the copy rate of what it must move: the split x and the used adapters' A
+    (its fp32 partials, a few KB, left out), the reduce nothing counted (it sums partials into v), the expand
+    v, B and the delta it writes. All but the split over copy 0's inputs, the weights per copy i."""
+    t, elem = proj.target, proj.x.element_size()
+    x, num_stack = proj.x, t.num_stack
+    was = pdl.lora_enabled()
+    pdl.set_lora_enabled(False)
+    try:
+        a0 = proj.copies[0][1]
+        config = decode_config(t.in_dim, num_stack, x.device, max_rank=a0.shape[1] // num_stack, num_tokens=proj.num_tokens)
+        partial = _split_partials(x, a0, meta, num_stack, config)
+        v = sgmv_shrink_decode(x, a0, meta, num_stack=num_stack)
+        delta = torch.empty(proj.num_tokens, t.out_dim, dtype=x.dtype, device=x.device)
+
+        def split(i: int) -> None:
+            _split_partials(x, proj.copies[i % len(proj.copies)][1], meta, num_stack, config)
+
+        def reduce(i: int) -> None:  # the shrink's reduce alone: what sgmv_shrink_decode adds to the split
+            _reduce_partials(partial, v, meta, num_stack, config, t.in_dim)
+
+        def expand(i: int) -> None:
+            sgmv_expand_decode(v, proj.copies[i % len(proj.copies)][2], meta, delta, output_slices=t.output_slices, overwrite=True)
+
+        split_us, reduce_us, expand_us = (median_us(fn, device, reps) for fn in (split, reduce, expand))
+    finally:
+        pdl.set_lora_enabled(was)
+    split_bytes = elem * (proj.num_tokens * t.in_dim + n * rank * num_stack * t.in_dim)
+    expand_bytes = elem * (proj.num_tokens * num_stack * rank + n * rank * t.out_dim + proj.num_tokens * t.out_dim)
+    return {
+        "split_us": round(split_us, 2), "reduce_us": round(reduce_us, 2), "expand_us": round(expand_us, 2),
+        "split_bytes": split_bytes, "expand_bytes": expand_bytes,
+        "split_bw_frac": float(f"{split_bytes / split_us * 1e-3 / copy_gbps:.3g}"),
+        "expand_bw_frac": float(f"{expand_bytes / expand_us * 1e-3 / copy_gbps:.3g}"),
+    }  # fmt: skip
+
+
 def time_row(
     proj: Projection, meta: SgmvMeta, n: int, gemm_us: float, args, device, reps: int, copy_gbps: float, carveout: int, setting: str,
     segments: str = "graph",
 ) -> dict:  # fmt: skip
-    """One row: the projection's decode step and its LoRA kernels alone, unfused and fused, timed."""
+    """One row: the projection's decode step and its LoRA kernels alone, unfused and fused, timed (and with
+    --per-kernel each kernel of the unfused chain alone)."""
     unfused_us = median_us(lambda i: proj.decode_step(meta, None, None, i), device, reps)
     fused_us = median_us(lambda i: fused_step(proj, meta, i), device, reps)
     unfused_lora_us = median_us(lambda i: proj.decode_lora(meta, None, None, i), device, reps)
@@ -85,6 +137,8 @@ def time_row(
         "fused_bw_frac": float(f"{nbytes / fused_lora_us * 1e-3 / copy_gbps:.3g}"), "copy_gbps": round(copy_gbps, 1),
         "carveout": carveout, "device": str(device),
     }  # fmt: skip
+    if args.per_kernel:
+        row.update(per_kernel(proj, meta, n, args.rank, device, reps, copy_gbps))
     print(json.dumps(row), flush=True)
     return row
 
@@ -98,6 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--segments", nargs="+", choices=["graph", "exact"], default=["graph"],
         help="the metadata: a decode graph's (one segment a row, the unused ones empty) or the step's own segments alone: rows for each",
     )  # fmt: skip
+    parser.add_argument("--per-kernel", action="store_true", help="also each kernel of the unfused chain alone, PDL off")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     copy_gbps = resolve_copy_gbps(args.copy_gbps, device)

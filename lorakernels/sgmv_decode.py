@@ -277,7 +277,14 @@ def sgmv_shrink_decode(
         raise ValueError(f"{meta.num_segments} segments exceed the decode kernel's {MAX_DECODE_SEGMENTS}")
     config = decode_config(in_dim, num_stack, x.device, num_programs, max_rank=max_rank, num_tokens=num_tokens, tile=tile)
     partial = _split_partials(x, A, meta, num_stack, config)
-    max_splits = config["max_splits"]
+    _reduce_partials(partial, out, meta, num_stack, config, in_dim)
+    return out
+
+
+def _reduce_partials(partial: torch.Tensor, out: torch.Tensor, meta: SgmvMeta, num_stack: int, config: dict, in_dim: int) -> None:
+    """Stage 2 of the shrink: v = each row's splits of `partial` (stage 1's, launched with `config` over
+    in_dim) summed and rounded into out."""
+    num_tokens, max_rank, max_splits = out.shape[0], partial.shape[2] // num_stack, config["max_splits"]
     _shrink_reduce_kernel[(num_tokens, num_stack)](
         partial, out, meta.seg_indptr, meta.weight_indices, meta.lora_ranks,
         in_dim, max_rank, meta.num_segments, config["num_programs"],
@@ -285,9 +292,8 @@ def sgmv_shrink_decode(
         out.stride(0), out.stride(1),
         BLOCK_K=config["block_k"], BLOCK_G=triton.next_power_of_2(meta.num_segments),
         BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_RR=max(triton.next_power_of_2(max_rank), 16),
-        num_warps=1 if max_splits * max_rank <= 1024 else 4, **pdl.lora_launch(x.device, first=False),
+        num_warps=1 if max_splits * max_rank <= 1024 else 4, **pdl.lora_launch(out.device, first=False),
     )  # fmt: skip
-    return out
 
 
 def _split_partials(x: torch.Tensor, A: torch.Tensor, meta: SgmvMeta, num_stack: int, config: dict) -> torch.Tensor:

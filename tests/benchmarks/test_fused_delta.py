@@ -63,3 +63,29 @@ def test_padding_that_changes_the_delta_stops_the_run(monkeypatch):
         fused_delta.main(
             ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "2", "--targets", "o", "--segments", "exact"]
         )  # fmt: skip
+
+
+def test_per_kernel_times_each_kernel_of_the_chain_and_counts_its_bytes(monkeypatch):
+    """--per-kernel: the split shrink, the reduce and the expand each timed alone with PDL off (the row's
+    setting back after), and the bytes each must move: the tiny shape's o (64 -> 64), 4 tokens over 3
+    adapters at rank 16, float32."""
+    from lorakernels import pdl
+
+    seen, switches = [], []
+    real_reduce, real_set = fused_delta._reduce_partials, pdl.set_lora_enabled
+    monkeypatch.setattr(fused_delta, "_reduce_partials", lambda *a, **k: (seen.append(pdl.lora_enabled()), real_reduce(*a, **k))[1])
+    monkeypatch.setattr(pdl, "set_lora_enabled", lambda on: (switches.append(on), real_set(on))[1])
+    rows = fused_delta.main(
+        ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "3", "--targets", "o",
+         "--per-kernel"]
+    )  # fmt: skip
+    assert seen and not any(seen)  # the reduce timed with PDL off
+    # main: off for the checks, on for the row; per_kernel: off, then the row's setting back; main: off at the end
+    assert switches == [False, True, False, True, False]
+    (row,) = rows
+    assert row["split_us"] > 0 and row["reduce_us"] > 0 and row["expand_us"] > 0
+    assert row["split_bytes"] == 4 * (4 * 64 + 3 * 16 * 64)  # x, the three adapters' A
+    assert row["expand_bytes"] == 4 * (4 * 16 + 3 * 16 * 64 + 4 * 64)  # v, B, the delta written
+    assert row["expand_bw_frac"] == pytest.approx(row["expand_bytes"] / row["expand_us"] * 1e-3 / row["copy_gbps"], rel=2e-2)
+    plain = fused_delta.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "4", "--adapters", "3", "--targets", "o"])
+    assert "split_us" not in plain[0]
