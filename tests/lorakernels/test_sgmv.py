@@ -197,7 +197,7 @@ def test_one_launch_size_serves_any_segmentation(monkeypatch, segment_chunk, spl
         meta.max_seg_len = num_rows  # the capture's bound, not this layout's
         y = torch.randn(num_rows, out_dim, generator=gen).to(DEVICE, torch.bfloat16)
         expected = loop_reference(x, A, B, y, padded_lens, padded_slots, ranks, scalings, output_slices)
-        tile = SgmvTile(64, 16, 32, 4, 2, split_k=split_k) if split_k > 1 else None  # None: the built-in tile
+        tile = SgmvTile(64, 64, 32, 4, 2, split_k=split_k) if split_k > 1 else None  # None: the built-in tile
         v = sgmv_shrink(x, A, meta, num_stack=len(output_slices), tile=tile)
         sgmv_expand(v, B, meta, y, output_slices=output_slices)
         assert_close(y, expected, torch.bfloat16)
