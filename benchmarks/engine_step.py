@@ -10,7 +10,10 @@ Reports, per batch size and number of distinct rank-16 adapters, the median time
 parameter bytes / copy bandwidth, and one rank's (what each GPU reads per step), and the step's read floor:
 the bytes a decode step cannot avoid reading (every weight but an untied embedding table, of which it
 gathers its rows only, the KV cache its requests attend over, at the measured steps' mean context, and
-each of its adapters once), / copy bandwidth; and prefill tokens/s.
+each of its adapters once), / copy bandwidth; and prefill tokens/s. A row with adapters also gives its
+throughput against the same batch's base step (throughput_vs_base), the ratio the adapters' bytes alone
+allow (floor_vs_base: the base step's read floor over its own) and the share of that it reaches
+(of_floor_vs_base).
 With --mixed-chunk C, also the median mixed step: batch - 1 requests decoding beside C tokens of another
 request's prompt (chunked prefill), replayed from a step graph or (--graph-max-tokens 0) run eagerly.
 One engine (its slot pool sized for the most adapters, one decode graph per batch size) serves every row.
@@ -363,7 +366,7 @@ def main() -> None:
             measure_mixed(loop, device, max(args.batch), args.prompt_len, chunk, max(args.adapters), num_steps=3, salt=10**8)
         gpu = GpuState(device)
         for batch, repeat in [(b, r) for b in args.batch for r in range(args.repeats)]:
-            base_ms = None
+            base_ms = base_floor_ms = None
             for num_adapters in args.adapters:
                 row = measure(loop, device, batch, args.prompt_len, args.num_decode, num_adapters, salt=repeat * 10**7, gpu=gpu)
                 if args.repeats > 1:
@@ -372,9 +375,14 @@ def main() -> None:
                 row["rank_floor_ms"] = row["rank_param_gb"] / args.copy_gbps * 1e3
                 row["read_floor_ms"] = row["step_read_gb"] / args.copy_gbps * 1e3
                 row["copy_gbps"] = round(args.copy_gbps, 1)
-                base_ms = row["decode_step_ms"] if num_adapters == 0 else base_ms
+                if num_adapters == 0:
+                    base_ms, base_floor_ms = row["decode_step_ms"], row["read_floor_ms"]
                 if base_ms is not None:
                     row["throughput_vs_base"] = base_ms / row["decode_step_ms"]
+                    # the ratio the adapters' bytes alone allow (the base step's read floor over this one's), and
+                    # how much of it the step reaches: 1.0 would be a LoRA cost of its reads and nothing more
+                    row["floor_vs_base"] = base_floor_ms / row["read_floor_ms"]
+                    row["of_floor_vs_base"] = row["throughput_vs_base"] / row["floor_vs_base"]
                 row.update(
                     shape=args.shape, tensor_parallel_size=tp, cuda_graphs=graphs, attention=args.attention,
                     lora_backend=args.lora_backend, adapter_targets=args.adapter_targets or "all", device=str(device), torch=torch.__version__,

@@ -165,3 +165,9 @@ def test_rows_report_the_step_read_floor_with_each_adapter_read_once():
     adapter = 2 * (3 * 16 * 64 + 128 * 16 + 16 * 64 + 64 * 16 + 2 * 16 * 64 + 352 * 16 + 16 * 176 + 64 * 16) * 4
     assert (one["step_read_gb"] - base["step_read_gb"]) * 1e9 == pytest.approx(adapter)
     assert (two["step_read_gb"] - base["step_read_gb"]) * 1e9 == pytest.approx(2 * adapter)
+    # what the adapters' bytes alone allow against the base step, and the share of it each step reaches
+    assert base["floor_vs_base"] == pytest.approx(1.0) and base["of_floor_vs_base"] == pytest.approx(base["throughput_vs_base"])
+    for row in (one, two):
+        assert row["floor_vs_base"] == pytest.approx(base["step_read_gb"] / row["step_read_gb"], rel=1e-6)
+        assert row["of_floor_vs_base"] == pytest.approx(row["throughput_vs_base"] / row["floor_vs_base"])
+    assert 1 > one["floor_vs_base"] > two["floor_vs_base"]
